@@ -1,0 +1,61 @@
+package affinity
+
+import "github.com/cespare/xxhash/v2"
+
+// pinDomain separates pin keys from route keys derived from the same model hash.
+const pinDomain = 0x70696e2d636f6e76 // "pin-conv"
+
+// pinKey hashes a client-sent conversation ID under a model. The ID itself is never stored.
+func pinKey(model, conversationID string) uint64 {
+	return RouteKey(ModelHash(model)^pinDomain, xxhash.Sum64String(conversationID))
+}
+
+// Pin records that the conversation conversationID under model was sent to upstream, for clients that send
+// a conversation ID header. Only a 64-bit hash of (model, ID) is kept. It replaces any earlier pin of the
+// conversation, refreshes its time and LRU recency, and evicts the least recently pinned conversation
+// beyond ConversationCapacity. Empty IDs or upstreams are ignored. O(1) plus a bounded sweep of expired
+// pins and routes, under the exclusive lock.
+func (t *Table) Pin(model, conversationID, upstream string) {
+	if conversationID == "" || upstream == "" {
+		return
+	}
+	key := pinKey(model, conversationID)
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	now := t.cfg.Now().UnixNano()
+	id := t.ups.intern(upstream)
+	old, existed := t.pins.Peek(key)
+	switch {
+	case !existed:
+		t.ups.ref(id)
+	case old.id != id:
+		t.ups.ref(id)
+		t.ups.unref(old.id)
+	}
+	if t.pins.Add(key, pin{id: id, seen: now}) {
+		t.stats.Evictions++
+	}
+	t.sweepLocked(now, 8)
+}
+
+// Pinned returns the upstream the conversation was last pinned to, if that pin is not older than
+// ConversationTTL and the upstream has not been forgotten. The caller still checks that the upstream is
+// in the pool and available: a pin is a preference, never a reason to pick an unhealthy upstream.
+// O(1) under the shared lock; does not allocate.
+func (t *Table) Pinned(model, conversationID string) (upstream string, ok bool) {
+	if conversationID == "" {
+		return "", false
+	}
+	key := pinKey(model, conversationID)
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	p, ok := t.pins.Peek(key)
+	if !ok || t.cfg.Now().UnixNano()-p.seen > int64(t.cfg.ConversationTTL) {
+		return "", false
+	}
+	s := t.ups.slots[p.id]
+	if !s.live {
+		return "", false
+	}
+	return s.name, true
+}

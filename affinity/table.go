@@ -1,0 +1,463 @@
+package affinity
+
+import (
+	"encoding/binary"
+	"sync"
+	"time"
+
+	"github.com/cespare/xxhash/v2"
+	"github.com/hashicorp/golang-lru/v2/simplelru"
+
+	"github.com/tokenrouter/caddy-llm/tokenize"
+)
+
+// Defaults applied by New and Reconfigure to zero (or negative) Config fields.
+const (
+	DefaultCapacity             = 100_000
+	DefaultTTL                  = 10 * time.Minute
+	DefaultBlockSize            = 16
+	DefaultMaxUpstreamsPerRoute = 4
+	DefaultConversationTTL      = 30 * time.Minute
+	DefaultConversationCapacity = 100_000
+)
+
+// MaxUpstreamsLimit is the largest accepted MaxUpstreamsPerRoute; larger values are clamped to it. A route
+// entry is a fixed array of this many (upstream ID, last seen) pairs, which keeps it at 48 bytes.
+const MaxUpstreamsLimit = 4
+
+// sweepBatch bounds how many expired routes (and pins) one Learn (or Pin) removes from the LRU tail, so that
+// the first call after a long idle period does not stall; Expire removes them all.
+const sweepBatch = 64
+
+// Config shapes a Table. Zero fields take the Default* values.
+type Config struct {
+	// Capacity is the maximum number of learned routes across all models and upstreams; the least recently
+	// learned route is evicted beyond it. Default 100_000 (about 15 MB, see the package doc).
+	Capacity int
+	// TTL is how long a route's upstream entry is trusted after it was last learned: an engine evicts cold
+	// prefixes from its KV cache, so an old route predicts a hit that is no longer there. Default 10 minutes.
+	TTL time.Duration
+	// BlockSize is the engine's KV-cache block size in tokens: only whole blocks are cached, so boundaries
+	// are aligned down to it. Default 16 (vLLM's default).
+	BlockSize int
+	// MaxUpstreamsPerRoute is how many upstreams one route remembers, most recently learned first; the
+	// oldest is dropped beyond it. Default 4, at most MaxUpstreamsLimit.
+	MaxUpstreamsPerRoute int
+	// ConversationTTL is how long a conversation pin lasts after it was last set. Default 30 minutes.
+	ConversationTTL time.Duration
+	// ConversationCapacity is the maximum number of conversation pins (LRU beyond it). Default 100_000.
+	ConversationCapacity int
+	// Now is the clock; time.Now when nil. Tests inject a fake one.
+	Now func() time.Time
+}
+
+func (c Config) withDefaults() Config {
+	if c.Capacity <= 0 {
+		c.Capacity = DefaultCapacity
+	}
+	if c.TTL <= 0 {
+		c.TTL = DefaultTTL
+	}
+	if c.BlockSize <= 0 {
+		c.BlockSize = DefaultBlockSize
+	}
+	if c.MaxUpstreamsPerRoute <= 0 {
+		c.MaxUpstreamsPerRoute = DefaultMaxUpstreamsPerRoute
+	}
+	if c.MaxUpstreamsPerRoute > MaxUpstreamsLimit {
+		c.MaxUpstreamsPerRoute = MaxUpstreamsLimit
+	}
+	if c.ConversationTTL <= 0 {
+		c.ConversationTTL = DefaultConversationTTL
+	}
+	if c.ConversationCapacity <= 0 {
+		c.ConversationCapacity = DefaultConversationCapacity
+	}
+	if c.Now == nil {
+		c.Now = time.Now
+	}
+	return c
+}
+
+// route is the value of one learned route: up to MaxUpstreamsLimit upstreams that were sent this prefix,
+// most recently learned first. ids[i] == 0 marks an empty entry. 48 bytes, no pointers.
+type route struct {
+	ids  [MaxUpstreamsLimit]uint32
+	seen [MaxUpstreamsLimit]int64 // unix nanoseconds of the last Learn for ids[i]
+}
+
+// newest is the most recent seen time among the entries (0 if empty).
+func (r *route) newest() int64 {
+	var n int64
+	for e, id := range r.ids {
+		if id != 0 && (n == 0 || r.seen[e] > n) {
+			n = r.seen[e]
+		}
+	}
+	return n
+}
+
+// pin is the value of one conversation pin. 16 bytes, no pointers.
+type pin struct {
+	id   uint32
+	seen int64
+}
+
+// Table holds learned prefix routes and conversation pins. It is safe for concurrent use: Match, Pinned,
+// RouteCount and Stats take a shared read lock and never modify the table (Match is a pure lookup and
+// does not refresh LRU recency; the Learn that follows every routed request does), while Learn, Pin,
+// Forget, Clear, Expire, Import and Reconfigure take the exclusive lock.
+//
+// Costs (b = len(bounds), u = len(upstreams)): Learn is O(b) LRU operations plus a bounded sweep of
+// expired routes; Match is O(b*u) map lookups in the worst case (it probes blocks longest first and stops
+// once every upstream has its answer) and does not allocate when cached has len(upstreams) and u <= 32;
+// Pin and Pinned are O(1); Forget, Expire and Export are O(routes + pins). Memory is bounded by Capacity
+// routes plus ConversationCapacity pins (see the package doc for bytes per entry).
+type Table struct {
+	mu     sync.RWMutex
+	cfg    Config
+	routes *simplelru.LRU[uint64, route]
+	pins   *simplelru.LRU[uint64, pin]
+	ups    upstreamTable
+	stats  Stats
+}
+
+// Stats is a snapshot of a Table's size and cumulative counters.
+type Stats struct {
+	Routes    int    // learned routes held now (including ones past TTL not yet swept)
+	Pins      int    // conversation pins held now
+	Upstreams int    // interned upstream names held now
+	Evictions uint64 // routes and pins evicted by capacity since New
+	Expired   uint64 // routes and pins removed for being older than their TTL since New
+}
+
+// New returns an empty Table shaped by cfg (zero fields take defaults).
+func New(cfg Config) *Table {
+	cfg = cfg.withDefaults()
+	t := &Table{cfg: cfg, ups: newUpstreamTable()}
+	var err error
+	t.routes, err = simplelru.NewLRU(cfg.Capacity, t.onRouteRemoved)
+	if err != nil {
+		panic("affinity: " + err.Error()) // unreachable: Capacity > 0 after withDefaults
+	}
+	t.pins, err = simplelru.NewLRU(cfg.ConversationCapacity, t.onPinRemoved)
+	if err != nil {
+		panic("affinity: " + err.Error()) // unreachable: ConversationCapacity > 0 after withDefaults
+	}
+	return t
+}
+
+// onRouteRemoved releases the upstream references of a route leaving the LRU for any reason. Called with
+// the lock held (from inside simplelru).
+func (t *Table) onRouteRemoved(_ uint64, r route) {
+	for _, id := range r.ids {
+		if id != 0 {
+			t.ups.unrefRoute(id)
+		}
+	}
+}
+
+func (t *Table) onPinRemoved(_ uint64, p pin) { t.ups.unref(p.id) }
+
+// ModelHash is the fixed-seed hash of a model name that scopes route and pin keys.
+func ModelHash(model string) uint64 { return xxhash.Sum64String(model) }
+
+// RouteKey is the key of the route for a prefix ending at a boundary with hash boundaryHash under the
+// model whose ModelHash is modelHash: xxhash64 of the two values as little-endian uint64s. It is the same
+// in every process, so exported routes can be imported elsewhere.
+func RouteKey(modelHash, boundaryHash uint64) uint64 {
+	var b [16]byte
+	binary.LittleEndian.PutUint64(b[:8], modelHash)
+	binary.LittleEndian.PutUint64(b[8:], boundaryHash)
+	return xxhash.Sum64(b[:])
+}
+
+func align(tokens, blockSize int) int { return tokens / blockSize * blockSize }
+
+// Learn records that upstream (a dial address) was sent the prompt with these boundaries under model.
+// Boundaries are aligned down to BlockSize; a boundary aligning to 0 is skipped; consecutive boundaries
+// aligning to the same block collapse into one route keyed by the earliest one's hash, so a request that
+// shares only the earlier messages still matches that block. Each touched route moves to the front of the
+// LRU and lists upstream first with the current time; entries of forgotten upstreams, entries past TTL
+// and entries beyond MaxUpstreamsPerRoute are dropped. Cost: O(len(bounds)) LRU operations under the
+// exclusive lock, plus removing at most len(bounds)+64 expired routes from the LRU tail.
+func (t *Table) Learn(model string, bounds []tokenize.Boundary, upstream string) {
+	if upstream == "" || len(bounds) == 0 {
+		return
+	}
+	mh := ModelHash(model)
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	now := t.cfg.Now().UnixNano()
+	id := t.ups.intern(upstream)
+	t.ups.ref(id) // hold: evictions below must not reclaim id before a route refers to it
+	prev := 0
+	for _, b := range bounds {
+		a := align(b.Tokens, t.cfg.BlockSize)
+		if a <= 0 || a == prev {
+			continue
+		}
+		prev = a
+		t.mergeLocked(RouteKey(mh, b.Hash), id, now, now)
+	}
+	t.sweepLocked(now, sweepBatch+len(bounds))
+	t.ups.unref(id)
+}
+
+// mergeLocked adds (id, seen) to the route at key, keeping entries most recent first, dropping dead and
+// expired ones and those beyond MaxUpstreamsPerRoute, and moves the route to the LRU front. A route left
+// empty (only possible when seen itself is expired, from Import) is removed. Must hold t.mu.
+func (t *Table) mergeLocked(key uint64, id uint32, seen, now int64) {
+	old, existed := t.routes.Peek(key)
+	ttl := int64(t.cfg.TTL)
+	had := false
+	for e, x := range old.ids {
+		if x == id {
+			had = true
+			if old.seen[e] > seen {
+				seen = old.seen[e]
+			}
+		}
+	}
+	// Candidates in order: the new entry placed by time among the surviving old ones (already sorted).
+	var nr route
+	n := 0
+	placed := now-seen > ttl // an expired new entry is never placed
+	keptID := false
+	for e, x := range old.ids {
+		if x == 0 || x == id {
+			continue
+		}
+		if !placed && seen >= old.seen[e] {
+			if n < t.cfg.MaxUpstreamsPerRoute {
+				nr.ids[n], nr.seen[n] = id, seen
+				n++
+				keptID = true
+			}
+			placed = true
+		}
+		if n < t.cfg.MaxUpstreamsPerRoute && t.ups.live(x) && now-old.seen[e] <= ttl {
+			nr.ids[n], nr.seen[n] = x, old.seen[e]
+			n++
+			continue
+		}
+		t.ups.unrefRoute(x) // dropped
+	}
+	if !placed && n < t.cfg.MaxUpstreamsPerRoute {
+		nr.ids[n], nr.seen[n] = id, seen
+		n++
+		keptID = true
+	}
+	switch {
+	case keptID && !had:
+		t.ups.refRoute(id)
+	case !keptID && had:
+		t.ups.unrefRoute(id)
+	}
+	if n == 0 {
+		if existed {
+			// Entries were released above; remove without releasing them twice.
+			t.routes.Add(key, route{})
+			t.routes.Remove(key)
+		}
+		return
+	}
+	if t.routes.Add(key, nr) {
+		t.stats.Evictions++
+	}
+}
+
+// sweepLocked removes up to limit expired routes and limit expired pins from the LRU tails. Recency in
+// both LRUs is the order of the last Learn (Pin), so the expired ones are exactly a tail. Must hold t.mu.
+func (t *Table) sweepLocked(now int64, limit int) (removed int) {
+	ttl := int64(t.cfg.TTL)
+	for ; removed < limit; removed++ {
+		_, r, ok := t.routes.GetOldest()
+		if !ok || now-r.newest() <= ttl {
+			break
+		}
+		t.routes.RemoveOldest()
+		t.stats.Expired++
+	}
+	pinTTL := int64(t.cfg.ConversationTTL)
+	for i := 0; i < limit; i++ {
+		_, p, ok := t.pins.GetOldest()
+		if !ok || now-p.seen <= pinTTL {
+			break
+		}
+		t.pins.RemoveOldest()
+		t.stats.Expired++
+		removed++
+	}
+	return removed
+}
+
+// matchIDsOnStack is how many upstreams Match handles without allocating.
+const matchIDsOnStack = 32
+
+// Match writes into cached[i] the predicted cached prompt tokens for upstreams[i]: the aligned Tokens of
+// the longest boundary whose route lists upstreams[i] with an entry not older than TTL; 0 if none. It
+// returns the longest match over all upstreams. Only the given upstreams are reported, so an upstream
+// removed from the pool never matches. It probes the earliest boundary of each block, longest first,
+// under the shared lock and does not change recency. Allocation-free when len(cached) >= len(upstreams)
+// and len(upstreams) <= 32; with a shorter cached, only its first len(cached) entries are written.
+func (t *Table) Match(model string, bounds []tokenize.Boundary, upstreams []string, cached []int) (longest int) {
+	out := cached
+	if len(out) < len(upstreams) {
+		out = make([]int, len(upstreams))
+		defer copy(cached, out)
+	}
+	out = out[:len(upstreams)]
+	clear(out)
+	if len(upstreams) == 0 || len(bounds) == 0 {
+		return 0
+	}
+	var idBuf [matchIDsOnStack]uint32
+	ids := idBuf[:0]
+	if len(upstreams) > len(idBuf) {
+		ids = make([]uint32, 0, len(upstreams))
+	}
+	mh := ModelHash(model)
+
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	now := t.cfg.Now().UnixNano()
+	ttl := int64(t.cfg.TTL)
+	bs := t.cfg.BlockSize
+	unresolved := 0
+	for _, u := range upstreams {
+		id := t.ups.lookup(u)
+		ids = append(ids, id)
+		if id != 0 {
+			unresolved++
+		}
+	}
+	for j := len(bounds) - 1; j >= 0 && unresolved > 0; j-- {
+		a := align(bounds[j].Tokens, bs)
+		if a <= 0 {
+			break // boundaries are increasing: all earlier ones align to 0 too
+		}
+		if j > 0 && align(bounds[j-1].Tokens, bs) == a {
+			continue // Learn keyed this block by its earliest boundary
+		}
+		r, ok := t.routes.Peek(RouteKey(mh, bounds[j].Hash))
+		if !ok {
+			continue
+		}
+		for e, x := range r.ids {
+			if x == 0 || now-r.seen[e] > ttl {
+				continue
+			}
+			for i, id := range ids {
+				if id == x && out[i] == 0 {
+					out[i] = a
+					unresolved--
+					longest = max(longest, a)
+				}
+			}
+		}
+	}
+	return longest
+}
+
+// Forget drops every route entry and pin pointing at upstream (its pool membership ended); a later Learn
+// of the same name starts afresh. Routes left without upstreams are removed; in routes shared with other
+// upstreams the entry is ignored from now on and reclaimed when the route is next learned or evicted.
+// O(routes + pins) under the exclusive lock (skipped when upstream holds none); allocates a key slice.
+func (t *Table) Forget(upstream string) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	id := t.ups.forget(upstream)
+	if id == 0 {
+		return
+	}
+	t.ups.ref(id) // hold while scanning so the slot is not reused mid-way
+	if t.ups.slots[id].routes > 0 {
+		for _, k := range t.routes.Keys() {
+			r, _ := t.routes.Peek(k)
+			mine, others := false, false
+			for _, x := range r.ids {
+				switch {
+				case x == 0:
+				case x == id:
+					mine = true
+				case t.ups.live(x):
+					others = true
+				}
+			}
+			if mine && !others {
+				t.routes.Remove(k)
+			}
+		}
+	}
+	if t.ups.slots[id].refs > t.ups.slots[id].routes+1 { // it holds pins
+		for _, k := range t.pins.Keys() {
+			if p, _ := t.pins.Peek(k); p.id == id {
+				t.pins.Remove(k)
+			}
+		}
+	}
+	t.ups.unref(id)
+}
+
+// Clear drops every route and pin (operators: DELETE /llm/routes). Counters in Stats are kept.
+// O(routes + pins) under the exclusive lock.
+func (t *Table) Clear() {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.routes.Purge()
+	t.pins.Purge()
+	t.ups = newUpstreamTable() // release the grown slices and map too
+}
+
+// Expire removes every route and pin older than its TTL and returns how many it removed. Learn and Pin
+// already sweep a bounded number each; call Expire from a background loop to release memory promptly
+// after traffic stops. Cost proportional to the number removed.
+func (t *Table) Expire() int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.sweepLocked(t.cfg.Now().UnixNano(), int(^uint(0)>>1))
+}
+
+// Stats returns the current sizes and cumulative counters. O(1) under the shared lock.
+func (t *Table) Stats() Stats {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	s := t.stats
+	s.Routes = t.routes.Len()
+	s.Pins = t.pins.Len()
+	s.Upstreams = t.ups.inUse()
+	return s
+}
+
+// RouteCount returns how many routes list upstream, including entries past TTL that no Learn or Expire
+// has swept yet. O(1) under the shared lock (kept as a counter).
+func (t *Table) RouteCount(upstream string) int {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	id := t.ups.lookup(upstream)
+	if id == 0 {
+		return 0
+	}
+	return int(t.ups.slots[id].routes)
+}
+
+// Reconfigure applies a new Config in place, keeping learned state across config reloads (zero fields take
+// defaults, as in New; Now is replaced too).
+//   - A smaller Capacity or ConversationCapacity evicts the least recently learned entries at once
+//     (counted in Evictions); a larger one just raises the bound.
+//   - TTL and ConversationTTL apply to existing entries immediately (a longer TTL revives entries not yet
+//     swept).
+//   - A smaller MaxUpstreamsPerRoute trims each route the next time it is learned; until then Match may
+//     still report its older extra entries, which are true observations.
+//   - A changed BlockSize keeps the routes: each still records a prefix its upstreams were sent, and Match
+//     reports it aligned to the new size. Routes keyed by boundaries that are no longer the earliest of
+//     their block under the new size are simply not probed and age out.
+func (t *Table) Reconfigure(cfg Config) {
+	cfg = cfg.withDefaults()
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.stats.Evictions += uint64(t.routes.Resize(cfg.Capacity))
+	t.stats.Evictions += uint64(t.pins.Resize(cfg.ConversationCapacity))
+	t.cfg = cfg
+}
