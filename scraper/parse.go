@@ -1,0 +1,284 @@
+package scraper
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"strconv"
+	"time"
+
+	dto "github.com/prometheus/client_model/go"
+	"github.com/prometheus/common/expfmt"
+	prommodel "github.com/prometheus/common/model"
+)
+
+// Flavors reported in Snapshot.Flavor.
+const (
+	FlavorVLLM   = "vllm"
+	FlavorSGLang = "sglang"
+)
+
+// ErrNoMetrics is returned by Parse (wrapped) when the text parsed but carries none of the load
+// gauges it knows (running, waiting, KV usage), for instance because the model filter excluded every
+// series or the target is not a vLLM or SGLang server.
+var ErrNoMetrics = errors.New("no known load metrics")
+
+// Snapshot is the last good scrape of one target. It is a plain value, safe to copy.
+type Snapshot struct {
+	// Running and Waiting count requests, summed over all matching series (vLLM data-parallel
+	// engines, SGLang data-parallel ranks).
+	Running, Waiting float64
+	// KVUsage is the KV-cache usage in [0, 1]: vllm:kv_cache_usage_perc, or the legacy
+	// vllm:gpu_cache_usage_perc, or sglang:token_usage. It is the mean over engines (a ratio does not
+	// add up), clamped to [0, 1].
+	KVUsage float64
+	// PrefixHits and PrefixQueries are the vLLM prefix-cache counters in tokens
+	// (vllm:prefix_cache_{hits,queries}_total or the older vllm:gpu_prefix_cache_*), summed over
+	// engines. Zero for SGLang. See HitRate for a ratio between two snapshots.
+	PrefixHits, PrefixQueries float64
+	// BlockSize is the KV block (vLLM) or page (SGLang) size in tokens and NumBlocks the number of
+	// blocks summed over engines, from the labels of vllm:cache_config_info
+	// {block_size,num_gpu_blocks} or sglang:cache_config_info{page_size,num_pages} (SGLang's
+	// sglang:page_size and sglang:num_pages gauges are accepted too). Zero when unknown.
+	// BlockSize*NumBlocks is the target's KV capacity in tokens.
+	BlockSize, NumBlocks int
+	// Flavor is FlavorVLLM or FlavorSGLang. A text carrying both families is read as vLLM.
+	Flavor string
+	// At is when the scrape that produced this snapshot started (Parse leaves it zero).
+	At time.Time
+}
+
+// metric names, newest first where a signal was renamed.
+var (
+	vllmRunning       = []string{"vllm:num_requests_running"}
+	vllmWaiting       = []string{"vllm:num_requests_waiting"}
+	vllmKV            = []string{"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"}
+	vllmPrefixHits    = []string{"vllm:prefix_cache_hits_total", "vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits"}
+	vllmPrefixQueries = []string{"vllm:prefix_cache_queries_total", "vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries"}
+	sglangRunning     = []string{"sglang:num_running_reqs"}
+	sglangWaiting     = []string{"sglang:num_queue_reqs"}
+	sglangKV          = []string{"sglang:token_usage"}
+)
+
+const modelLabel = "model_name"
+
+// Parse reads Prometheus text exposition (format 0.0.4, as served by vLLM's and SGLang's /metrics)
+// with expfmt's text parser and extracts the load signals into a Snapshot. Metric and label names
+// are validated with the UTF-8 scheme, so names with ':' parse.
+//
+// model, when not empty, keeps only series whose model_name label equals it; series without a
+// model_name label (such as vllm:cache_config_info) always count. Non-finite samples are ignored.
+//
+// Parse returns an error wrapping the parser's (or r's) error for malformed input, and one wrapping
+// ErrNoMetrics when no running, waiting or KV-usage series matched. It is safe for concurrent use;
+// its cost and memory are linear in the size of the input (the whole text is decoded into
+// metric families first), so bound r.
+func Parse(r io.Reader, model string) (Snapshot, error) {
+	p := expfmt.NewTextParser(prommodel.UTF8Validation)
+	families, err := p.TextToMetricFamilies(r)
+	if err != nil {
+		return Snapshot{}, fmt.Errorf("parsing metrics text: %w", err)
+	}
+	var s Snapshot
+	if ok := extractVLLM(families, model, &s); ok {
+		s.Flavor = FlavorVLLM
+	} else if ok := extractSGLang(families, model, &s); ok {
+		s.Flavor = FlavorSGLang
+	} else {
+		if model != "" {
+			return Snapshot{}, fmt.Errorf("parsing metrics text for model %q: %w", model, ErrNoMetrics)
+		}
+		return Snapshot{}, fmt.Errorf("parsing metrics text: %w", ErrNoMetrics)
+	}
+	s.Running = clampCount(s.Running)
+	s.Waiting = clampCount(s.Waiting)
+	s.PrefixHits = clampCount(s.PrefixHits)
+	s.PrefixQueries = clampCount(s.PrefixQueries)
+	s.KVUsage = math.Min(math.Max(s.KVUsage, 0), 1)
+	return s, nil
+}
+
+func extractVLLM(families map[string]*dto.MetricFamily, model string, s *Snapshot) bool {
+	running, okR := sum(families, vllmRunning, model)
+	waiting, okW := sum(families, vllmWaiting, model)
+	kv, okK := mean(families, vllmKV, model)
+	if !okR && !okW && !okK {
+		return false
+	}
+	s.Running, s.Waiting, s.KVUsage = running, waiting, kv
+	s.PrefixHits, _ = sum(families, vllmPrefixHits, model)
+	s.PrefixQueries, _ = sum(families, vllmPrefixQueries, model)
+	s.BlockSize, s.NumBlocks = geometryFromLabels(families["vllm:cache_config_info"], model, "block_size", "num_gpu_blocks")
+	return true
+}
+
+func extractSGLang(families map[string]*dto.MetricFamily, model string, s *Snapshot) bool {
+	running, okR := sum(families, sglangRunning, model)
+	waiting, okW := sum(families, sglangWaiting, model)
+	kv, okK := mean(families, sglangKV, model)
+	if !okR && !okW && !okK {
+		return false
+	}
+	s.Running, s.Waiting, s.KVUsage = running, waiting, kv
+	s.BlockSize, s.NumBlocks = geometryFromLabels(families["sglang:cache_config_info"], model, "page_size", "num_pages")
+	if s.BlockSize == 0 || s.NumBlocks == 0 {
+		// Newer SGLang versions export the geometry as plain gauges.
+		pageSize, okP := maxValue(families["sglang:page_size"], model)
+		numPages, okN := sum(families, []string{"sglang:num_pages"}, model)
+		if okP && okN {
+			s.BlockSize, s.NumBlocks = toBlocks(pageSize), toBlocks(numPages)
+		}
+	}
+	return true
+}
+
+// sum adds the values of every matching series of the first family in names that has one.
+func sum(families map[string]*dto.MetricFamily, names []string, model string) (float64, bool) {
+	for _, name := range names {
+		var total float64
+		var n int
+		for _, m := range families[name].GetMetric() {
+			if v, ok := sampleValue(m, model); ok {
+				total += v
+				n++
+			}
+		}
+		if n > 0 {
+			return total, true
+		}
+	}
+	return 0, false
+}
+
+// mean averages the values of every matching series of the first family in names that has one.
+func mean(families map[string]*dto.MetricFamily, names []string, model string) (float64, bool) {
+	for _, name := range names {
+		var total float64
+		var n int
+		for _, m := range families[name].GetMetric() {
+			if v, ok := sampleValue(m, model); ok {
+				total += v
+				n++
+			}
+		}
+		if n > 0 {
+			return total / float64(n), true
+		}
+	}
+	return 0, false
+}
+
+func maxValue(mf *dto.MetricFamily, model string) (float64, bool) {
+	best, found := 0.0, false
+	for _, m := range mf.GetMetric() {
+		if v, ok := sampleValue(m, model); ok && (!found || v > best) {
+			best, found = v, true
+		}
+	}
+	return best, found
+}
+
+// sampleValue returns the value of a gauge, counter or untyped series that passes the model filter.
+func sampleValue(m *dto.Metric, model string) (float64, bool) {
+	if !matchesModel(m, model) {
+		return 0, false
+	}
+	var v float64
+	switch {
+	case m.Gauge != nil:
+		v = m.GetGauge().GetValue()
+	case m.Counter != nil:
+		v = m.GetCounter().GetValue()
+	case m.Untyped != nil:
+		v = m.GetUntyped().GetValue()
+	default:
+		return 0, false
+	}
+	if math.IsNaN(v) || math.IsInf(v, 0) {
+		return 0, false
+	}
+	return v, true
+}
+
+func matchesModel(m *dto.Metric, model string) bool {
+	if model == "" {
+		return true
+	}
+	for _, lp := range m.GetLabel() {
+		if lp.GetName() == modelLabel {
+			return lp.GetValue() == model
+		}
+	}
+	return true
+}
+
+// geometryFromLabels reads an info-style gauge: block size from the first series with a valid one,
+// block count summed over series (one per engine).
+func geometryFromLabels(mf *dto.MetricFamily, model, sizeLabel, countLabel string) (blockSize, numBlocks int) {
+	for _, m := range mf.GetMetric() {
+		if !matchesModel(m, model) {
+			continue
+		}
+		var size, count int
+		for _, lp := range m.GetLabel() {
+			switch lp.GetName() {
+			case sizeLabel:
+				size = parseCount(lp.GetValue())
+			case countLabel:
+				count = parseCount(lp.GetValue())
+			}
+		}
+		if size > 0 && blockSize == 0 {
+			blockSize = size
+		}
+		numBlocks = int(min(int64(numBlocks)+int64(count), maxBlocks))
+	}
+	return blockSize, numBlocks
+}
+
+// maxBlocks bounds geometry values so that they fit an int everywhere and BlockSize*NumBlocks
+// cannot overflow an int64.
+const maxBlocks = math.MaxInt32
+
+// parseCount parses a positive integer label value; "None" and garbage give 0.
+func parseCount(s string) int {
+	if n, err := strconv.ParseInt(s, 10, 64); err == nil {
+		return int(max(0, min(n, maxBlocks)))
+	}
+	if f, err := strconv.ParseFloat(s, 64); err == nil {
+		return toBlocks(f)
+	}
+	return 0
+}
+
+// toBlocks converts a gauge value to a block count in [0, maxBlocks].
+func toBlocks(f float64) int {
+	if !(f > 0) {
+		return 0
+	}
+	return int(min(f, maxBlocks))
+}
+
+// clampCount keeps a summed count finite and non-negative.
+func clampCount(v float64) float64 {
+	switch {
+	case !(v > 0):
+		return 0
+	case v > math.MaxFloat64:
+		return math.MaxFloat64
+	}
+	return v
+}
+
+// HitRate returns the prefix-cache hit ratio between two snapshots of the same target: the growth of
+// PrefixHits over the growth of PrefixQueries. ok is false when no query happened in between, when the
+// counters went backwards (a restarted server) or when cur is not newer than prev.
+func HitRate(prev, cur Snapshot) (rate float64, ok bool) {
+	dq := cur.PrefixQueries - prev.PrefixQueries
+	dh := cur.PrefixHits - prev.PrefixHits
+	if !cur.At.After(prev.At) || !(dq > 0) || dh < 0 {
+		return 0, false
+	}
+	return math.Min(dh/dq, 1), true
+}

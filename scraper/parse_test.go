@@ -1,0 +1,224 @@
+package scraper
+
+import (
+	"bytes"
+	"errors"
+	"math"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+func readTestdata(tb testing.TB, name string) []byte {
+	tb.Helper()
+	b, err := os.ReadFile(filepath.Join("testdata", name))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return b
+}
+
+func TestParseRecorded(t *testing.T) {
+	tests := []struct {
+		name  string
+		file  string
+		model string
+		want  Snapshot
+	}{
+		{
+			name: "vLLM V1 two engines are summed, KV usage averaged",
+			file: "vllm_v1_two_engines.txt",
+			want: Snapshot{Running: 12, Waiting: 4, KVUsage: 0.52, PrefixHits: 120000, PrefixQueries: 200000,
+				BlockSize: 16, NumBlocks: 2 * 27165, Flavor: FlavorVLLM},
+		},
+		{
+			name:  "vLLM V1 filtered by its own model",
+			file:  "vllm_v1_two_engines.txt",
+			model: "meta-llama/Llama-3.1-8B-Instruct",
+			want: Snapshot{Running: 12, Waiting: 4, KVUsage: 0.52, PrefixHits: 120000, PrefixQueries: 200000,
+				BlockSize: 16, NumBlocks: 2 * 27165, Flavor: FlavorVLLM},
+		},
+		{
+			name: "legacy vLLM names",
+			file: "vllm_legacy.txt",
+			want: Snapshot{Running: 4, Waiting: 9, KVUsage: 0.875, PrefixHits: 12500, PrefixQueries: 50000,
+				BlockSize: 16, NumBlocks: 8192, Flavor: FlavorVLLM},
+		},
+		{
+			name: "SGLang two DP ranks",
+			file: "sglang.txt",
+			want: Snapshot{Running: 22, Waiting: 30, KVUsage: 0.7, BlockSize: 1, NumBlocks: 308000, Flavor: FlavorSGLang},
+		},
+		{
+			name:  "SGLang filtered by model keeps unlabelled cache info",
+			file:  "sglang.txt",
+			model: "meta-llama/Llama-3.1-8B-Instruct",
+			want:  Snapshot{Running: 22, Waiting: 30, KVUsage: 0.7, BlockSize: 1, NumBlocks: 308000, Flavor: FlavorSGLang},
+		},
+		{
+			name: "SGLang geometry as gauges",
+			file: "sglang_gauges.txt",
+			want: Snapshot{Running: 2, Waiting: 0, KVUsage: 0.05, BlockSize: 64, NumBlocks: 4096, Flavor: FlavorSGLang},
+		},
+		{
+			name:  "two models, filter llama",
+			file:  "vllm_two_models.txt",
+			model: "llama",
+			want:  Snapshot{Running: 2, Waiting: 1, KVUsage: 0.25, BlockSize: 32, NumBlocks: 1000, Flavor: FlavorVLLM},
+		},
+		{
+			name:  "two models, filter qwen",
+			file:  "vllm_two_models.txt",
+			model: "qwen",
+			want:  Snapshot{Running: 6, Waiting: 8, KVUsage: 0.75, BlockSize: 32, NumBlocks: 1000, Flavor: FlavorVLLM},
+		},
+		{
+			name: "two models, no filter sums both",
+			file: "vllm_two_models.txt",
+			want: Snapshot{Running: 8, Waiting: 9, KVUsage: 0.5, BlockSize: 32, NumBlocks: 1000, Flavor: FlavorVLLM},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, err := Parse(bytes.NewReader(readTestdata(t, tt.file)), tt.model)
+			if err != nil {
+				t.Fatalf("Parse(%s, %q) error: %v", tt.file, tt.model, err)
+			}
+			if !snapshotsClose(got, tt.want) {
+				t.Errorf("Parse(%s, %q) =\n%+v\nwant\n%+v", tt.file, tt.model, got, tt.want)
+			}
+		})
+	}
+}
+
+func snapshotsClose(a, b Snapshot) bool {
+	near := func(x, y float64) bool { return math.Abs(x-y) < 1e-9 }
+	return near(a.Running, b.Running) && near(a.Waiting, b.Waiting) && near(a.KVUsage, b.KVUsage) &&
+		near(a.PrefixHits, b.PrefixHits) && near(a.PrefixQueries, b.PrefixQueries) &&
+		a.BlockSize == b.BlockSize && a.NumBlocks == b.NumBlocks && a.Flavor == b.Flavor && a.At.Equal(b.At)
+}
+
+func TestParseErrors(t *testing.T) {
+	tests := []struct {
+		name      string
+		text      string
+		model     string
+		noMetrics bool // the error must wrap ErrNoMetrics
+	}{
+		{name: "html garbage", text: string(readTestdata(t, "garbage.txt"))},
+		{name: "json", text: `{"error":"not found"}`},
+		{name: "binary", text: "\x00\x01\x02\xff\xfe"},
+		{name: "truncated label set", text: "vllm:num_requests_running{engine=\"0\",model_name=\"m"},
+		{name: "bad value", text: "vllm:num_requests_running 1.2.3\n"},
+		{name: "empty", text: "", noMetrics: true},
+		{name: "comments only", text: "# HELP x y\n# just a comment\n", noMetrics: true},
+		{name: "unrelated metrics", text: "process_open_fds 93\ngo_goroutines 12\n", noMetrics: true},
+		{name: "cache info alone is not load", text: "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"10\"} 1\n", noMetrics: true},
+		{name: "model filtered out", text: string(readTestdata(t, "vllm_two_models.txt")), model: "mistral", noMetrics: true},
+		{name: "only NaN samples", text: "vllm:num_requests_running NaN\nvllm:num_requests_waiting +Inf\n", noMetrics: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, err := Parse(strings.NewReader(tt.text), tt.model)
+			if err == nil {
+				t.Fatalf("Parse() = %+v, want an error", got)
+			}
+			if gotNoMetrics := errors.Is(err, ErrNoMetrics); gotNoMetrics != tt.noMetrics {
+				t.Errorf("Parse() error = %v; errors.Is(err, ErrNoMetrics) = %v, want %v", err, gotNoMetrics, tt.noMetrics)
+			}
+		})
+	}
+}
+
+func TestParseSanitizesValues(t *testing.T) {
+	text := `vllm:num_requests_running{engine="0"} -3
+vllm:num_requests_running{engine="1"} NaN
+vllm:num_requests_waiting 1e308
+vllm:num_requests_waiting{engine="1"} 1e308
+vllm:kv_cache_usage_perc 1.7
+vllm:cache_config_info{block_size="None",num_gpu_blocks="-5"} 1
+`
+	got, err := Parse(strings.NewReader(text), "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := Snapshot{Running: 0, Waiting: math.MaxFloat64, KVUsage: 1, Flavor: FlavorVLLM}
+	if got != want {
+		t.Errorf("Parse() = %+v, want %+v", got, want)
+	}
+}
+
+func TestParseUntypedAndBothFlavors(t *testing.T) {
+	// No TYPE lines at all, and SGLang series next to vLLM ones: vLLM wins.
+	text := "vllm:num_requests_waiting 5\nsglang:num_queue_reqs 7\n"
+	got, err := Parse(strings.NewReader(text), "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.Flavor != FlavorVLLM || got.Waiting != 5 {
+		t.Errorf("Parse() = %+v, want vllm flavor with 5 waiting", got)
+	}
+}
+
+func TestHitRate(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	t1 := t0.Add(time.Second)
+	tests := []struct {
+		name      string
+		prev, cur Snapshot
+		want      float64
+		wantOK    bool
+	}{
+		{"half", Snapshot{PrefixHits: 10, PrefixQueries: 100, At: t0}, Snapshot{PrefixHits: 60, PrefixQueries: 200, At: t1}, 0.5, true},
+		{"no queries", Snapshot{PrefixHits: 10, PrefixQueries: 100, At: t0}, Snapshot{PrefixHits: 10, PrefixQueries: 100, At: t1}, 0, false},
+		{"counter reset", Snapshot{PrefixHits: 10, PrefixQueries: 100, At: t0}, Snapshot{PrefixHits: 1, PrefixQueries: 5, At: t1}, 0, false},
+		{"not newer", Snapshot{PrefixHits: 10, PrefixQueries: 100, At: t1}, Snapshot{PrefixHits: 60, PrefixQueries: 200, At: t1}, 0, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, ok := HitRate(tt.prev, tt.cur)
+			if got != tt.want || ok != tt.wantOK {
+				t.Errorf("HitRate() = %v, %v, want %v, %v", got, ok, tt.want, tt.wantOK)
+			}
+		})
+	}
+}
+
+func FuzzParse(f *testing.F) {
+	for _, name := range []string{"vllm_v1_two_engines.txt", "vllm_legacy.txt", "sglang.txt", "sglang_gauges.txt", "vllm_two_models.txt", "garbage.txt"} {
+		f.Add(readTestdata(f, name), "")
+	}
+	f.Fuzz(func(t *testing.T, text []byte, model string) {
+		s, err := Parse(bytes.NewReader(text), model)
+		if err != nil {
+			return
+		}
+		if s.Flavor != FlavorVLLM && s.Flavor != FlavorSGLang {
+			t.Errorf("Flavor = %q", s.Flavor)
+		}
+		for name, v := range map[string]float64{"Running": s.Running, "Waiting": s.Waiting, "PrefixHits": s.PrefixHits, "PrefixQueries": s.PrefixQueries} {
+			if math.IsNaN(v) || math.IsInf(v, 0) || v < 0 {
+				t.Errorf("%s = %v, want finite and non-negative", name, v)
+			}
+		}
+		if !(s.KVUsage >= 0 && s.KVUsage <= 1) {
+			t.Errorf("KVUsage = %v, want in [0, 1]", s.KVUsage)
+		}
+		if s.BlockSize < 0 || s.NumBlocks < 0 || s.BlockSize > maxBlocks || s.NumBlocks > maxBlocks {
+			t.Errorf("geometry = %d x %d out of range", s.BlockSize, s.NumBlocks)
+		}
+	})
+}
+
+func BenchmarkParseVLLM(b *testing.B) {
+	text := readTestdata(b, "vllm_v1_two_engines.txt")
+	b.SetBytes(int64(len(text)))
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := Parse(bytes.NewReader(text), "meta-llama/Llama-3.1-8B-Instruct"); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
