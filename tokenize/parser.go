@@ -1,0 +1,550 @@
+package tokenize
+
+import (
+	"fmt"
+	"strings"
+
+	"github.com/cespare/xxhash/v2"
+)
+
+// span locates a decoded string: in the body, or in the parser's scratch buffer when the JSON
+// string had escapes that had to be decoded.
+type span struct {
+	off, end int
+	scratch  bool
+}
+
+func (sp span) len() int { return sp.end - sp.off }
+
+// segKind says what a piece of a message is, which decides how it is counted and hashed.
+type segKind uint8
+
+const (
+	segText     segKind = iota + 1 // content text, refusal, or a completions prompt: counted, stepped
+	segPart                        // a non-text content part's raw JSON: hashed, counted as partTokens
+	segCallID                      // a tool call's id: hashed only
+	segCallName                    // a tool call's function name: counted, stepped
+	segCallArgs                    // a tool call's arguments: counted, stepped
+	segTokens                      // a completions token-ID array (a span of parser.ids): counted by length
+)
+
+// counted reports whether a segment's text is tokenized and stepped.
+func (k segKind) counted() bool { return k == segText || k == segCallName || k == segCallArgs }
+
+// Fields a segment came from; a repeated key in a message replaces the earlier value.
+const (
+	fieldContent uint8 = iota + 1
+	fieldToolCalls
+)
+
+type seg struct {
+	kind   segKind
+	field  uint8
+	dead   bool // replaced by a repeated key
+	absent bool // a tool call without this field (hashed differently from an empty one)
+	sp     span
+}
+
+// msg is one parsed chat message or completions prompt.
+type msg struct {
+	role, name, callID          span
+	hasRole, hasName, hasCallID bool
+	segStart, segEnd            int // range of parser.segs
+}
+
+// parser holds the per-call scratch state; parsers are pooled so that a warm Parse allocates
+// almost nothing. Not safe for concurrent use.
+type parser struct {
+	s    scanner
+	api  API
+	buf  []byte   // decoded strings with escapes
+	segs []seg    // all messages' segments
+	msgs []msg    // messages or prompts, in order
+	ids  []uint32 // token IDs of completions token arrays
+
+	model                 span
+	hasModel              bool
+	stream                bool
+	maxTokens, maxCompl   int64
+	hasMax, hasCompl      bool
+	hasMessages, hasTools bool
+	hasPrompt             bool
+	tools                 span // raw JSON of the tools array
+
+	d xxhash.Digest
+}
+
+// maxPooledBytes keeps a huge request from pinning its scratch memory in the pool.
+const maxPooledBytes = 1 << 20
+
+func (p *parser) reset(body []byte, api API) {
+	buf, segs, msgs, ids := p.buf[:0], p.segs[:0], p.msgs[:0], p.ids[:0]
+	*p = parser{s: scanner{b: body}, api: api, buf: buf, segs: segs, msgs: msgs, ids: ids}
+}
+
+func (p *parser) release() {
+	p.s.b = nil
+	if cap(p.buf) > maxPooledBytes || cap(p.segs)*int(sizeofSeg) > maxPooledBytes ||
+		cap(p.msgs)*int(sizeofMsg) > maxPooledBytes || cap(p.ids)*4 > maxPooledBytes {
+		return
+	}
+	parserPool.Put(p)
+}
+
+const (
+	sizeofSeg = 32
+	sizeofMsg = 96
+)
+
+// bytes returns the decoded bytes of a span.
+func (p *parser) bytes(sp span) []byte {
+	if sp.scratch {
+		return p.buf[sp.off:sp.end]
+	}
+	return p.s.b[sp.off:sp.end]
+}
+
+// str reads a JSON string and returns its decoded span.
+func (p *parser) str() (span, error) {
+	start, end, esc, err := p.s.str()
+	if err != nil {
+		return span{}, err
+	}
+	if !esc {
+		return span{off: start, end: end}, nil
+	}
+	off := len(p.buf)
+	p.buf = appendUnescaped(p.buf, p.s.b[start:end])
+	return span{off: off, end: len(p.buf), scratch: true}, nil
+}
+
+// key returns an object key's decoded bytes.
+func (p *parser) key(raw []byte, esc bool) []byte {
+	if !esc {
+		return raw
+	}
+	off := len(p.buf)
+	p.buf = appendUnescaped(p.buf, raw)
+	return p.buf[off:]
+}
+
+// fieldName formats a field path such as "messages[%d].tool_calls[%d].id" with as many of idx
+// and sub as it has verbs. It is called only on error paths.
+func fieldName(what string, idx, sub int) string {
+	switch strings.Count(what, "%d") {
+	case 0:
+		return what
+	case 1:
+		return fmt.Sprintf(what, idx)
+	default:
+		return fmt.Sprintf(what, idx, sub)
+	}
+}
+
+// optString reads a string or null into *dst; what (formatted by fieldName with idx and sub) names
+// the field in the error.
+func (p *parser) optString(dst *span, has *bool, what string, idx, sub int) error {
+	switch p.s.peek() {
+	case '"':
+		sp, err := p.str()
+		if err != nil {
+			return err
+		}
+		*dst, *has = sp, true
+		return nil
+	case 'n':
+		*has = false
+		return p.s.literal("null")
+	default:
+		return p.s.errorf("%s must be a string, not %s", fieldName(what, idx, sub), p.s.kind())
+	}
+}
+
+// optInt reads a non-negative integer or null.
+func (p *parser) optInt(dst *int64, has *bool, what string) error {
+	switch c := p.s.peek(); {
+	case c == 'n':
+		*has = false
+		return p.s.literal("null")
+	case c == '-' || c >= '0' && c <= '9':
+		start, end, err := p.s.number()
+		if err != nil {
+			return err
+		}
+		v, ok := integer(p.s.b[start:end], 1<<40)
+		if !ok {
+			p.s.i = start
+			return p.s.errorf("%s must be a non-negative integer", what)
+		}
+		*dst, *has = v, true
+		return nil
+	default:
+		return p.s.errorf("%s must be an integer, not %s", what, p.s.kind())
+	}
+}
+
+func (p *parser) parseBody() error {
+	s := &p.s
+	if c := s.peek(); c != '{' {
+		if c == 0 {
+			return fmt.Errorf("%w: empty body", ErrMalformed)
+		}
+		return s.errorf("body must be a JSON object, not %s", s.kind())
+	}
+	err := s.object(0, func(raw []byte, esc bool) error {
+		k := p.key(raw, esc)
+		switch {
+		case string(k) == "model":
+			return p.optString(&p.model, &p.hasModel, "model", 0, 0)
+		case string(k) == "stream":
+			switch s.peek() {
+			case 't':
+				p.stream = true
+				return s.literal("true")
+			case 'f':
+				p.stream = false
+				return s.literal("false")
+			case 'n':
+				p.stream = false
+				return s.literal("null")
+			}
+			return s.errorf("stream must be a boolean, not %s", s.kind())
+		case string(k) == "max_tokens":
+			return p.optInt(&p.maxTokens, &p.hasMax, "max_tokens")
+		case string(k) == "max_completion_tokens":
+			return p.optInt(&p.maxCompl, &p.hasCompl, "max_completion_tokens")
+		case p.api == APIChat && string(k) == "messages":
+			return p.parseMessages()
+		case p.api == APIChat && string(k) == "tools":
+			return p.parseTools()
+		case p.api == APICompletions && string(k) == "prompt":
+			return p.parsePrompt()
+		}
+		return s.skip(1)
+	})
+	if err != nil {
+		return err
+	}
+	s.ws()
+	if s.i != len(s.b) {
+		return s.errorf("invalid JSON: unexpected data after the top-level object")
+	}
+	switch {
+	case p.api == APIChat && !p.hasMessages:
+		return fmt.Errorf("%w: messages is required", ErrMalformed)
+	case p.api == APIChat && len(p.msgs) == 0:
+		return fmt.Errorf("%w: messages must not be empty", ErrMalformed)
+	case p.api == APICompletions && !p.hasPrompt:
+		return fmt.Errorf("%w: prompt is required", ErrMalformed)
+	}
+	return nil
+}
+
+func (p *parser) parseTools() error {
+	s := &p.s
+	switch s.peek() {
+	case 'n':
+		p.hasTools = false
+		return s.literal("null")
+	case '[':
+		start := s.i
+		if err := s.skip(1); err != nil {
+			return err
+		}
+		p.tools, p.hasTools = span{off: start, end: s.i}, true
+		return nil
+	}
+	return s.errorf("tools must be an array, not %s", s.kind())
+}
+
+func (p *parser) parseMessages() error {
+	s := &p.s
+	// A repeated "messages" key replaces the earlier one, as in Python's json.
+	p.msgs, p.segs = p.msgs[:0], p.segs[:0]
+	if s.peek() != '[' {
+		return s.errorf("messages must be an array, not %s", s.kind())
+	}
+	p.hasMessages = true
+	return s.array(1, func() error { return p.parseMessage(len(p.msgs)) })
+}
+
+func (p *parser) parseMessage(idx int) error {
+	s := &p.s
+	if s.peek() != '{' {
+		return s.errorf("messages[%d] must be an object, not %s", idx, s.kind())
+	}
+	m := msg{segStart: len(p.segs)}
+	err := s.object(2, func(raw []byte, esc bool) error {
+		k := p.key(raw, esc)
+		switch {
+		case string(k) == "role":
+			if s.peek() != '"' {
+				return s.errorf("messages[%d].role must be a string, not %s", idx, s.kind())
+			}
+			sp, err := p.str()
+			m.role, m.hasRole = sp, true
+			return err
+		case string(k) == "content":
+			p.kill(m.segStart, fieldContent)
+			return p.parseContent(idx)
+		case string(k) == "name":
+			return p.optString(&m.name, &m.hasName, "messages[%d].name", idx, 0)
+		case string(k) == "tool_call_id":
+			return p.optString(&m.callID, &m.hasCallID, "messages[%d].tool_call_id", idx, 0)
+		case string(k) == "tool_calls":
+			p.kill(m.segStart, fieldToolCalls)
+			return p.parseToolCalls(idx)
+		}
+		return s.skip(3)
+	})
+	if err != nil {
+		return err
+	}
+	if !m.hasRole {
+		return s.errorf("messages[%d] must have a string role", idx)
+	}
+	m.segEnd = len(p.segs)
+	p.msgs = append(p.msgs, m)
+	return nil
+}
+
+// kill marks the current message's segments from field as replaced by a repeated key.
+func (p *parser) kill(from int, field uint8) {
+	for i := from; i < len(p.segs); i++ {
+		if p.segs[i].field == field {
+			p.segs[i].dead = true
+		}
+	}
+}
+
+func (p *parser) parseContent(idx int) error {
+	s := &p.s
+	switch s.peek() {
+	case '"':
+		sp, err := p.str()
+		if err != nil {
+			return err
+		}
+		p.segs = append(p.segs, seg{kind: segText, field: fieldContent, sp: sp})
+		return nil
+	case 'n':
+		return s.literal("null")
+	case '[':
+		part := 0
+		return s.array(3, func() error {
+			err := p.parseContentPart(idx, part)
+			part++
+			return err
+		})
+	}
+	return s.errorf("messages[%d].content must be a string, an array of content parts, or null, not %s", idx, s.kind())
+}
+
+func (p *parser) parseContentPart(idx, part int) error {
+	s := &p.s
+	if s.peek() != '{' {
+		return s.errorf("messages[%d].content[%d] must be an object, not %s", idx, part, s.kind())
+	}
+	start := s.i
+	var typ, text, refusal span
+	var hasType, hasText, hasRefusal bool
+	err := s.object(4, func(raw []byte, esc bool) error {
+		k := p.key(raw, esc)
+		switch {
+		case string(k) == "type":
+			if s.peek() != '"' {
+				return s.errorf("messages[%d].content[%d].type must be a string, not %s", idx, part, s.kind())
+			}
+			sp, err := p.str()
+			typ, hasType = sp, true
+			return err
+		case string(k) == "text":
+			if s.peek() != '"' {
+				return s.errorf("messages[%d].content[%d].text must be a string, not %s", idx, part, s.kind())
+			}
+			sp, err := p.str()
+			text, hasText = sp, true
+			return err
+		case string(k) == "refusal":
+			if s.peek() != '"' {
+				return s.errorf("messages[%d].content[%d].refusal must be a string, not %s", idx, part, s.kind())
+			}
+			sp, err := p.str()
+			refusal, hasRefusal = sp, true
+			return err
+		}
+		return s.skip(5)
+	})
+	if err != nil {
+		return err
+	}
+	if !hasType {
+		return s.errorf("messages[%d].content[%d] must have a string type", idx, part)
+	}
+	switch t := p.bytes(typ); {
+	case string(t) == "text":
+		if !hasText {
+			return s.errorf("messages[%d].content[%d] of type text must have a string text", idx, part)
+		}
+		p.segs = append(p.segs, seg{kind: segText, field: fieldContent, sp: text})
+	case string(t) == "refusal" && hasRefusal:
+		p.segs = append(p.segs, seg{kind: segText, field: fieldContent, sp: refusal})
+	default:
+		p.segs = append(p.segs, seg{kind: segPart, field: fieldContent, sp: span{off: start, end: s.i}})
+	}
+	return nil
+}
+
+func (p *parser) parseToolCalls(idx int) error {
+	s := &p.s
+	switch s.peek() {
+	case 'n':
+		return s.literal("null")
+	case '[':
+	default:
+		return s.errorf("messages[%d].tool_calls must be an array, not %s", idx, s.kind())
+	}
+	call := 0
+	return s.array(3, func() error {
+		if s.peek() != '{' {
+			return s.errorf("messages[%d].tool_calls[%d] must be an object, not %s", idx, call, s.kind())
+		}
+		var id, name, args span
+		var hasID, hasName, hasArgs bool
+		err := s.object(4, func(raw []byte, esc bool) error {
+			k := p.key(raw, esc)
+			switch {
+			case string(k) == "id":
+				return p.optString(&id, &hasID, "messages[%d].tool_calls[%d].id", idx, call)
+			case string(k) == "function":
+				if s.peek() != '{' {
+					return s.errorf("messages[%d].tool_calls[%d].function must be an object, not %s", idx, call, s.kind())
+				}
+				return s.object(5, func(raw []byte, esc bool) error {
+					k := p.key(raw, esc)
+					switch {
+					case string(k) == "name":
+						return p.optString(&name, &hasName, "messages[%d].tool_calls[%d].function.name", idx, call)
+					case string(k) == "arguments":
+						return p.optString(&args, &hasArgs, "messages[%d].tool_calls[%d].function.arguments", idx, call)
+					}
+					return s.skip(6)
+				})
+			}
+			return s.skip(5)
+		})
+		if err != nil {
+			return err
+		}
+		// Always three segments per call, so that calls cannot run into each other in the hash.
+		p.segs = append(p.segs,
+			seg{kind: segCallID, field: fieldToolCalls, sp: id, absent: !hasID},
+			seg{kind: segCallName, field: fieldToolCalls, sp: name, absent: !hasName},
+			seg{kind: segCallArgs, field: fieldToolCalls, sp: args, absent: !hasArgs})
+		call++
+		return nil
+	})
+}
+
+// parsePrompt reads a completions prompt: a string, an array of strings, an array of token IDs, or
+// an array of token-ID arrays.
+func (p *parser) parsePrompt() error {
+	s := &p.s
+	p.msgs, p.segs, p.ids = p.msgs[:0], p.segs[:0], p.ids[:0]
+	p.hasPrompt = true
+	switch s.peek() {
+	case '"':
+		return p.promptString()
+	case '[':
+	case 'n':
+		return s.errorf("prompt is required (got null)")
+	default:
+		return s.errorf("prompt must be a string, an array of strings, or an array of token IDs, not %s", s.kind())
+	}
+	var shape byte // 's' strings, 'i' token IDs, 'a' arrays of token IDs
+	n := 0
+	err := s.array(1, func() error {
+		c := s.peek()
+		var this byte
+		switch {
+		case c == '"':
+			this = 's'
+		case c == '-' || c >= '0' && c <= '9':
+			this = 'i'
+		case c == '[':
+			this = 'a'
+		default:
+			return s.errorf("prompt[%d] must be a string, a token ID or an array of token IDs, not %s", n, s.kind())
+		}
+		if shape == 0 {
+			shape = this
+			if shape == 'i' {
+				p.msgs = append(p.msgs, msg{segStart: len(p.segs)})
+				p.segs = append(p.segs, seg{kind: segTokens, sp: span{off: len(p.ids), end: len(p.ids)}})
+			}
+		} else if this != shape {
+			return s.errorf("prompt array elements must all be strings, all token IDs, or all arrays of token IDs")
+		}
+		n++
+		switch this {
+		case 's':
+			return p.promptString()
+		case 'i':
+			if err := p.tokenID(); err != nil {
+				return err
+			}
+			p.segs[len(p.segs)-1].sp.end = len(p.ids)
+			return nil
+		default:
+			first := len(p.ids)
+			if err := s.array(2, p.tokenID); err != nil {
+				return err
+			}
+			if len(p.ids) == first {
+				return s.errorf("prompt[%d] must not be an empty token array", n-1)
+			}
+			p.msgs = append(p.msgs, msg{segStart: len(p.segs), segEnd: len(p.segs) + 1})
+			p.segs = append(p.segs, seg{kind: segTokens, sp: span{off: first, end: len(p.ids)}})
+			return nil
+		}
+	})
+	if err != nil {
+		return err
+	}
+	if n == 0 {
+		return s.errorf("prompt must not be an empty array")
+	}
+	if shape == 'i' {
+		p.msgs[0].segEnd = len(p.segs)
+	}
+	return nil
+}
+
+func (p *parser) promptString() error {
+	sp, err := p.str()
+	if err != nil {
+		return err
+	}
+	p.msgs = append(p.msgs, msg{segStart: len(p.segs), segEnd: len(p.segs) + 1})
+	p.segs = append(p.segs, seg{kind: segText, sp: sp})
+	return nil
+}
+
+func (p *parser) tokenID() error {
+	s := &p.s
+	c := s.peek()
+	if c != '-' && (c < '0' || c > '9') {
+		return s.errorf("prompt token IDs must be integers, not %s", s.kind())
+	}
+	start, end, err := s.number()
+	if err != nil {
+		return err
+	}
+	v, ok := integer(s.b[start:end], 1<<32-1)
+	if !ok {
+		s.i = start
+		return s.errorf("prompt token IDs must be non-negative integers")
+	}
+	p.ids = append(p.ids, uint32(v))
+	return nil
+}

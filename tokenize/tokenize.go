@@ -1,0 +1,229 @@
+// Package tokenize turns an OpenAI-compatible request body (/v1/chat/completions or
+// /v1/completions) into what token-aware routing needs: the model, the stream flag, the output
+// limit, prompt token counts per message, and the prompt's boundaries with fixed-seed prefix
+// hashes. It does not import Caddy.
+//
+// # Counting
+//
+// Text is counted with github.com/pkoukk/tiktoken-go (cl100k_base by default, or o200k_base), whose
+// vocabularies are embedded (nothing is ever downloaded). Each encoder is built once per process,
+// lazily or by Warm. A chat request counts like OpenAI's reference recipe:
+//
+//	PromptTokens = 3 (reply priming) + tools + Σ messages
+//	message      = 3 + tokens(role) + tokens(content text) [+ tokens(name) + 1]
+//	               + Σ tool calls (tokens(function name) + tokens(arguments))
+//	               + 85 per non-text content part (image, audio, file, ...)
+//	tools        = tokens(the raw JSON text of the "tools" array), when present
+//
+// so {"role":"user","content":"hello world"} counts 3+1+2+3 = 9 with cl100k_base. Completions count
+// the prompt text exactly (no overhead); a token-ID prompt counts its length.
+//
+// # Bounds
+//
+// A client controls the body, and BPE is quadratic on long runs of one character. Text is therefore
+// tokenized in chunks of at most 1 KiB, cut where the cut provably does not change the count
+// (between a word and the following space, or between a letter or digit and punctuation), and never
+// with more than 64 bytes between two such cut points (a longer run is cut at a rune boundary,
+// which may shift the count by about one token per cut). A message whose text exceeds
+// Options.MaxMessageBytes, and everything after Options.MaxTotalBytes of tokenized text in one
+// request, is counted with Estimate instead; Request.Estimated says so. Each tokenizer call is
+// charged at least 64 bytes against the budget, so a request of 100k tiny messages is bounded too.
+// JSON nesting is limited to 1000 levels. Parse's CPU cost is therefore linear in the body size plus
+// at most about MaxTotalBytes / 5 MB/s of tokenizing (about 25 ms for the default 128 KiB, paid
+// only on cache misses).
+//
+// # Message cache
+//
+// Token counts of exactly-tokenized messages are kept in a process-global LRU of 65,536 entries
+// keyed by (encoding, message hash), about 100 bytes per entry (under 8 MiB in all), so a
+// multi-turn conversation only tokenizes its newest message.
+//
+// # Concurrency
+//
+// Every exported function is safe for concurrent use. Parse does not retain body.
+package tokenize
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"unicode/utf8"
+	"unsafe"
+)
+
+// ErrMalformed is wrapped by every error Parse returns for a body that is not a valid request of
+// the given API. The error text says what is wrong and is meant for an HTTP 400 answer.
+var ErrMalformed = errors.New("malformed request")
+
+// API is the OpenAI-compatible endpoint a request is for.
+type API uint8
+
+const (
+	APIUnknown API = iota
+	APIChat
+	APICompletions
+)
+
+// String returns "chat", "completions" or "unknown".
+func (a API) String() string {
+	switch a {
+	case APIChat:
+		return "chat"
+	case APICompletions:
+		return "completions"
+	default:
+		return "unknown"
+	}
+}
+
+// APIForPath reports which API a URL path is: a path ending in "/chat/completions" is APIChat, one
+// ending in "/completions" otherwise is APICompletions (so /v1/..., /openai/v1/... work); any other
+// path reports false.
+func APIForPath(path string) (API, bool) {
+	switch {
+	case strings.HasSuffix(path, "/chat/completions"):
+		return APIChat, true
+	case strings.HasSuffix(path, "/completions"):
+		return APICompletions, true
+	default:
+		return APIUnknown, false
+	}
+}
+
+// Defaults used when the Options fields are zero.
+const (
+	DefaultEncoding        = "cl100k_base"
+	DefaultMaxMessageBytes = 32 << 10
+	DefaultMaxTotalBytes   = 128 << 10
+)
+
+// StepBytes is the distance, in bytes of a message's text, between the step boundaries Parse adds
+// inside long messages.
+const StepBytes = 256
+
+// Options controls counting. The zero value means cl100k_base with the default budgets.
+type Options struct {
+	// Encoding is "cl100k_base" (the default when empty), "o200k_base", or "approx" (no
+	// tokenizer: every count is an Estimate).
+	Encoding string
+	// MaxMessageBytes: a message (or prompt string) whose text is longer than this is estimated,
+	// not tokenized. Default 32 KiB.
+	MaxMessageBytes int
+	// MaxTotalBytes: after this many bytes have been tokenized in one request, the remaining
+	// messages are estimated. Cache hits cost nothing. Default 128 KiB.
+	MaxTotalBytes int
+}
+
+// Request is what routing needs from a request body.
+type Request struct {
+	API    API
+	Model  string
+	Stream bool
+	// MaxTokens is max_completion_tokens if present, else max_tokens; 0 when absent.
+	MaxTokens int
+	// PromptTokens is the whole prompt's count (see the package doc for the overhead rule).
+	PromptTokens int
+	// ToolsTokens is the part of PromptTokens spent on the request's "tools" definitions, which
+	// are counted as a pseudo-message before the first message (so Messages[0].End includes them).
+	ToolsTokens int
+	// Messages has one entry per chat message; for completions, one per prompt string or token
+	// array.
+	Messages []Message
+	// Boundaries are the points where a cached prefix may end, in strictly increasing Tokens
+	// order: the end of the tools pseudo-message and of every message, plus a step every
+	// StepBytes bytes inside long messages (token position interpolated proportionally). A point
+	// that would not advance Tokens is left out.
+	Boundaries []Boundary
+	// Estimated is true if any part of the count was estimated instead of tokenized.
+	Estimated bool
+}
+
+// Message is one chat message (or completions prompt) of a Request.
+type Message struct {
+	// Tokens of this message including its overhead.
+	Tokens int
+	// End is the running token position at the end of this message (PromptTokens for the last).
+	End int
+	// Hash is a fixed-seed xxhash of the message's canonical content: role, name, content text
+	// and non-text parts, tool calls (id, function name, arguments) and tool_call_id. Key order
+	// and JSON escaping do not change it.
+	Hash uint64
+}
+
+// Parse parses body as a request of the given API and counts its prompt. Errors for bodies that are
+// not valid requests wrap ErrMalformed and say what is wrong; an unknown opts.Encoding or an
+// encoder that cannot be built is reported as another error.
+//
+// Parse is safe for concurrent use; encoders and the message cache are process-global. Its cost
+// is linear in len(body) plus the bounded tokenizing described in the package doc; with a warm
+// cache a 20-message, 4k-token chat request takes a few tens of microseconds and four allocations.
+func Parse(body []byte, api API, opts Options) (*Request, error) {
+	if api != APIChat && api != APICompletions {
+		return nil, fmt.Errorf("%w: unsupported API %q", ErrMalformed, api)
+	}
+	enc, err := encoderFor(opts.Encoding)
+	if err != nil {
+		return nil, err
+	}
+	if len(body) == 0 {
+		return nil, fmt.Errorf("%w: empty body", ErrMalformed)
+	}
+	if !utf8.Valid(body) {
+		return nil, fmt.Errorf("%w: body is not valid UTF-8 (at offset %d)", ErrMalformed, invalidUTF8At(body))
+	}
+	p := parserPool.Get().(*parser)
+	defer p.release()
+	p.reset(body, api)
+	if err := p.parseBody(); err != nil {
+		return nil, err
+	}
+	return p.count(enc, opts), nil
+}
+
+func invalidUTF8At(b []byte) int {
+	for i := 0; i < len(b); {
+		r, n := utf8.DecodeRune(b[i:])
+		if r == utf8.RuneError && n == 1 {
+			return i
+		}
+		i += n
+	}
+	return len(b)
+}
+
+// Estimate is the tokenizer-free count used for the "approx" encoding and for fallbacks: one token
+// per 4 ASCII bytes (rounded up) plus one per non-ASCII rune. On the measured corpora it is within
+// about 20% of cl100k_base for prose and code, 10% low for Chinese and ~40% low for JSON. It costs
+// about 1 ns per byte and does not allocate.
+func Estimate(text string) int {
+	return estimate(unsafe.Slice(unsafe.StringData(text), len(text)))
+}
+
+func estimate(b []byte) int {
+	ascii, other := 0, 0
+	for _, c := range b {
+		switch {
+		case c < 0x80:
+			ascii++
+		case c >= 0xC0: // a rune's lead byte
+			other++
+		}
+	}
+	return (ascii+3)/4 + other
+}
+
+// CacheStats reports the process-global message cache's hits and misses since start, and the number
+// of tokenizer calls made. Safe for concurrent use.
+func CacheStats() (hits, misses, tokenizerCalls uint64) {
+	return cacheHits.Load(), cacheMisses.Load(), tokenizerCallCount.Load()
+}
+
+var (
+	cacheHits          atomic.Uint64
+	cacheMisses        atomic.Uint64
+	tokenizerCallCount atomic.Uint64
+)
+
+var parserPool = sync.Pool{New: func() any { return new(parser) }}
