@@ -1,0 +1,133 @@
+package vllmsim
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"time"
+)
+
+// Config shapes one simulated server. The zero value of every field selects the default named in its
+// comment, so Config{} is a valid, vLLM-like single-GPU server.
+type Config struct {
+	Model               string        // served model name, default "sim-model"
+	MaxNumSeqs          int           // running sequences (continuous batching), default 64
+	MaxQueue            int           // waiting-queue limit; a request that would exceed it gets 429; 0 = unlimited
+	BlockSize           int           // KV block size in tokens, default 16
+	NumGPUBlocks        int           // KV cache capacity in blocks, default 4096
+	PrefillTokensPerSec float64       // default 8000
+	DecodeStep          time.Duration // decode step time at batch size 1, default 30ms
+	DecodeStepPerSeq    time.Duration // added per running sequence, default 0.25ms (step time grows with batch)
+	TimeScale           float64       // >1 runs faster than real time: every simulated duration is divided by it; default 1
+	TokensPerChunk      int           // output tokens per SSE chunk (default 1 = like vLLM); lets benchmarks save CPU
+	Metrics             string        // "vllm" (default), "vllm-legacy" (gpu_cache_usage_perc, gpu_prefix_cache_*), "sglang"
+	ErrorRate           float64       // fraction of requests answered 500 (seeded RNG)
+	DropMidStreamRate   float64       // fraction of streams whose connection is dropped mid-stream (panic(http.ErrAbortHandler))
+	MetricsDelay        time.Duration // /metrics handler sleeps this long (slow metrics fault)
+	MetricsFail         bool          // /metrics answers 500
+	Seed                int64
+
+	// MaxNumBatchedTokens is the token budget of one engine step (vLLM's max_num_batched_tokens with
+	// chunked prefill): decodes take one token each, prefills share the rest, and a long prompt is
+	// prefilled over several steps while running sequences keep decoding. Default 8192; -1 = unlimited.
+	MaxNumBatchedTokens int
+}
+
+// Faults are the failure knobs that can change while a server runs (see Server.SetFaults).
+type Faults struct {
+	ErrorRate, DropMidStreamRate float64
+	MetricsDelay                 time.Duration
+	MetricsFail                  bool
+}
+
+// Metrics flavours accepted in Config.Metrics.
+const (
+	MetricsVLLM       = "vllm"
+	MetricsVLLMLegacy = "vllm-legacy"
+	MetricsSGLang     = "sglang"
+)
+
+// defaultMaxTokens is the output length of a request that names neither max_tokens nor
+// max_completion_tokens.
+const defaultMaxTokens = 64
+
+// withDefaults returns cfg with defaults filled in, or an error for values out of range.
+func (cfg Config) withDefaults() (Config, error) {
+	if cfg.Model == "" {
+		cfg.Model = "sim-model"
+	}
+	setInt := func(v *int, def int) {
+		if *v == 0 {
+			*v = def
+		}
+	}
+	setInt(&cfg.MaxNumSeqs, 64)
+	setInt(&cfg.BlockSize, 16)
+	setInt(&cfg.NumGPUBlocks, 4096)
+	setInt(&cfg.TokensPerChunk, 1)
+	setInt(&cfg.MaxNumBatchedTokens, 8192)
+	if cfg.PrefillTokensPerSec == 0 {
+		cfg.PrefillTokensPerSec = 8000
+	}
+	if cfg.DecodeStep == 0 {
+		cfg.DecodeStep = 30 * time.Millisecond
+	}
+	if cfg.DecodeStepPerSeq == 0 {
+		cfg.DecodeStepPerSeq = 250 * time.Microsecond
+	}
+	if cfg.TimeScale == 0 {
+		cfg.TimeScale = 1
+	}
+	if cfg.Metrics == "" {
+		cfg.Metrics = MetricsVLLM
+	}
+
+	var errs []error
+	positive := func(name string, v int) {
+		if v < 0 {
+			errs = append(errs, fmt.Errorf("%s must not be negative, got %d", name, v))
+		}
+	}
+	positive("max_num_seqs", cfg.MaxNumSeqs)
+	positive("max_queue", cfg.MaxQueue)
+	positive("block_size", cfg.BlockSize)
+	positive("num_gpu_blocks", cfg.NumGPUBlocks)
+	positive("tokens_per_chunk", cfg.TokensPerChunk)
+	if cfg.MaxNumBatchedTokens < -1 {
+		errs = append(errs, fmt.Errorf("max_num_batched_tokens must be positive or -1, got %d", cfg.MaxNumBatchedTokens))
+	}
+	if cfg.BlockSize > 4096 {
+		errs = append(errs, fmt.Errorf("block_size must be at most 4096, got %d", cfg.BlockSize))
+	}
+	if cfg.NumGPUBlocks > math.MaxInt32 {
+		errs = append(errs, fmt.Errorf("num_gpu_blocks too large: %d", cfg.NumGPUBlocks))
+	}
+	if !(cfg.PrefillTokensPerSec > 0) || math.IsInf(cfg.PrefillTokensPerSec, 0) {
+		errs = append(errs, fmt.Errorf("prefill_tokens_per_sec must be positive, got %v", cfg.PrefillTokensPerSec))
+	}
+	if cfg.DecodeStep < 0 || cfg.DecodeStepPerSeq < 0 || cfg.MetricsDelay < 0 {
+		errs = append(errs, errors.New("durations must not be negative"))
+	}
+	if !(cfg.TimeScale > 0) || math.IsInf(cfg.TimeScale, 0) {
+		errs = append(errs, fmt.Errorf("time_scale must be positive, got %v", cfg.TimeScale))
+	}
+	switch cfg.Metrics {
+	case MetricsVLLM, MetricsVLLMLegacy, MetricsSGLang:
+	default:
+		errs = append(errs, fmt.Errorf("unknown metrics flavour %q (want vllm, vllm-legacy or sglang)", cfg.Metrics))
+	}
+	if err := validRate("error_rate", cfg.ErrorRate); err != nil {
+		errs = append(errs, err)
+	}
+	if err := validRate("drop_mid_stream_rate", cfg.DropMidStreamRate); err != nil {
+		errs = append(errs, err)
+	}
+	return cfg, errors.Join(errs...)
+}
+
+func validRate(name string, v float64) error {
+	if !(v >= 0 && v <= 1) {
+		return fmt.Errorf("%s must be in [0, 1], got %v", name, v)
+	}
+	return nil
+}

@@ -1,0 +1,17 @@
+// Package vllmsim is a simulated vLLM server for benchmarks and demos: an http.Handler that speaks
+// the OpenAI completion API and /metrics like vLLM (or SGLang) and reproduces the engine behaviour that
+// load balancing affects, on a 2-core machine without a GPU.
+//
+// The engine is one goroutine running continuous batching on a simulated clock: up to MaxNumSeqs
+// running sequences, a FIFO waiting queue with head-of-line blocking, chunked prefill whose cost is
+// proportional to the uncached prompt tokens, and decode steps whose time grows with the batch. The KV
+// cache is paged (BlockSize tokens per block, NumGPUBlocks blocks) with vLLM-style automatic prefix
+// caching: full prompt blocks are identified by a chained xxhash, reused by later requests that share
+// the prefix, and evicted least-recently-used when unreferenced blocks are needed.
+//
+// Tokenization is deliberately cheap: the templated prompt (per chat message "<|role|>\n" + content +
+// "\n") is cut into 4-byte pieces, one token each. Output tokens are 4-byte words.
+//
+// Every simulated duration is divided by Config.TimeScale and slept on a real timer, so a realistic
+// configuration runs many times faster than real time with the same shape of results.
+package vllmsim

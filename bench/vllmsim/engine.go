@@ -1,0 +1,524 @@
+package vllmsim
+
+import (
+	"errors"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Sentinel errors of the engine.
+var (
+	// ErrClosed: the server was closed; new requests get 503 and in-flight ones end with an error.
+	ErrClosed = errors.New("simulated engine closed")
+	// errQueueFull: the waiting queue is at MaxQueue (429).
+	errQueueFull = errors.New("waiting queue full")
+	// errTooLong: prompt plus output can never fit in the KV cache (400, like max_model_len).
+	errTooLong = errors.New("prompt and output exceed the model's maximum context length")
+)
+
+// Request states, guarded by Server.mu.
+const (
+	stateWaiting = iota
+	stateRunning
+	stateDone // finished, aborted or failed; its blocks are released
+)
+
+// request is one sequence in the engine. Fields below the mutex comment are guarded by Server.mu; the
+// atomics and channels are how the engine hands tokens to the HTTP handler without ever blocking.
+type request struct {
+	hashes       []uint64 // chained hashes of the prompt's full blocks
+	promptTokens int
+	maxTokens    int
+
+	generated atomic.Int64  // output tokens produced so far
+	cached    atomic.Int64  // prompt tokens found in the prefix cache at admission
+	notify    chan struct{} // capacity 1: new tokens or done
+	done      chan struct{} // closed when the request leaves the engine
+	err       error         // why it ended early (nil when finished); written before done is closed
+
+	// guarded by Server.mu
+	state       int
+	blocks      []int32 // KV blocks in token order
+	registered  int     // prompt blocks published in the prefix cache
+	computed    int     // prompt tokens prefilled (cached ones included)
+	reserved    int     // output blocks reserved but not yet allocated
+	pendingEst  int     // contribution to Server.pendingPrefill
+	outstanding int     // output tokens not yet generated
+}
+
+// stepItem is one request's share of a planned engine step.
+type stepItem struct {
+	r       *request
+	prefill int // prompt tokens prefilled in this step; 0 = a decode
+}
+
+// Server is a simulated vLLM server: an http.Handler in front of one engine goroutine that runs
+// continuous batching on a simulated clock over a paged KV cache with prefix caching.
+//
+// All methods are safe for concurrent use. The engine holds the mutex only to plan and apply a step
+// (O(batch + blocks allocated)); introspection takes the same mutex briefly. Memory is bounded by
+// NumGPUBlocks, MaxNumSeqs and the waiting queue (MaxQueue, or unbounded when 0) plus each request's
+// prompt hashes (8 bytes per block).
+type Server struct {
+	cfg    Config
+	faults atomic.Pointer[Faults]
+	wake   chan struct{}
+	stop   chan struct{}
+	exited chan struct{}
+	once   sync.Once
+	nextID atomic.Uint64
+	idBase uint32 // distinguishes response IDs of servers in one process
+
+	requests, failed429, failed5xx atomic.Int64
+	// modelJSON is the served model name as a JSON string literal.
+	modelJSON []byte
+
+	rngMu sync.Mutex
+	rng   *rand.Rand
+
+	mu             sync.Mutex
+	closed         bool
+	kv             *kvCache
+	waiting        []*request // FIFO; entries in stateDone are tombstones skipped on pop
+	waitHead       int
+	numWaiting     int
+	running        []*request
+	reservedTotal  int // output blocks reserved by running requests
+	pendingPrefill int
+	prefixQueries  int64
+	prefixHits     int64
+	promptTotal    int64
+	outputTotal    int64
+	finished       int64
+	steps          int64
+	busy           time.Duration // simulated time spent in steps
+	lastStep       time.Duration
+}
+
+// New validates cfg, fills in defaults and starts the engine goroutine; Close stops it.
+func New(cfg Config) (*Server, error) {
+	cfg, err := cfg.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	s := &Server{
+		cfg:    cfg,
+		wake:   make(chan struct{}, 1),
+		stop:   make(chan struct{}),
+		exited: make(chan struct{}),
+		rng:    rand.New(rand.NewPCG(uint64(cfg.Seed), 0x5eed)),
+		kv:     newKVCache(cfg.NumGPUBlocks),
+	}
+	s.modelJSON = appendJSONString(nil, cfg.Model)
+	s.idBase = s.rng.Uint32()
+	s.faults.Store(&Faults{
+		ErrorRate:         cfg.ErrorRate,
+		DropMidStreamRate: cfg.DropMidStreamRate,
+		MetricsDelay:      cfg.MetricsDelay,
+		MetricsFail:       cfg.MetricsFail,
+	})
+	go s.run()
+	return s, nil
+}
+
+// Config returns the configuration with defaults filled in.
+func (s *Server) Config() Config { return s.cfg }
+
+// Close stops the engine goroutine and waits for it; every waiting or running request ends with
+// ErrClosed and later requests get 503. It is idempotent and safe to call concurrently.
+func (s *Server) Close() {
+	s.once.Do(func() { close(s.stop) })
+	<-s.exited
+}
+
+// SetFaults replaces the fault knobs at run time; rates outside [0, 1] are clamped.
+func (s *Server) SetFaults(f Faults) {
+	f.ErrorRate = min(max(f.ErrorRate, 0), 1)
+	f.DropMidStreamRate = min(max(f.DropMidStreamRate, 0), 1)
+	s.faults.Store(&f)
+}
+
+// State is a snapshot of the engine for tests and the benchmark's oracle.
+type State struct {
+	Running, Waiting      int
+	PendingPrefillTokens  int // uncached prompt tokens of waiting + running-but-not-yet-prefilled requests
+	UsedBlocks, NumBlocks int
+	PrefixQueries         int64 // prompt tokens looked up in the prefix cache
+	PrefixHits            int64 // of which found cached
+	Requests              int64 // completion requests received
+	Failed429, Failed5xx  int64
+
+	// Additions beyond the harness contract.
+	CachedBlocks     int           // blocks whose contents are in the prefix cache (referenced or not)
+	ReservedBlocks   int           // free blocks promised to running requests' future output
+	Evictions        int64         // cached blocks evicted to make room
+	Finished         int64         // requests that generated all their tokens
+	Steps            int64         // engine steps run
+	BusyTime         time.Duration // simulated time spent in steps
+	LastStepDuration time.Duration // simulated duration of the latest step
+}
+
+// State returns a snapshot; it takes the engine mutex briefly and allocates nothing.
+func (s *Server) State() State {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return State{
+		Running:              len(s.running),
+		Waiting:              s.numWaiting,
+		PendingPrefillTokens: s.pendingPrefill,
+		UsedBlocks:           s.kv.used(),
+		NumBlocks:            len(s.kv.blocks),
+		PrefixQueries:        s.prefixQueries,
+		PrefixHits:           s.prefixHits,
+		Requests:             s.requests.Load(),
+		Failed429:            s.failed429.Load(),
+		Failed5xx:            s.failed5xx.Load(),
+		CachedBlocks:         len(s.kv.cached),
+		ReservedBlocks:       s.reservedTotal,
+		Evictions:            s.kv.evictions,
+		Finished:             s.finished,
+		Steps:                s.steps,
+		BusyTime:             s.busy,
+		LastStepDuration:     s.lastStep,
+	}
+}
+
+// Cached returns the simulated tokenization of an OpenAI request body (the same the engine would do)
+// and how many of its prompt tokens are cached right now (full cached blocks of the chained-hash
+// prefix, at most promptTokens-1 like vLLM, which always computes the last prompt token). A body with
+// "messages" is a chat request, anything else a text completion. It costs one parse and one hash pass
+// over the prompt and holds the engine mutex for one map lookup per block.
+func (s *Server) Cached(body []byte) (promptTokens, cachedTokens int, err error) {
+	chat := looksLikeChat(body)
+	p, err := parseRequest(body, chat)
+	if err != nil {
+		return 0, 0, err
+	}
+	r := s.newRequest(p)
+	s.mu.Lock()
+	hits, _ := s.kv.lookup(r.hashes, s.maxHitBlocks(r))
+	s.mu.Unlock()
+	return r.promptTokens, hits * s.cfg.BlockSize, nil
+}
+
+func (s *Server) newRequest(p parsedRequest) *request {
+	return &request{
+		hashes:       blockHashes(p.prompt, s.cfg.BlockSize),
+		promptTokens: promptTokens(p.prompt),
+		maxTokens:    p.maxTokens,
+		notify:       make(chan struct{}, 1),
+		done:         make(chan struct{}),
+	}
+}
+
+// maxHitBlocks is how many prompt blocks may come from the cache: vLLM recomputes at least the last
+// prompt token to produce logits.
+func (s *Server) maxHitBlocks(r *request) int { return (r.promptTokens - 1) / s.cfg.BlockSize }
+
+func (s *Server) blocksFor(tokens int) int { return (tokens + s.cfg.BlockSize - 1) / s.cfg.BlockSize }
+
+// enqueue adds r to the waiting queue, or fails with ErrClosed, errQueueFull or errTooLong.
+func (s *Server) enqueue(r *request) error {
+	if s.blocksFor(r.promptTokens+r.maxTokens) > s.cfg.NumGPUBlocks {
+		return errTooLong
+	}
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return ErrClosed
+	}
+	// The queue limit counts requests waiting beyond the free sequence slots, which the next step
+	// admits anyway.
+	if s.cfg.MaxQueue > 0 && s.numWaiting+1-(s.cfg.MaxNumSeqs-len(s.running)) > s.cfg.MaxQueue {
+		s.mu.Unlock()
+		return errQueueFull
+	}
+	hits, _ := s.kv.lookup(r.hashes, s.maxHitBlocks(r))
+	r.state = stateWaiting
+	r.pendingEst = r.promptTokens - hits*s.cfg.BlockSize
+	s.pendingPrefill += r.pendingEst
+	s.waiting = append(s.waiting, r)
+	s.numWaiting++
+	s.mu.Unlock()
+	select {
+	case s.wake <- struct{}{}:
+	default:
+	}
+	return nil
+}
+
+// abort removes r from the engine if it is still there and releases its blocks.
+func (s *Server) abort(r *request) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	switch r.state {
+	case stateWaiting:
+		s.numWaiting--
+		s.pendingPrefill -= r.pendingEst
+		r.pendingEst = 0
+		r.state = stateDone
+	case stateRunning:
+		for i, q := range s.running {
+			if q == r {
+				s.running = append(s.running[:i], s.running[i+1:]...)
+				break
+			}
+		}
+		s.retireLocked(r)
+	}
+}
+
+// retireLocked releases a running request's blocks and reservation and marks it done (without closing
+// done: the caller decides how it ended).
+func (s *Server) retireLocked(r *request) {
+	s.kv.release(r.blocks)
+	r.blocks = nil
+	s.reservedTotal -= r.reserved
+	r.reserved = 0
+	s.pendingPrefill -= r.pendingEst
+	r.pendingEst = 0
+	r.state = stateDone
+}
+
+// admitLocked tries to give the waiting request r its prefix-cache hits, prompt blocks and a
+// reservation for its output blocks. It returns false, changing nothing, when the free blocks (minus
+// other requests' reservations) do not suffice.
+func (s *Server) admitLocked(r *request) bool {
+	hits, hitsFree := s.kv.lookup(r.hashes, s.maxHitBlocks(r))
+	promptBlocks := s.blocksFor(r.promptTokens)
+	outBlocks := s.blocksFor(r.promptTokens+r.maxTokens) - promptBlocks
+	if hitsFree+(promptBlocks-hits)+outBlocks > s.kv.free-s.reservedTotal {
+		return false
+	}
+	r.blocks = make([]int32, 0, promptBlocks+outBlocks)
+	for _, h := range r.hashes[:hits] {
+		r.blocks = append(r.blocks, s.kv.take(h))
+	}
+	for range promptBlocks - hits {
+		r.blocks = append(r.blocks, s.kv.allocate())
+	}
+	r.reserved = outBlocks
+	s.reservedTotal += outBlocks
+	cached := hits * s.cfg.BlockSize
+	r.computed, r.registered = cached, hits
+	r.cached.Store(int64(cached))
+	s.prefixQueries += int64(r.promptTokens)
+	s.prefixHits += int64(cached)
+	s.pendingPrefill += r.promptTokens - cached - r.pendingEst
+	r.pendingEst = r.promptTokens - cached
+	r.outstanding = r.maxTokens
+	r.state = stateRunning
+	return true
+}
+
+// planLocked admits waiting requests and chooses the next step's batch: one decode token for every
+// prefilled running request, then prefill chunks for running and newly admitted requests within the
+// step's token budget. It returns the batch and the step's simulated duration.
+func (s *Server) planLocked(batch []stepItem) ([]stepItem, time.Duration) {
+	budget := s.cfg.MaxNumBatchedTokens
+	unlimited := budget < 0
+	prefill := 0
+	for _, r := range s.running {
+		if r.computed == r.promptTokens {
+			batch = append(batch, stepItem{r: r})
+			budget--
+		}
+	}
+	take := func(r *request) {
+		chunk := r.promptTokens - r.computed
+		if !unlimited {
+			chunk = min(chunk, budget)
+		}
+		if chunk > 0 {
+			batch = append(batch, stepItem{r: r, prefill: chunk})
+			budget -= chunk
+			prefill += chunk
+		}
+	}
+	for _, r := range s.running {
+		if r.computed < r.promptTokens {
+			take(r)
+		}
+	}
+	for s.numWaiting > 0 && len(s.running) < s.cfg.MaxNumSeqs && (unlimited || budget > 0) {
+		r := s.waiting[s.waitHead]
+		if r.state == stateDone { // aborted while waiting
+			s.popWaitingLocked()
+			continue
+		}
+		if !s.admitLocked(r) {
+			break // head-of-line blocking, like vLLM's FCFS scheduler
+		}
+		s.popWaitingLocked()
+		s.numWaiting--
+		s.running = append(s.running, r)
+		take(r)
+	}
+	for s.numWaiting == 0 && s.waitHead < len(s.waiting) { // drop trailing tombstones
+		s.popWaitingLocked()
+	}
+	if len(batch) == 0 {
+		return batch, 0
+	}
+	d := time.Duration(float64(prefill)/s.cfg.PrefillTokensPerSec*float64(time.Second)) +
+		s.cfg.DecodeStep + s.cfg.DecodeStepPerSeq*time.Duration(len(batch))
+	return batch, d
+}
+
+func (s *Server) popWaitingLocked() {
+	s.waiting[s.waitHead] = nil
+	s.waitHead++
+	if s.waitHead == len(s.waiting) {
+		s.waiting, s.waitHead = s.waiting[:0], 0
+	} else if s.waitHead > 1024 && s.waitHead*2 > len(s.waiting) {
+		n := copy(s.waiting, s.waiting[s.waitHead:])
+		clear(s.waiting[n:])
+		s.waiting, s.waitHead = s.waiting[:n], 0
+	}
+}
+
+// applyLocked completes a step: prefill progress (publishing full prompt blocks in the prefix cache),
+// one output token for every request whose prefill is complete, and retirement of finished requests.
+// Requests aborted during the step are skipped.
+func (s *Server) applyLocked(batch []stepItem, d time.Duration) {
+	s.steps++
+	s.busy += d
+	s.lastStep = d
+	bs := s.cfg.BlockSize
+	finished := false
+	for _, it := range batch {
+		r := it.r
+		if r.state != stateRunning {
+			continue
+		}
+		if it.prefill > 0 {
+			r.computed += it.prefill
+			s.pendingPrefill -= it.prefill
+			r.pendingEst -= it.prefill
+			full := min(r.computed/bs, len(r.hashes))
+			for ; r.registered < full; r.registered++ {
+				s.kv.register(r.blocks[r.registered], r.hashes[r.registered])
+			}
+			if r.computed < r.promptTokens {
+				continue // more prefill chunks to come
+			}
+			s.promptTotal += int64(r.promptTokens)
+		}
+		// The step that completes the prefill, and every decode step, yield one token.
+		n := r.generated.Add(1)
+		r.outstanding--
+		s.outputTotal++
+		if need := s.blocksFor(r.promptTokens + int(n)); need > len(r.blocks) && r.reserved > 0 {
+			r.blocks = append(r.blocks, s.kv.allocate())
+			r.reserved--
+			s.reservedTotal--
+		}
+		if r.outstanding == 0 {
+			s.retireLocked(r)
+			s.finished++
+			finished = true
+			close(r.done)
+			continue
+		}
+		if n == 1 || n%int64(s.cfg.TokensPerChunk) == 0 {
+			select {
+			case r.notify <- struct{}{}:
+			default:
+			}
+		}
+	}
+	if finished {
+		kept := s.running[:0]
+		for _, r := range s.running {
+			if r.state == stateRunning {
+				kept = append(kept, r)
+			}
+		}
+		clear(s.running[len(kept):])
+		s.running = kept
+	}
+}
+
+// run is the engine goroutine: plan a step, sleep its simulated duration divided by TimeScale on a
+// real timer, apply it. Timer lateness is made up on the following steps (bounded), so long runs
+// keep the simulated rate. When there is nothing to do it blocks until a request arrives.
+func (s *Server) run() {
+	defer close(s.exited)
+	timer := time.NewTimer(time.Hour)
+	timer.Stop()
+	defer timer.Stop()
+	var deadline time.Time
+	var batch []stepItem
+	const maxLag = 20 * time.Millisecond
+	for {
+		s.mu.Lock()
+		var d time.Duration
+		batch, d = s.planLocked(batch[:0])
+		s.mu.Unlock()
+		if len(batch) == 0 {
+			select {
+			case <-s.wake:
+				continue
+			case <-s.stop:
+				s.shutdown()
+				return
+			}
+		}
+		now := time.Now()
+		if now.Sub(deadline) > maxLag {
+			deadline = now
+		}
+		deadline = deadline.Add(time.Duration(float64(d) / s.cfg.TimeScale))
+		timer.Reset(time.Until(deadline))
+		select {
+		case <-timer.C:
+		case <-s.stop:
+			s.shutdown()
+			return
+		}
+		s.mu.Lock()
+		s.applyLocked(batch, d)
+		s.mu.Unlock()
+		clear(batch)
+	}
+}
+
+// shutdown ends every request with ErrClosed.
+func (s *Server) shutdown() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.closed = true
+	end := func(r *request) {
+		if r.state == stateDone {
+			return
+		}
+		s.retireLocked(r)
+		r.err = ErrClosed
+		close(r.done)
+	}
+	for _, r := range s.running {
+		end(r)
+	}
+	for _, r := range s.waiting[s.waitHead:] {
+		end(r)
+	}
+	s.running, s.waiting, s.waitHead, s.numWaiting = nil, nil, 0, 0
+}
+
+// chance reports true with probability p from the seeded RNG.
+func (s *Server) chance(p float64) bool {
+	if p <= 0 {
+		return false
+	}
+	s.rngMu.Lock()
+	defer s.rngMu.Unlock()
+	return s.rng.Float64() < p
+}
+
+func (s *Server) intN(n int) int {
+	s.rngMu.Lock()
+	defer s.rngMu.Unlock()
+	return s.rng.IntN(n)
+}

@@ -1,0 +1,388 @@
+package vllmsim
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"time"
+)
+
+// maxBodyBytes bounds a request body.
+const maxBodyBytes = 64 << 20
+
+// outputWords are the simulated output tokens: 4 bytes each, so the output text re-tokenizes to the
+// same count, and plain ASCII, so they need no JSON escaping.
+var outputWords = [...]string{" the", " sim", " ran", " and", " one", " new", " day", " was", " fun", " yes"}
+
+// ServeHTTP serves the OpenAI-compatible API (POST /v1/chat/completions, POST /v1/completions,
+// GET /v1/models), GET /health and GET /metrics. Headers: "X-Sim-Status: <code>" answers that status
+// (codes >= 400 with an OpenAI error body), "X-Sim-Drop: mid-stream" drops the connection after some
+// output. The request goroutine waits on the engine through channels; it never holds the engine
+// mutex while writing.
+func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	switch r.URL.Path {
+	case "/v1/chat/completions":
+		s.serveCompletion(w, r, true)
+	case "/v1/completions":
+		s.serveCompletion(w, r, false)
+	case "/v1/models":
+		if !allowMethod(w, r, http.MethodGet) {
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		fmt.Fprintf(w, `{"object":"list","data":[{"id":%s,"object":"model","created":%d,"owned_by":"vllm","root":%s,"parent":null,"max_model_len":%d}]}`,
+			s.modelJSON, time.Now().Unix(), s.modelJSON, s.cfg.NumGPUBlocks*s.cfg.BlockSize)
+	case "/health":
+		if !allowMethod(w, r, http.MethodGet) {
+			return
+		}
+		select {
+		case <-s.exited:
+			w.WriteHeader(http.StatusServiceUnavailable)
+		default:
+			w.WriteHeader(http.StatusOK)
+		}
+	case "/metrics":
+		if !allowMethod(w, r, http.MethodGet) {
+			return
+		}
+		s.serveMetrics(w, r)
+	default:
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusNotFound)
+		io.WriteString(w, `{"detail":"Not Found"}`)
+	}
+}
+
+func allowMethod(w http.ResponseWriter, r *http.Request, method string) bool {
+	if r.Method == method || method == http.MethodGet && r.Method == http.MethodHead {
+		return true
+	}
+	w.Header().Set("Allow", method)
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(http.StatusMethodNotAllowed)
+	io.WriteString(w, `{"detail":"Method Not Allowed"}`)
+	return false
+}
+
+func (s *Server) serveCompletion(w http.ResponseWriter, r *http.Request, chat bool) {
+	if !allowMethod(w, r, http.MethodPost) {
+		return
+	}
+	s.requests.Add(1)
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxBodyBytes))
+	if err != nil {
+		var tooLarge *http.MaxBytesError
+		if errors.As(err, &tooLarge) {
+			s.writeError(w, http.StatusRequestEntityTooLarge, "request body too large")
+			return
+		}
+		s.writeError(w, http.StatusBadRequest, "reading request body: "+err.Error())
+		return
+	}
+	if v := r.Header.Get("X-Sim-Status"); v != "" {
+		if code, err := strconv.Atoi(v); err == nil && code >= 400 && code <= 599 {
+			s.writeError(w, code, "status forced by X-Sim-Status")
+			return
+		}
+	}
+	p, err := parseRequest(body, chat)
+	if err != nil {
+		s.writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	if p.model != "" && p.model != s.cfg.Model {
+		s.writeError(w, http.StatusNotFound, "The model `"+p.model+"` does not exist.")
+		return
+	}
+	faults := s.faults.Load()
+	if s.chance(faults.ErrorRate) {
+		s.writeError(w, http.StatusInternalServerError, "simulated internal error")
+		return
+	}
+	req := s.newRequest(p)
+	switch err := s.enqueue(req); {
+	case errors.Is(err, errQueueFull):
+		s.writeError(w, http.StatusTooManyRequests, "the server is busy: waiting queue full")
+		return
+	case errors.Is(err, errTooLong):
+		s.writeError(w, http.StatusBadRequest, fmt.Sprintf("This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the messages, %d in the completion).",
+			s.cfg.NumGPUBlocks*s.cfg.BlockSize, req.promptTokens+req.maxTokens, req.promptTokens, req.maxTokens))
+		return
+	case err != nil:
+		s.writeError(w, http.StatusServiceUnavailable, err.Error())
+		return
+	}
+	defer s.abort(req) // no-op once the request has left the engine
+	drop := r.Header.Get("X-Sim-Drop") == "mid-stream" || p.stream && s.chance(faults.DropMidStreamRate)
+	rs := responseShape{
+		chat:    chat,
+		id:      s.responseID(chat),
+		created: time.Now().Unix(),
+		model:   s.modelJSON,
+		p:       &p,
+		req:     req,
+	}
+	if p.stream {
+		s.serveStream(w, r, &rs, drop)
+	} else {
+		s.serveWhole(w, r, &rs, drop)
+	}
+}
+
+func (s *Server) responseID(chat bool) string {
+	prefix := "cmpl-"
+	if chat {
+		prefix = "chatcmpl-"
+	}
+	return fmt.Sprintf("%ssim%08x%08x", prefix, s.idBase, s.nextID.Add(1))
+}
+
+// serveStream writes the SSE stream: headers once the request is queued, then a chunk per
+// TokensPerChunk output tokens (the first token at once), the finish reason on the last content chunk,
+// the usage chunk if asked for, and "data: [DONE]".
+func (s *Server) serveStream(w http.ResponseWriter, r *http.Request, rs *responseShape, drop bool) {
+	h := w.Header()
+	h.Set("Content-Type", "text/event-stream; charset=utf-8")
+	h.Set("Cache-Control", "no-cache")
+	w.WriteHeader(http.StatusOK)
+	rc := http.NewResponseController(w)
+	_ = rc.Flush()
+	dropAt := 0
+	if drop {
+		dropAt = 1 + s.intN(rs.p.maxTokens)
+	}
+	req := rs.req
+	sent := 0
+	buf := make([]byte, 0, 512)
+	for {
+		done := false
+		select {
+		case <-req.notify:
+		case <-req.done:
+		case <-r.Context().Done():
+			return
+		}
+		select {
+		case <-req.done:
+			done = true
+		default:
+		}
+		n := int(req.generated.Load())
+		if done && req.err != nil {
+			s.failed5xx.Add(1)
+			buf = append(buf[:0], "data: "...)
+			buf = appendErrorJSON(buf, http.StatusServiceUnavailable, req.err.Error())
+			buf = append(buf, "\n\ndata: [DONE]\n\n"...)
+			_, _ = w.Write(buf)
+			_ = rc.Flush()
+			return
+		}
+		if n > sent && (done || sent == 0 || n-sent >= s.cfg.TokensPerChunk) {
+			if drop && n >= dropAt {
+				n = dropAt
+			}
+			last := done && n == rs.p.maxTokens
+			buf = rs.appendChunk(buf[:0], sent, n, last)
+			sent = n
+			if _, err := w.Write(buf); err != nil {
+				return
+			}
+			if err := rc.Flush(); err != nil {
+				return
+			}
+		}
+		if drop && sent >= dropAt {
+			s.abort(req)
+			panic(http.ErrAbortHandler)
+		}
+		if done {
+			buf = buf[:0]
+			if rs.p.includeUsage {
+				buf = rs.appendUsageChunk(buf)
+			}
+			buf = append(buf, "data: [DONE]\n\n"...)
+			_, _ = w.Write(buf)
+			_ = rc.Flush()
+			return
+		}
+	}
+}
+
+// serveWhole waits for the whole output and writes one JSON response.
+func (s *Server) serveWhole(w http.ResponseWriter, r *http.Request, rs *responseShape, drop bool) {
+	select {
+	case <-rs.req.done:
+	case <-r.Context().Done():
+		return
+	}
+	if rs.req.err != nil {
+		s.writeError(w, http.StatusServiceUnavailable, rs.req.err.Error())
+		return
+	}
+	body := rs.appendWhole(make([]byte, 0, 512+rs.p.maxTokens*bytesPerToken))
+	w.Header().Set("Content-Type", "application/json")
+	if drop {
+		w.Header().Set("Content-Length", strconv.Itoa(len(body)))
+		w.WriteHeader(http.StatusOK)
+		_, _ = w.Write(body[:len(body)/2])
+		_ = http.NewResponseController(w).Flush()
+		panic(http.ErrAbortHandler)
+	}
+	_, _ = w.Write(body)
+}
+
+// writeError writes an OpenAI-style error body and counts 429s and 5xx.
+func (s *Server) writeError(w http.ResponseWriter, code int, msg string) {
+	switch {
+	case code == http.StatusTooManyRequests:
+		s.failed429.Add(1)
+	case code >= 500:
+		s.failed5xx.Add(1)
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(code)
+	_, _ = w.Write(appendErrorJSON(nil, code, msg))
+}
+
+func appendErrorJSON(buf []byte, code int, msg string) []byte {
+	typ := "Error"
+	switch code {
+	case http.StatusBadRequest:
+		typ = "BadRequestError"
+	case http.StatusNotFound:
+		typ = "NotFoundError"
+	case http.StatusTooManyRequests:
+		typ = "RateLimitError"
+	case http.StatusInternalServerError:
+		typ = "InternalServerError"
+	case http.StatusServiceUnavailable:
+		typ = "ServiceUnavailableError"
+	}
+	buf = append(buf, `{"error":{"message":`...)
+	buf = appendJSONString(buf, msg)
+	buf = append(buf, `,"type":"`...)
+	buf = append(buf, typ...)
+	buf = append(buf, `","param":null,"code":`...)
+	buf = strconv.AppendInt(buf, int64(code), 10)
+	return append(buf, "}}"...)
+}
+
+// responseShape holds what every chunk of one response repeats.
+type responseShape struct {
+	chat    bool
+	id      string
+	created int64
+	model   []byte // JSON string literal
+	p       *parsedRequest
+	req     *request
+}
+
+func (rs *responseShape) appendHead(buf []byte, object string) []byte {
+	buf = append(buf, `{"id":"`...)
+	buf = append(buf, rs.id...)
+	buf = append(buf, `","object":"`...)
+	buf = append(buf, object...)
+	buf = append(buf, `","created":`...)
+	buf = strconv.AppendInt(buf, rs.created, 10)
+	buf = append(buf, `,"model":`...)
+	return append(buf, rs.model...)
+}
+
+func (rs *responseShape) finishReason() string {
+	if rs.p.maxTokensSet {
+		return `"length"`
+	}
+	return `"stop"`
+}
+
+func appendTokens(buf []byte, from, to int) []byte {
+	for i := from; i < to; i++ {
+		buf = append(buf, outputWords[i%len(outputWords)]...)
+	}
+	return buf
+}
+
+// appendChunk appends one SSE event carrying output tokens [from, to).
+func (rs *responseShape) appendChunk(buf []byte, from, to int, last bool) []byte {
+	buf = append(buf, "data: "...)
+	if rs.chat {
+		buf = rs.appendHead(buf, "chat.completion.chunk")
+		buf = append(buf, `,"choices":[{"index":0,"delta":{`...)
+		if from == 0 {
+			buf = append(buf, `"role":"assistant",`...)
+		}
+		buf = append(buf, `"content":"`...)
+	} else {
+		buf = rs.appendHead(buf, "text_completion")
+		buf = append(buf, `,"choices":[{"index":0,"text":"`...)
+	}
+	buf = appendTokens(buf, from, to)
+	buf = append(buf, '"')
+	if rs.chat {
+		buf = append(buf, '}')
+	}
+	buf = append(buf, `,"logprobs":null,"finish_reason":`...)
+	if last {
+		buf = append(buf, rs.finishReason()...)
+	} else {
+		buf = append(buf, "null"...)
+	}
+	return append(buf, "}]}\n\n"...)
+}
+
+func (rs *responseShape) appendUsage(buf []byte) []byte {
+	prompt, completion := rs.req.promptTokens, int(rs.req.generated.Load())
+	buf = append(buf, `"usage":{"prompt_tokens":`...)
+	buf = strconv.AppendInt(buf, int64(prompt), 10)
+	buf = append(buf, `,"completion_tokens":`...)
+	buf = strconv.AppendInt(buf, int64(completion), 10)
+	buf = append(buf, `,"total_tokens":`...)
+	buf = strconv.AppendInt(buf, int64(prompt+completion), 10)
+	buf = append(buf, `,"prompt_tokens_details":{"cached_tokens":`...)
+	buf = strconv.AppendInt(buf, rs.req.cached.Load(), 10)
+	return append(buf, "}}"...)
+}
+
+func (rs *responseShape) appendUsageChunk(buf []byte) []byte {
+	buf = append(buf, "data: "...)
+	if rs.chat {
+		buf = rs.appendHead(buf, "chat.completion.chunk")
+	} else {
+		buf = rs.appendHead(buf, "text_completion")
+	}
+	buf = append(buf, `,"choices":[],`...)
+	buf = rs.appendUsage(buf)
+	return append(buf, "}\n\n"...)
+}
+
+func (rs *responseShape) appendWhole(buf []byte) []byte {
+	n := int(rs.req.generated.Load())
+	if rs.chat {
+		buf = rs.appendHead(buf, "chat.completion")
+		buf = append(buf, `,"choices":[{"index":0,"message":{"role":"assistant","content":"`...)
+		buf = appendTokens(buf, 0, n)
+		buf = append(buf, `"},"logprobs":null,"finish_reason":`...)
+	} else {
+		buf = rs.appendHead(buf, "text_completion")
+		buf = append(buf, `,"choices":[{"index":0,"text":"`...)
+		buf = appendTokens(buf, 0, n)
+		buf = append(buf, `","logprobs":null,"finish_reason":`...)
+	}
+	buf = append(buf, rs.finishReason()...)
+	buf = append(buf, "}],"...)
+	buf = rs.appendUsage(buf)
+	return append(buf, '}')
+}
+
+func appendJSONString(buf []byte, s string) []byte {
+	b, _ := json.Marshal(s) // a string always marshals
+	return append(buf, b...)
+}
+
+// looksLikeChat tells chat bodies from text completion bodies without a second parse.
+func looksLikeChat(body []byte) bool { return bytes.Contains(body, []byte(`"messages"`)) }

@@ -1,0 +1,86 @@
+package vllmsim
+
+import (
+	"bytes"
+	"fmt"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// serveMetrics writes the engine's gauges and counters in the Prometheus text format, named like the
+// configured engine flavour. MetricsDelay (wall-clock, not scaled) and MetricsFail apply first.
+func (s *Server) serveMetrics(w http.ResponseWriter, r *http.Request) {
+	f := s.faults.Load()
+	if f.MetricsDelay > 0 {
+		t := time.NewTimer(f.MetricsDelay)
+		select {
+		case <-t.C:
+		case <-r.Context().Done():
+			t.Stop()
+			return
+		}
+	}
+	if f.MetricsFail {
+		w.WriteHeader(http.StatusInternalServerError)
+		_, _ = w.Write([]byte("simulated metrics failure\n"))
+		return
+	}
+	w.Header().Set("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+	_, _ = w.Write(s.metricsText())
+}
+
+// metricsText renders the current State in the configured flavour.
+func (s *Server) metricsText() []byte {
+	st := s.State()
+	var b bytes.Buffer
+	usage := 0.0
+	if st.NumBlocks > 0 {
+		usage = float64(st.UsedBlocks) / float64(st.NumBlocks)
+	}
+	model := `"` + labelEscaper.Replace(s.cfg.Model) + `"`
+	metric := func(name, typ, help, labels string, v float64) {
+		fmt.Fprintf(&b, "# HELP %s %s\n# TYPE %s %s\n%s{%s} %s\n", name, help, name, typ, name, labels,
+			strconv.FormatFloat(v, 'g', -1, 64))
+	}
+	switch s.cfg.Metrics {
+	case MetricsSGLang:
+		labels := "model_name=" + model
+		metric("sglang:num_running_reqs", "gauge", "The number of running requests.", labels, float64(st.Running))
+		metric("sglang:num_queue_reqs", "gauge", "The number of requests in the waiting queue.", labels, float64(st.Waiting))
+		metric("sglang:token_usage", "gauge", "The token usage.", labels, usage)
+		hitRate := 0.0
+		if st.PrefixQueries > 0 {
+			hitRate = float64(st.PrefixHits) / float64(st.PrefixQueries)
+		}
+		metric("sglang:cache_hit_rate", "gauge", "The prefix cache hit rate.", labels, hitRate)
+		metric("sglang:cache_config_info", "gauge", "Information of the cache config.",
+			fmt.Sprintf("model_name=%s,page_size=\"%d\",num_pages=\"%d\"", model, s.cfg.BlockSize, st.NumBlocks), 1)
+	default:
+		labels := "engine=\"0\",model_name=" + model
+		metric("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", labels, float64(st.Running))
+		metric("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", labels, float64(st.Waiting))
+		prefix := "vllm:"
+		if s.cfg.Metrics == MetricsVLLMLegacy {
+			prefix = "vllm:gpu_"
+			metric("vllm:gpu_cache_usage_perc", "gauge", "GPU KV-cache usage. 1 means 100 percent usage.", labels, usage)
+		} else {
+			metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", labels, usage)
+		}
+		metric(prefix+"prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of queried tokens.", labels, float64(st.PrefixQueries))
+		metric(prefix+"prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.", labels, float64(st.PrefixHits))
+		metric("vllm:request_success_total", "counter", "Count of successfully processed requests.", labels, float64(st.Finished))
+		s.mu.Lock()
+		promptTotal, outputTotal := s.promptTotal, s.outputTotal
+		s.mu.Unlock()
+		metric("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", labels, float64(promptTotal))
+		metric("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", labels, float64(outputTotal))
+		metric("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig.",
+			fmt.Sprintf("block_size=\"%d\",engine=\"0\",model_name=%s,num_gpu_blocks=\"%d\"", s.cfg.BlockSize, model, st.NumBlocks), 1)
+	}
+	return b.Bytes()
+}
+
+// labelEscaper escapes a Prometheus text-format label value.
+var labelEscaper = strings.NewReplacer(`\`, `\\`, `"`, `\"`, "\n", `\n`)
