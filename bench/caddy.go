@@ -1,0 +1,146 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+
+	"github.com/caddyserver/caddy/v2"
+)
+
+// policy is one load-balancing configuration under test: a name for the reports and the JSON of
+// reverse_proxy's load_balancing.selection_policy. Variants of a policy (another mode, scraping
+// on or off) are one more line in allPolicies.
+type policy struct {
+	Name string
+	JSON string
+}
+
+// allPolicies are the policies the benchmark compares, in report order. least_conn is the
+// baseline the ratios are computed against.
+var allPolicies = []policy{
+	{"round_robin", `{"policy":"round_robin"}`},
+	{"least_conn", `{"policy":"least_conn"}`},
+	{"random", `{"policy":"random"}`},
+	{"header", `{"policy":"header","field":"X-Conversation-ID"}`},
+	{"llm-least_tokens", `{"policy":"llm","mode":"least_tokens"}`},
+	{"llm-prefix", `{"policy":"llm","mode":"prefix"}`},
+	{"llm-combined", `{"policy":"llm","mode":"combined"}`},
+	{"oracle", `{"policy":"oracle"}`},
+}
+
+// baselinePolicy is the policy every figure is compared with.
+const baselinePolicy = "least_conn"
+
+// policyModuleID returns the Caddy module ID a policy's JSON names.
+func policyModuleID(p policy) (string, error) {
+	var v struct {
+		Policy string `json:"policy"`
+	}
+	if err := json.Unmarshal([]byte(p.JSON), &v); err != nil {
+		return "", fmt.Errorf("decoding policy %s: %w", p.Name, err)
+	}
+	return "http.reverse_proxy.selection_policies." + v.Policy, nil
+}
+
+// policyAvailable reports whether the policy's module is registered in this binary.
+func policyAvailable(p policy) error {
+	id, err := policyModuleID(p)
+	if err != nil {
+		return err
+	}
+	if _, err := caddy.GetModule(id); err != nil {
+		return fmt.Errorf("module %s is not registered", id)
+	}
+	return nil
+}
+
+// caddyConfig returns a Caddy JSON config: admin off, nothing persisted, logs at ERROR, one HTTP
+// server on 127.0.0.1:port reverse-proxying to upstreams with the policy, flushing every write
+// (streams pass through unbuffered).
+func caddyConfig(port int, upstreams []string, p policy) ([]byte, error) {
+	type upstream struct {
+		Dial string `json:"dial"`
+	}
+	ups := make([]upstream, len(upstreams))
+	for i, u := range upstreams {
+		ups[i] = upstream{Dial: u}
+	}
+	cfg := map[string]any{
+		"admin": map[string]any{"disabled": true, "config": map[string]any{"persist": false}},
+		"logging": map[string]any{"logs": map[string]any{"default": map[string]any{
+			"level": "ERROR",
+		}}},
+		"apps": map[string]any{"http": map[string]any{
+			"grace_period": "1s",
+			"servers": map[string]any{"bench": map[string]any{
+				"listen":          []string{fmt.Sprintf("127.0.0.1:%d", port)},
+				"automatic_https": map[string]any{"disable": true},
+				"routes": []any{map[string]any{"handle": []any{map[string]any{
+					"handler":        "reverse_proxy",
+					"flush_interval": -1,
+					"upstreams":      ups,
+					"load_balancing": map[string]any{"selection_policy": json.RawMessage(p.JSON)},
+					"transport": map[string]any{
+						"protocol":                "http",
+						"keep_alive":              map[string]any{"max_idle_conns_per_host": 1024},
+						"response_header_timeout": "60s",
+					},
+				}}}},
+			}},
+		}},
+	}
+	return json.Marshal(cfg)
+}
+
+// startCaddy loads a config for p in this process and returns the proxy's base URL; stopCaddy
+// stops it. Only one runs at a time.
+func startCaddy(upstreams []string, p policy) (string, error) {
+	port, err := freePort()
+	if err != nil {
+		return "", err
+	}
+	cfg, err := caddyConfig(port, upstreams, p)
+	if err != nil {
+		return "", err
+	}
+	if err := caddy.Load(cfg, true); err != nil {
+		return "", fmt.Errorf("loading caddy config for %s: %w", p.Name, err)
+	}
+	return fmt.Sprintf("http://127.0.0.1:%d", port), nil
+}
+
+// stopCaddy stops the running Caddy config.
+func stopCaddy() error {
+	if err := caddy.Stop(); err != nil {
+		return fmt.Errorf("stopping caddy: %w", err)
+	}
+	return nil
+}
+
+// freePort returns a TCP port on 127.0.0.1 that was free a moment ago.
+func freePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, fmt.Errorf("finding a free port: %w", err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}
+
+// isolateCaddyDirs points Caddy's data and config directories (autosave, PKI) at a temporary
+// directory unless the caller set them, so a benchmark run leaves nothing in $HOME.
+func isolateCaddyDirs() (cleanup func(), err error) {
+	dir, err := os.MkdirTemp("", "caddy-llm-bench-")
+	if err != nil {
+		return nil, fmt.Errorf("creating caddy state dir: %w", err)
+	}
+	for _, v := range []string{"XDG_DATA_HOME", "XDG_CONFIG_HOME"} {
+		if os.Getenv(v) == "" {
+			_ = os.Setenv(v, filepath.Join(dir, v))
+		}
+	}
+	return func() { _ = os.RemoveAll(dir) }, nil
+}

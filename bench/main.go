@@ -1,0 +1,209 @@
+// Command bench drives the same LLM workloads through Caddy with each load-balancing policy side by
+// side, against simulated vLLM backends (package vllmsim), and reports the difference the way
+// vLLM's `bench serve` measures it: TTFT, TPOT, end-to-end latency, output tokens/s, failures, and
+// the backends' own prefix-cache hit rate.
+//
+// Usage (from the repository root):
+//
+//	go run ./bench                      # every workload and policy, ~4 backends, results in bench/out
+//	go run ./bench -quick               # the same, small enough for CI
+//	go run ./bench -workloads shared-prefix -policies least_conn,llm-combined,oracle
+//	go run ./bench -overhead            # Caddy's own cost: round_robin vs llm on instant backends
+//
+// For each workload and policy it starts fresh simulated backends (cold caches) on 127.0.0.1, loads
+// a Caddy config in this process (reverse_proxy with that policy, flush_interval -1), sends the
+// workload open-loop (Poisson session arrivals at -load times the estimated capacity, see
+// estimateCapacity), and stops both. Latencies are reported in simulated time.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"runtime"
+	"runtime/pprof"
+	"strings"
+	"time"
+
+	_ "github.com/caddyserver/caddy/v2/modules/standard"
+
+	_ "github.com/tokenrouter/caddy-llm"
+	_ "github.com/tokenrouter/caddy-llm/bench/internal/oracle"
+)
+
+// warmupFraction is the share of requests, in send order, left out of the statistics.
+const warmupFraction = 0.10
+
+// options are the command-line settings.
+type options struct {
+	quick      bool
+	workloads  []string
+	policies   []policy
+	backends   int
+	load       float64
+	seed       int64
+	out        string
+	overhead   bool
+	bypassRate float64
+	cpuProfile string
+	sim        simSettings
+}
+
+// defaultSim is the simulated GPU: vLLM-like speeds (8k prefill tokens/s, 30 ms decode steps),
+// a KV cache small enough that caching matters (32k tokens per backend), run 5x faster than real
+// time with 8 output tokens per SSE chunk so that 2 cores can drive 4 backends and Caddy.
+var defaultSim = simSettings{
+	MaxNumSeqs:          64,
+	MaxNumBatchedTokens: 8192,
+	BlockSize:           16,
+	NumGPUBlocks:        2048,
+	PrefillTokensPerSec: 8000,
+	DecodeStep:          30 * time.Millisecond,
+	DecodeStepPerSeq:    250 * time.Microsecond,
+	TimeScale:           5,
+	TokensPerChunk:      8,
+}
+
+func main() {
+	if err := run(os.Args[1:]); err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(1)
+	}
+}
+
+// parseOptions reads the command line.
+func parseOptions(args []string) (options, error) {
+	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
+	o := options{sim: defaultSim}
+	var workloads, policies string
+	fs.BoolVar(&o.quick, "quick", false, "small run of every workload and policy (for CI, ~2 minutes on 2 cores)")
+	fs.StringVar(&workloads, "workloads", "all", "comma-separated workloads: "+strings.Join(workloadNames, ","))
+	fs.StringVar(&policies, "policies", "all", "comma-separated policies: "+strings.Join(policyNames(), ","))
+	fs.IntVar(&o.backends, "backends", 4, "number of simulated backends")
+	fs.Float64Var(&o.load, "load", 0.75, "offered load as a fraction of the estimated cluster capacity")
+	fs.Int64Var(&o.seed, "seed", 1, "seed of the workloads, arrivals and simulators")
+	fs.StringVar(&o.out, "out", "bench/out", "output directory for results.json, report.md and ttft.svg")
+	fs.BoolVar(&o.overhead, "overhead", false, "measure Caddy's overhead instead: instant backends, round_robin vs llm, closed loop")
+	fs.Float64Var(&o.bypassRate, "bypass-rate", 0, "extra requests per simulated second sent straight to backend 0, not through Caddy (another client)")
+	fs.Float64Var(&o.sim.TimeScale, "timescale", defaultSim.TimeScale, "how many times faster than real time the simulators run")
+	fs.IntVar(&o.sim.NumGPUBlocks, "kv-blocks", defaultSim.NumGPUBlocks, "KV cache blocks (16 tokens) per simulated backend")
+	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the run to this file")
+	if err := fs.Parse(args); err != nil {
+		return o, err
+	}
+	if fs.NArg() > 0 {
+		return o, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	if o.backends < 1 {
+		return o, fmt.Errorf("-backends must be at least 1")
+	}
+	if !(o.load > 0) {
+		return o, fmt.Errorf("-load must be positive")
+	}
+	if o.quick && !isSet(fs, "timescale") {
+		o.sim.TimeScale = 10
+	}
+	o.workloads = workloadNames
+	if workloads != "all" {
+		o.workloads = nil
+		for _, w := range strings.Split(workloads, ",") {
+			if _, err := generateWorkload(w, 0, workloadSize{quick: true}); err != nil {
+				return o, err
+			}
+			o.workloads = append(o.workloads, w)
+		}
+	}
+	o.policies = allPolicies
+	if policies != "all" {
+		o.policies = nil
+		for _, name := range strings.Split(policies, ",") {
+			p, ok := findPolicy(name)
+			if !ok {
+				return o, fmt.Errorf("unknown policy %q (known: %s)", name, strings.Join(policyNames(), ","))
+			}
+			o.policies = append(o.policies, p)
+		}
+	}
+	return o, nil
+}
+
+func isSet(fs *flag.FlagSet, name string) bool {
+	set := false
+	fs.Visit(func(f *flag.Flag) { set = set || f.Name == name })
+	return set
+}
+
+func policyNames() []string {
+	var names []string
+	for _, p := range allPolicies {
+		names = append(names, p.Name)
+	}
+	return names
+}
+
+func findPolicy(name string) (policy, bool) {
+	for _, p := range allPolicies {
+		if p.Name == name {
+			return p, true
+		}
+	}
+	return policy{}, false
+}
+
+// run executes the benchmark described by args.
+func run(args []string) error {
+	o, err := parseOptions(args)
+	if err != nil {
+		return err
+	}
+	cleanup, err := isolateCaddyDirs()
+	if err != nil {
+		return err
+	}
+	defer cleanup()
+	if o.cpuProfile != "" {
+		f, err := os.Create(o.cpuProfile)
+		if err != nil {
+			return fmt.Errorf("creating CPU profile: %w", err)
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return fmt.Errorf("starting CPU profile: %w", err)
+		}
+		defer pprof.StopCPUProfile()
+	}
+	started := time.Now()
+	res := Results{
+		Command:   "go run ./bench " + strings.Join(args, " "),
+		Started:   started.UTC().Format(time.RFC3339),
+		Machine:   fmt.Sprintf("%s/%s, %d CPUs, GOMAXPROCS %d, %s", runtime.GOOS, runtime.GOARCH, runtime.NumCPU(), runtime.GOMAXPROCS(0), runtime.Version()),
+		Seed:      o.seed,
+		Backends:  o.backends,
+		Load:      o.load,
+		BypassRPS: o.bypassRate,
+		Sim:       o.sim,
+	}
+	if o.overhead {
+		oh, err := runOverhead(context.Background(), o)
+		if err != nil {
+			return err
+		}
+		res.Overhead = &oh
+		fmt.Println(oh.describe())
+	} else {
+		res.Workloads, err = runWorkloads(context.Background(), o, os.Stderr)
+		if err != nil {
+			return err
+		}
+		for _, w := range res.Workloads {
+			writeTable(os.Stdout, w)
+		}
+	}
+	res.Notes = append(res.Notes, fmt.Sprintf("wall time %.1fs", time.Since(started).Seconds()))
+	if err := writeOutputs(o.out, res); err != nil {
+		return err
+	}
+	fmt.Printf("\nwall time %.1fs; wrote %s/{results.json,report.md,ttft.svg}\n", time.Since(started).Seconds(), o.out)
+	return nil
+}

@@ -1,0 +1,180 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"path/filepath"
+	"strings"
+	"text/tabwriter"
+)
+
+// WorkloadResult is every policy's figures on one workload.
+type WorkloadResult struct {
+	Workload string `json:"workload"`
+	Requests int    `json:"requests"`
+	Warmup   int    `json:"warmup_requests"`
+	// CapacityRPS is the estimated cluster capacity in requests per simulated second and
+	// RateRPS the offered request rate (load x capacity); see capacity.go for the formula.
+	CapacityRPS float64   `json:"capacity_rps"`
+	RateRPS     float64   `json:"rate_rps"`
+	Policies    []Summary `json:"policies"`
+	Notes       []string  `json:"notes,omitempty"`
+}
+
+// Results is the content of results.json.
+type Results struct {
+	Command   string           `json:"command"`
+	Started   string           `json:"started"`
+	Machine   string           `json:"machine"`
+	Seed      int64            `json:"seed"`
+	Backends  int              `json:"backends"`
+	Load      float64          `json:"load"`
+	BypassRPS float64          `json:"bypass_rps,omitempty"`
+	Sim       simSettings      `json:"sim"`
+	Workloads []WorkloadResult `json:"workloads"`
+	Overhead  *OverheadResult  `json:"overhead,omitempty"`
+	Notes     []string         `json:"notes,omitempty"`
+}
+
+// baseline returns the baseline policy's summary on a workload, if it ran.
+func (w WorkloadResult) baseline() (Summary, bool) {
+	for _, s := range w.Policies {
+		if s.Policy == baselinePolicy && s.Skipped == "" {
+			return s, true
+		}
+	}
+	return Summary{}, false
+}
+
+// ratio formats a/b as "0.45x", or "-" when it is undefined.
+func ratio(a, b float64) string {
+	if b == 0 || math.IsNaN(a) || math.IsNaN(b) {
+		return "-"
+	}
+	return fmt.Sprintf("%.2fx", a/b)
+}
+
+// tableHeader names the columns of the per-workload table.
+var tableHeader = []string{"policy", "TTFT p50", "p90", "p99", "E2E p50", "p99", "mean", "TPOT p50",
+	"out tok/s", "hit rate", "failed", "| vs least_conn: TTFT p50", "TTFT p99", "E2E mean", "tok/s"}
+
+// tableRows returns a workload's table, one row per policy, numbers in ms.
+func tableRows(w WorkloadResult) [][]string {
+	base, hasBase := w.baseline()
+	var rows [][]string
+	for _, s := range w.Policies {
+		if s.Skipped != "" {
+			rows = append(rows, []string{s.Policy, "skipped: " + s.Skipped})
+			continue
+		}
+		row := []string{s.Policy,
+			f0(s.TTFTP50), f0(s.TTFTP90), f0(s.TTFTP99), f0(s.E2EP50), f0(s.E2EP99), f0(s.E2EMean),
+			f1(s.TPOTP50), f0(s.OutputTokensPerS), fmt.Sprintf("%.1f%%", 100*s.CacheHitRate),
+			fmt.Sprintf("%d/%d", s.Failed, s.Requests)}
+		if hasBase {
+			row = append(row, "| "+ratio(s.TTFTP50, base.TTFTP50), ratio(s.TTFTP99, base.TTFTP99),
+				ratio(s.E2EMean, base.E2EMean), ratio(s.OutputTokensPerS, base.OutputTokensPerS))
+		}
+		rows = append(rows, row)
+	}
+	return rows
+}
+
+func f0(x float64) string { return fmt.Sprintf("%.0f", x) }
+func f1(x float64) string { return fmt.Sprintf("%.1f", x) }
+
+// writeTable prints a workload's table as aligned text.
+func writeTable(out io.Writer, w WorkloadResult) {
+	fmt.Fprintf(out, "\n== %s: %d requests (%d warm-up), %.1f req/s offered = load x capacity %.1f req/s (simulated time, ms)\n",
+		w.Workload, w.Requests, w.Warmup, w.RateRPS, w.CapacityRPS)
+	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, strings.Join(tableHeader, "\t")+"\t")
+	for _, r := range tableRows(w) {
+		fmt.Fprintln(tw, strings.Join(r, "\t")+"\t")
+	}
+	_ = tw.Flush()
+	for _, s := range w.Policies {
+		if s.Skipped == "" {
+			fmt.Fprintf(out, "  %-17s scheduling lag p99 %.1f ms, max %.1f ms (wall); requests per backend %v\n",
+				s.Policy, s.LagP99, s.LagMax, s.BackendRequests)
+		}
+	}
+	for _, n := range w.Notes {
+		fmt.Fprintf(out, "  note: %s\n", n)
+	}
+}
+
+// writeMarkdown writes report.md: the run's settings, one table per workload and the chart.
+func writeMarkdown(out io.Writer, res Results) {
+	fmt.Fprintf(out, "# caddy-llm benchmark\n\n`%s`  \n%s, %s  \n", res.Command, res.Started, res.Machine)
+	fmt.Fprintf(out, "%d simulated vLLM backends (%s), load %.2f of estimated capacity, seed %d",
+		res.Backends, res.Sim.describe(), res.Load, res.Seed)
+	if res.BypassRPS > 0 {
+		fmt.Fprintf(out, ", plus %.1f req/s sent straight to backend 0 (bypassing Caddy)", res.BypassRPS)
+	}
+	fmt.Fprintf(out, ".\n\nLatencies are in simulated milliseconds (wall time x time scale %.0f); the first %.0f%% of requests are warm-up and not counted. "+
+		"Ratios are to `%s`; hit rate is the backends' own prefix-cache hits / queries.\n\n", res.Sim.TimeScale, 100*warmupFraction, baselinePolicy)
+	fmt.Fprintf(out, "![TTFT distribution](ttft.svg)\n\n")
+	for _, w := range res.Workloads {
+		fmt.Fprintf(out, "## %s\n\n%d requests (%d warm-up), offered %.1f req/s (capacity estimate %.1f req/s)\n\n",
+			w.Workload, w.Requests, w.Warmup, w.RateRPS, w.CapacityRPS)
+		header := make([]string, len(tableHeader))
+		for i, h := range tableHeader {
+			header[i] = strings.TrimPrefix(h, "| ")
+		}
+		fmt.Fprintf(out, "| %s |\n|%s\n", strings.Join(header, " | "), strings.Repeat("---|", len(header)))
+		for _, r := range tableRows(w) {
+			for i := range r {
+				r[i] = strings.TrimPrefix(r[i], "| ")
+			}
+			fmt.Fprintf(out, "| %s |\n", strings.Join(r, " | "))
+		}
+		fmt.Fprintln(out)
+		for _, s := range w.Policies {
+			if s.Skipped == "" && s.LagP99 > lagWarnMS {
+				fmt.Fprintf(out, "- %s: scheduling lag p99 %.1f ms (wall): the load generator was CPU-bound\n", s.Policy, s.LagP99)
+			}
+		}
+		for _, n := range w.Notes {
+			fmt.Fprintf(out, "- %s\n", n)
+		}
+		fmt.Fprintln(out)
+	}
+	if res.Overhead != nil {
+		fmt.Fprintf(out, "## Overhead\n\n%s\n\n", res.Overhead.describe())
+	}
+	for _, n := range res.Notes {
+		fmt.Fprintf(out, "- %s\n", n)
+	}
+}
+
+// lagWarnMS is the scheduling lag (wall ms, p99) above which a run is flagged as CPU-bound.
+const lagWarnMS = 5.0
+
+// writeOutputs writes results.json, report.md and ttft.svg into dir.
+func writeOutputs(dir string, res Results) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return fmt.Errorf("creating output dir: %w", err)
+	}
+	js, err := json.MarshalIndent(res, "", "  ")
+	if err != nil {
+		return fmt.Errorf("encoding results: %w", err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "results.json"), append(js, '\n'), 0o644); err != nil {
+		return fmt.Errorf("writing results.json: %w", err)
+	}
+	var md strings.Builder
+	writeMarkdown(&md, res)
+	if err := os.WriteFile(filepath.Join(dir, "report.md"), []byte(md.String()), 0o644); err != nil {
+		return fmt.Errorf("writing report.md: %w", err)
+	}
+	var svg strings.Builder
+	writeChart(&svg, res.Workloads)
+	if err := os.WriteFile(filepath.Join(dir, "ttft.svg"), []byte(svg.String()), 0o644); err != nil {
+		return fmt.Errorf("writing ttft.svg: %w", err)
+	}
+	return nil
+}

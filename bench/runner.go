@@ -1,0 +1,259 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log"
+	"net"
+	"net/http"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/tokenrouter/caddy-llm/bench/internal/oracle"
+	"github.com/tokenrouter/caddy-llm/bench/vllmsim"
+)
+
+// benchModel is the model name the simulators serve and the requests name.
+const benchModel = "bench-model"
+
+// cluster is a set of simulated backends, each behind its own HTTP server on 127.0.0.1.
+type cluster struct {
+	sims    []*vllmsim.Server
+	servers []*http.Server
+	dials   []string
+}
+
+// simBackend adapts a simulator to what the oracle reads.
+type simBackend struct{ s *vllmsim.Server }
+
+func (b simBackend) Load() oracle.Load {
+	st := b.s.State()
+	return oracle.Load{PendingPrefillTokens: st.PendingPrefillTokens, Requests: st.Running + st.Waiting}
+}
+
+func (b simBackend) Cached(body []byte) (int, int, error) { return b.s.Cached(body) }
+
+// startCluster starts n fresh simulators (cold caches) and registers them with the oracle.
+func startCluster(n int, sim simSettings, seed int64) (*cluster, error) {
+	c := &cluster{}
+	for i := range n {
+		s, err := vllmsim.New(vllmsim.Config{
+			Model:               benchModel,
+			MaxNumSeqs:          sim.MaxNumSeqs,
+			MaxNumBatchedTokens: sim.MaxNumBatchedTokens,
+			BlockSize:           sim.BlockSize,
+			NumGPUBlocks:        sim.NumGPUBlocks,
+			PrefillTokensPerSec: sim.PrefillTokensPerSec,
+			DecodeStep:          sim.DecodeStep,
+			DecodeStepPerSeq:    sim.DecodeStepPerSeq,
+			TimeScale:           sim.TimeScale,
+			TokensPerChunk:      sim.TokensPerChunk,
+			Seed:                seed + int64(i),
+		})
+		if err != nil {
+			c.close()
+			return nil, fmt.Errorf("starting simulator %d: %w", i, err)
+		}
+		c.sims = append(c.sims, s)
+		if err := c.serve(s); err != nil {
+			c.close()
+			return nil, err
+		}
+	}
+	for i, d := range c.dials {
+		oracle.Register(d, simBackend{c.sims[i]})
+	}
+	return c, nil
+}
+
+// serve puts h behind an HTTP server on a free 127.0.0.1 port.
+func (c *cluster) serve(h http.Handler) error {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return fmt.Errorf("listening for a backend: %w", err)
+	}
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second, ErrorLog: discardLog}
+	go func() { _ = srv.Serve(l) }()
+	c.servers = append(c.servers, srv)
+	c.dials = append(c.dials, l.Addr().String())
+	return nil
+}
+
+// states returns every simulator's state.
+func (c *cluster) states() []vllmsim.State {
+	out := make([]vllmsim.State, len(c.sims))
+	for i, s := range c.sims {
+		out[i] = s.State()
+	}
+	return out
+}
+
+// close stops servers and simulators and unregisters them from the oracle.
+func (c *cluster) close() {
+	for _, d := range c.dials {
+		oracle.Unregister(d)
+	}
+	for _, srv := range c.servers {
+		_ = srv.Close()
+	}
+	for _, s := range c.sims {
+		s.Close()
+	}
+}
+
+// runWorkloads runs every selected workload with every selected policy.
+func runWorkloads(ctx context.Context, o options, progressOut *os.File) ([]WorkloadResult, error) {
+	size := workloadSize{quick: o.quick}
+	var wls []Workload
+	total := 0
+	for _, name := range o.workloads {
+		w, err := generateWorkload(name, o.seed, size)
+		if err != nil {
+			return nil, err
+		}
+		wls = append(wls, w)
+		total += w.NumRequests() * len(o.policies)
+	}
+	prog := newProgress(progressOut, total)
+	defer prog.finish()
+	var out []WorkloadResult
+	for _, w := range wls {
+		est := estimateCapacity(w, o.sim, o.backends)
+		wr := WorkloadResult{
+			Workload:    w.Name,
+			Requests:    w.NumRequests(),
+			Warmup:      warmupCount(w.NumRequests()),
+			CapacityRPS: est.ClusterRPS,
+			RateRPS:     o.load * est.ClusterRPS,
+		}
+		wr.Notes = append(wr.Notes, fmt.Sprintf("capacity estimate: mean prompt %.0f tokens, %.0f to prefill with an ideal cache, %.0f output, decode batch %.0f: %.2f req/s per backend",
+			est.MeanPrompt, est.MeanUncached, est.MeanOutput, est.Batch, est.PerBackendRPS))
+		for _, p := range o.policies {
+			label := w.Name + "/" + p.Name
+			prog.setLabel(label)
+			s, err := runPolicy(ctx, o, w, wr.RateRPS, p, prog)
+			if err != nil {
+				s = Summary{Policy: p.Name, Skipped: err.Error()}
+				wr.Notes = append(wr.Notes, fmt.Sprintf("%s skipped: %v", p.Name, err))
+				prog.add(w.NumRequests())
+			}
+			wr.Policies = append(wr.Policies, s)
+			prog.stepDone(fmt.Sprintf("%s: TTFT p50 %.0f ms, hit rate %.0f%%", label, s.TTFTP50, 100*s.CacheHitRate))
+		}
+		out = append(out, wr)
+	}
+	return out, nil
+}
+
+// warmupCount is the number of warm-up requests of a workload of n requests.
+func warmupCount(n int) int { return int(float64(n) * warmupFraction) }
+
+// errSkipped marks a policy that could not run in this binary.
+var errSkipped = errors.New("policy unavailable")
+
+// runPolicy runs workload w through a fresh Caddy with policy p in front of fresh simulators, at
+// rate requests per simulated second.
+func runPolicy(ctx context.Context, o options, w Workload, rate float64, p policy, prog *progress) (Summary, error) {
+	if err := policyAvailable(p); err != nil {
+		return Summary{}, fmt.Errorf("%w: %w", errSkipped, err)
+	}
+	c, err := startCluster(o.backends, o.sim, o.seed)
+	if err != nil {
+		return Summary{}, err
+	}
+	defer c.close()
+	url, err := startCaddy(c.dials, p)
+	if err != nil {
+		return Summary{}, err
+	}
+	stopped := false
+	defer func() {
+		if !stopped {
+			_ = stopCaddy()
+		}
+	}()
+
+	client := newClient()
+	defer client.CloseIdleConnections()
+	before := c.states()
+	var (
+		mu       sync.Mutex
+		measured = before
+	)
+	turns := float64(w.NumRequests()) / float64(len(w.Sessions))
+	d := &driver{
+		baseURL: url,
+		client:  client,
+		model:   benchModel,
+		rate:    rate / turns * o.sim.TimeScale,
+		seed:    o.seed,
+		warmup:  warmupCount(w.NumRequests()),
+		onMeasure: func() {
+			st := c.states()
+			mu.Lock()
+			measured = st
+			mu.Unlock()
+		},
+		onDone: func() { prog.add(1) },
+	}
+
+	runCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var bypassDone sync.WaitGroup
+	if o.bypassRate > 0 {
+		bypassDone.Add(1)
+		go func() {
+			defer bypassDone.Done()
+			runBypass(runCtx, o, w.Name, c.dials[0], client)
+		}()
+	}
+	start := time.Now()
+	results := d.run(ctx, w)
+	wall := time.Since(start)
+	cancel()
+	bypassDone.Wait()
+	after := c.states()
+	if err := stopCaddy(); err != nil {
+		return Summary{}, err
+	}
+	stopped = true
+
+	s := summarize(p.Name, results, o.sim.TimeScale)
+	s.WallSeconds = wall.Seconds()
+	mu.Lock()
+	from := measured
+	mu.Unlock()
+	var hits, queries int64
+	for i := range after {
+		hits += after[i].PrefixHits - from[i].PrefixHits
+		queries += after[i].PrefixQueries - from[i].PrefixQueries
+		s.BackendRequests = append(s.BackendRequests, int(after[i].Requests-before[i].Requests))
+	}
+	if queries > 0 {
+		s.CacheHitRate = float64(hits) / float64(queries)
+	}
+	return s, nil
+}
+
+// runBypass sends another seeded copy of the workload straight to one backend, open-loop at
+// o.bypassRate requests per simulated second, until ctx ends: load the balancer does not see.
+func runBypass(ctx context.Context, o options, workload, dial string, client *http.Client) {
+	w, err := generateWorkload(workload, o.seed+7919, workloadSize{quick: o.quick})
+	if err != nil {
+		return
+	}
+	turns := float64(w.NumRequests()) / float64(len(w.Sessions))
+	d := &driver{baseURL: "http://" + dial, client: client, model: benchModel,
+		rate: o.bypassRate / turns * o.sim.TimeScale, seed: o.seed + 7919}
+	for ctx.Err() == nil {
+		d.run(ctx, w)
+	}
+}
+
+// discardLog silences net/http's server error log (closed connections at shutdown).
+var discardLog = newDiscardLogger()
+
+func newDiscardLogger() *log.Logger { return log.New(io.Discard, "", 0) }

@@ -1,0 +1,182 @@
+package main
+
+import (
+	"math"
+	"slices"
+	"time"
+)
+
+// percentile returns the p-th percentile (0-100) of sorted values with linear interpolation
+// between closest ranks, as numpy.percentile (and so vLLM's bench serve) computes it. It returns
+// NaN for no values.
+func percentile(sorted []float64, p float64) float64 {
+	if len(sorted) == 0 {
+		return math.NaN()
+	}
+	if len(sorted) == 1 {
+		return sorted[0]
+	}
+	rank := p / 100 * float64(len(sorted)-1)
+	lo := int(math.Floor(rank))
+	hi := int(math.Ceil(rank))
+	if lo < 0 {
+		lo = 0
+	}
+	if hi >= len(sorted) {
+		hi = len(sorted) - 1
+	}
+	frac := rank - float64(lo)
+	return sorted[lo] + (sorted[hi]-sorted[lo])*frac
+}
+
+// mean returns the arithmetic mean of values, NaN for none.
+func mean(values []float64) float64 {
+	if len(values) == 0 {
+		return math.NaN()
+	}
+	sum := 0.0
+	for _, v := range values {
+		sum += v
+	}
+	return sum / float64(len(values))
+}
+
+// distribution summarises a set of values.
+type distribution struct {
+	P50, P90, P99, Mean float64
+	sorted              []float64
+}
+
+// newDistribution sorts a copy of values and computes its percentiles.
+func newDistribution(values []float64) distribution {
+	s := slices.Clone(values)
+	slices.Sort(s)
+	return distribution{
+		P50:    percentile(s, 50),
+		P90:    percentile(s, 90),
+		P99:    percentile(s, 99),
+		Mean:   mean(s),
+		sorted: s,
+	}
+}
+
+// requestResult is what the load generator measured for one request.
+type requestResult struct {
+	// Seq is the order in which the request was sent; the first warm-up ones are not measured.
+	Seq    int
+	Warmup bool
+	// Arrival is set for a session's first request, the one sent at a Poisson arrival time.
+	Arrival bool
+	// Sent and End are wall-clock times; Lag is how late the request left versus its scheduled
+	// arrival (zero for follow-up turns, which are sent when the previous turn ends).
+	Sent, End time.Time
+	Lag       time.Duration
+	// TTFT is the time to the first chunk with content; E2E to the end of the stream.
+	TTFT, E2E    time.Duration
+	PromptTokens int
+	CachedTokens int
+	OutputTokens int
+	Failed       bool
+	Status       int
+	Err          string
+}
+
+// Summary is one policy's figures on one workload. Latencies are in simulated milliseconds (wall
+// time multiplied by the simulators' time scale, so they read like a real GPU's) and throughput is
+// per simulated second; lag is in wall milliseconds.
+type Summary struct {
+	Policy           string  `json:"policy"`
+	Requests         int     `json:"requests"`
+	Completed        int     `json:"completed"`
+	Failed           int     `json:"failed"`
+	TTFTP50          float64 `json:"ttft_p50_ms"`
+	TTFTP90          float64 `json:"ttft_p90_ms"`
+	TTFTP99          float64 `json:"ttft_p99_ms"`
+	TTFTMean         float64 `json:"ttft_mean_ms"`
+	E2EP50           float64 `json:"e2e_p50_ms"`
+	E2EP90           float64 `json:"e2e_p90_ms"`
+	E2EP99           float64 `json:"e2e_p99_ms"`
+	E2EMean          float64 `json:"e2e_mean_ms"`
+	TPOTP50          float64 `json:"tpot_p50_ms"`
+	TPOTP99          float64 `json:"tpot_p99_ms"`
+	TPOTMean         float64 `json:"tpot_mean_ms"`
+	OutputTokensPerS float64 `json:"output_tokens_per_s"`
+	RequestsPerS     float64 `json:"requests_per_s"`
+	CacheHitRate     float64 `json:"cache_hit_rate"`
+	ClientCachedRate float64 `json:"client_cached_rate"`
+	BackendRequests  []int   `json:"backend_requests"`
+	LagP50           float64 `json:"sched_lag_p50_wall_ms"`
+	LagP99           float64 `json:"sched_lag_p99_wall_ms"`
+	LagMax           float64 `json:"sched_lag_max_wall_ms"`
+	WallSeconds      float64 `json:"wall_seconds"`
+	Skipped          string  `json:"skipped,omitempty"`
+	ttft             []float64
+}
+
+// summarize computes a policy's figures from its measured (non-warm-up) requests. scale converts
+// wall durations to simulated ones.
+func summarize(policy string, results []requestResult, scale float64) Summary {
+	s := Summary{Policy: policy}
+	var ttft, e2e, tpot, lag []float64
+	var first, last time.Time
+	outTokens, prompt, cached := 0, 0, 0
+	for _, r := range results {
+		if r.Arrival {
+			lag = append(lag, ms(r.Lag))
+		}
+		if r.Warmup {
+			continue
+		}
+		s.Requests++
+		if r.Failed {
+			s.Failed++
+			continue
+		}
+		s.Completed++
+		if first.IsZero() || r.Sent.Before(first) {
+			first = r.Sent
+		}
+		if r.End.After(last) {
+			last = r.End
+		}
+		ttft = append(ttft, ms(r.TTFT)*scale)
+		e2e = append(e2e, ms(r.E2E)*scale)
+		if r.OutputTokens > 1 {
+			tpot = append(tpot, ms(r.E2E-r.TTFT)*scale/float64(r.OutputTokens-1))
+		}
+		outTokens += r.OutputTokens
+		prompt += r.PromptTokens
+		cached += r.CachedTokens
+	}
+	t, e, p, l := newDistribution(ttft), newDistribution(e2e), newDistribution(tpot), newDistribution(lag)
+	for _, d := range []*distribution{&t, &e, &p, &l} {
+		d.P50, d.P90, d.P99, d.Mean = finite(d.P50), finite(d.P90), finite(d.P99), finite(d.Mean)
+	}
+	s.TTFTP50, s.TTFTP90, s.TTFTP99, s.TTFTMean = t.P50, t.P90, t.P99, t.Mean
+	s.E2EP50, s.E2EP90, s.E2EP99, s.E2EMean = e.P50, e.P90, e.P99, e.Mean
+	s.TPOTP50, s.TPOTP99, s.TPOTMean = p.P50, p.P99, p.Mean
+	s.LagP50, s.LagP99 = l.P50, l.P99
+	if len(l.sorted) > 0 {
+		s.LagMax = l.sorted[len(l.sorted)-1]
+	}
+	if span := last.Sub(first).Seconds() * scale; span > 0 {
+		s.OutputTokensPerS = float64(outTokens) / span
+		s.RequestsPerS = float64(s.Completed) / span
+	}
+	if prompt > 0 {
+		s.ClientCachedRate = float64(cached) / float64(prompt)
+	}
+	s.ttft = t.sorted
+	return s
+}
+
+// ms converts a duration to float milliseconds.
+func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+// finite maps NaN (no data) to 0 so that results.json stays valid JSON.
+func finite(x float64) float64 {
+	if math.IsNaN(x) || math.IsInf(x, 0) {
+		return 0
+	}
+	return x
+}
