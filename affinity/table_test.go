@@ -41,6 +41,9 @@ func prompt(msgs ...msg) []tokenize.Boundary {
 	return bounds
 }
 
+// bd is a hand-built boundary.
+func bd(tokens int, hash uint64) tokenize.Boundary { return tokenize.Boundary{Tokens: tokens, Hash: hash} }
+
 func newTestTable(cfg Config) (*Table, *fakeClock) {
 	c := newFakeClock()
 	cfg.Now = c.Now
@@ -136,7 +139,7 @@ func TestMatchPerUpstream(t *testing.T) {
 // each keyed by the earliest boundary of its block.
 func TestAlignment(t *testing.T) {
 	tb, _ := newTestTable(Config{BlockSize: 16})
-	b := []tokenize.Boundary{{15, 0x15}, {17, 0x17}, {31, 0x31}, {33, 0x33}}
+	b := []tokenize.Boundary{bd(15, 0x15), bd(17, 0x17), bd(31, 0x31), bd(33, 0x33)}
 	tb.Learn("m", b, "a")
 	if got := tb.Stats().Routes; got != 2 {
 		t.Fatalf("Stats().Routes = %d, want 2", got)
@@ -146,12 +149,12 @@ func TestAlignment(t *testing.T) {
 		request []tokenize.Boundary
 		want    int
 	}{
-		{"shares up to 17: block 16", []tokenize.Boundary{{17, 0x17}, {40, 0x99}}, 16},
-		{"shares up to 15 only: aligns to 0", []tokenize.Boundary{{15, 0x15}, {40, 0x99}}, 0},
-		{"later boundary of block 16 is not a key", []tokenize.Boundary{{31, 0x31}}, 0},
-		{"shares up to 33: block 32", []tokenize.Boundary{{33, 0x33}}, 32},
+		{"shares up to 17: block 16", []tokenize.Boundary{bd(17, 0x17), bd(40, 0x99)}, 16},
+		{"shares up to 15 only: aligns to 0", []tokenize.Boundary{bd(15, 0x15), bd(40, 0x99)}, 0},
+		{"later boundary of block 16 is not a key", []tokenize.Boundary{bd(31, 0x31)}, 0},
+		{"shares up to 33: block 32", []tokenize.Boundary{bd(33, 0x33)}, 32},
 		{"full request", b, 32},
-		{"full request, diverging after 31", []tokenize.Boundary{{15, 0x15}, {17, 0x17}, {31, 0x31}, {34, 0x34}}, 16},
+		{"full request, diverging after 31", []tokenize.Boundary{bd(15, 0x15), bd(17, 0x17), bd(31, 0x31), bd(34, 0x34)}, 16},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -413,7 +416,7 @@ func TestMatchEdgeCases(t *testing.T) {
 	tb.Learn("m", req, "a")
 	tb.Learn("m", nil, "a")
 	tb.Learn("m", req, "")
-	tb.Learn("m", []tokenize.Boundary{{3, 1}}, "z") // aligns to 0: nothing learned, nothing interned
+	tb.Learn("m", []tokenize.Boundary{bd(3, 1)}, "z") // aligns to 0: nothing learned, nothing interned
 	if s := tb.Stats(); s.Routes != 2 || s.Upstreams != 1 {
 		t.Errorf("Stats() = %+v, want 2 routes and 1 upstream", s)
 	}
