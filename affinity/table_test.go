@@ -42,7 +42,9 @@ func prompt(msgs ...msg) []tokenize.Boundary {
 }
 
 // bd is a hand-built boundary.
-func bd(tokens int, hash uint64) tokenize.Boundary { return tokenize.Boundary{Tokens: tokens, Hash: hash} }
+func bd(tokens int, hash uint64) tokenize.Boundary {
+	return tokenize.Boundary{Tokens: tokens, Hash: hash}
+}
 
 func newTestTable(cfg Config) (*Table, *fakeClock) {
 	c := newFakeClock()
