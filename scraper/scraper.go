@@ -346,8 +346,8 @@ func (p *poller) config() (Options, *http.Client) {
 
 // run is the polling loop: one scrape at start, then one per tick until stop.
 func (p *poller) run(active *atomic.Int64) {
+	defer close(p.done) // last: Release returns only after the count and connections are cleaned up
 	defer active.Add(-1)
-	defer close(p.done)
 	defer p.transport.CloseIdleConnections()
 	cfg, _ := p.config()
 	defer func() {
@@ -397,6 +397,10 @@ func (p *poller) scrape(ctx context.Context) (err error) {
 	ctx, cancel := context.WithTimeout(ctx, cfg.Timeout)
 	defer cancel()
 	s, err := fetch(ctx, client, p.target, cfg.MaxBytes)
+	if p.ctx.Err() != nil {
+		// A ScrapeOnce after the loop stopped: leave no idle connection behind.
+		p.transport.CloseIdleConnections()
+	}
 	if err != nil {
 		return fmt.Errorf("scraping %s: %w", p.logURL, err)
 	}
