@@ -2,6 +2,7 @@ package vllmsim
 
 import (
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"sync"
 	"sync/atomic"
@@ -99,9 +100,19 @@ type Server struct {
 
 // New validates cfg, fills in defaults and starts the engine goroutine; Close stops it.
 func New(cfg Config) (*Server, error) {
-	cfg, err := cfg.withDefaults()
+	s, err := newServer(cfg)
 	if err != nil {
 		return nil, err
+	}
+	go s.run()
+	return s, nil
+}
+
+// newServer builds a server without starting its engine goroutine (tests step it by hand).
+func newServer(cfg Config) (*Server, error) {
+	cfg, err := cfg.withDefaults()
+	if err != nil {
+		return nil, fmt.Errorf("configuring simulated vLLM server: %w", err)
 	}
 	s := &Server{
 		cfg:    cfg,
@@ -119,7 +130,6 @@ func New(cfg Config) (*Server, error) {
 		MetricsDelay:      cfg.MetricsDelay,
 		MetricsFail:       cfg.MetricsFail,
 	})
-	go s.run()
 	return s, nil
 }
 

@@ -1,0 +1,337 @@
+package vllmsim
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+)
+
+// manualServer is a server whose engine is stepped by the test instead of its goroutine.
+func manualServer(t *testing.T, cfg Config) *Server {
+	t.Helper()
+	s, err := newServer(cfg)
+	if err != nil {
+		t.Fatalf("newServer() error = %v", err)
+	}
+	return s
+}
+
+// step runs one engine step synchronously and returns its simulated duration and batch size.
+func step(s *Server) (time.Duration, int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	batch, d := s.planLocked(nil)
+	if len(batch) > 0 {
+		s.applyLocked(batch, d)
+	}
+	return d, len(batch)
+}
+
+// drain steps until the engine is idle, at most limit steps.
+func drain(t *testing.T, s *Server, limit int) int {
+	t.Helper()
+	for i := range limit {
+		if _, n := step(s); n == 0 {
+			return i
+		}
+	}
+	t.Fatalf("engine still busy after %d steps", limit)
+	return limit
+}
+
+func textBody(prompt string, maxTokens int) []byte {
+	return fmt.Appendf(nil, `{"prompt":%q,"max_tokens":%d}`, prompt, maxTokens)
+}
+
+// submit parses and enqueues a text completion.
+func submit(t *testing.T, s *Server, prompt string, maxTokens int) *request {
+	t.Helper()
+	p, err := parseRequest(textBody(prompt, maxTokens), false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := s.newRequest(p)
+	if err := s.enqueue(r); err != nil {
+		t.Fatalf("enqueue: %v", err)
+	}
+	return r
+}
+
+func cachedTokens(t *testing.T, s *Server, prompt string) int {
+	t.Helper()
+	_, cached, err := s.Cached(textBody(prompt, 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cached
+}
+
+// checkKV verifies the cache's internal invariants.
+func checkKV(t *testing.T, s *Server) {
+	t.Helper()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	c := s.kv
+	n := 0
+	for id := c.head; id >= 0; id = c.blocks[id].next {
+		if c.blocks[id].ref != 0 || !c.blocks[id].inFree {
+			t.Fatalf("free block %d has ref %d", id, c.blocks[id].ref)
+		}
+		n++
+	}
+	if n != c.free {
+		t.Fatalf("free queue has %d blocks, counter says %d", n, c.free)
+	}
+	for h, id := range c.cached {
+		if b := c.blocks[id]; !b.hashed || b.hash != h {
+			t.Fatalf("cached map entry %x -> %d inconsistent", h, id)
+		}
+	}
+	for id, b := range c.blocks {
+		if b.ref < 0 {
+			t.Fatalf("block %d ref %d", id, b.ref)
+		}
+	}
+	if s.reservedTotal > c.free {
+		t.Fatalf("reserved %d > free %d", s.reservedTotal, c.free)
+	}
+}
+
+// blocksText returns a prompt of exactly n full blocks (16 tokens of 4 bytes) plus one token, so
+// that all n blocks can be prefix hits.
+func blocksText(tag string, n int) string {
+	return longText(tag+"-", n*64) + "tail"
+}
+
+func TestRepeatedPromptIsCached(t *testing.T) {
+	s := manualServer(t, Config{})
+	prompt := blocksText("a", 8)
+	r1 := submit(t, s, prompt, 4)
+	drain(t, s, 100)
+	r2 := submit(t, s, prompt, 4)
+	drain(t, s, 100)
+	if got := r1.cached.Load(); got != 0 {
+		t.Errorf("first request cached_tokens = %d, want 0", got)
+	}
+	if got := r2.cached.Load(); got != 8*16 {
+		t.Errorf("second request cached_tokens = %d, want %d", got, 8*16)
+	}
+	st := s.State()
+	if st.PrefixQueries != 2*int64(r1.promptTokens) || st.PrefixHits != 8*16 {
+		t.Errorf("prefix queries/hits = %d/%d, want %d/%d", st.PrefixQueries, st.PrefixHits, 2*r1.promptTokens, 8*16)
+	}
+	if st.UsedBlocks != 0 || st.ReservedBlocks != 0 || st.PendingPrefillTokens != 0 {
+		t.Errorf("idle engine holds blocks: %+v", st)
+	}
+	checkKV(t, s)
+}
+
+func TestPrefixOfLongerPromptReusesBlocks(t *testing.T) {
+	s := manualServer(t, Config{})
+	short := blocksText("p", 4)
+	submit(t, s, short, 2)
+	drain(t, s, 100)
+	long := short[:4*64] + longText("more", 10*64)
+	if got := cachedTokens(t, s, long); got != 4*16 {
+		t.Fatalf("Cached(longer prompt) = %d, want %d", got, 4*16)
+	}
+	r := submit(t, s, long, 2)
+	drain(t, s, 100)
+	if got := r.cached.Load(); got != 4*16 {
+		t.Errorf("cached_tokens = %d, want %d", got, 4*16)
+	}
+	// A prompt that is entirely cached still computes its last token: hits stop one block short.
+	exact := long[:8*64]
+	if got := cachedTokens(t, s, exact); got != 7*16 {
+		t.Errorf("Cached(fully cached prompt) = %d, want %d", got, 7*16)
+	}
+}
+
+func TestLRUEvictionUnderKVPressure(t *testing.T) {
+	// Each prompt is 8 full blocks + 1 token, plus one output token: 9 blocks. 24 blocks hold two.
+	a, b, c := blocksText("a", 8), blocksText("b", 8), blocksText("c", 8)
+	full := 8 * 16
+	tests := []struct {
+		name          string
+		order         []string
+		wantA, wantB  bool // fully cached at the end
+		wantEvictions bool
+	}{
+		{name: "fits", order: []string{a, b}, wantA: true, wantB: true},
+		{name: "oldest evicted", order: []string{a, b, c}, wantA: false, wantB: true, wantEvictions: true},
+		{name: "recent use protects", order: []string{a, b, a, c}, wantA: true, wantB: false, wantEvictions: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s := manualServer(t, Config{NumGPUBlocks: 24})
+			for _, p := range tt.order {
+				submit(t, s, p, 1)
+				drain(t, s, 100)
+				checkKV(t, s)
+			}
+			if got := cachedTokens(t, s, a) == full; got != tt.wantA {
+				t.Errorf("a fully cached = %v, want %v (cached %d)", got, tt.wantA, cachedTokens(t, s, a))
+			}
+			if got := cachedTokens(t, s, b) == full; got != tt.wantB {
+				t.Errorf("b fully cached = %v, want %v (cached %d)", got, tt.wantB, cachedTokens(t, s, b))
+			}
+			if got := s.State().Evictions > 0; got != tt.wantEvictions {
+				t.Errorf("evictions = %d, want some: %v", s.State().Evictions, tt.wantEvictions)
+			}
+		})
+	}
+}
+
+func TestRequestWaitsForBlocks(t *testing.T) {
+	s := manualServer(t, Config{NumGPUBlocks: 24})
+	x := submit(t, s, longText("x", 64), 300) // 16 + 300 tokens: 20 blocks
+	step(s)
+	y := submit(t, s, blocksText("y", 8), 1) // 9 blocks: do not fit beside x
+	z := submit(t, s, "z", 1)                // fits, but FIFO: waits behind y
+	for range 10 {
+		step(s)
+		if st := s.State(); st.Running != 1 || st.Waiting != 2 {
+			t.Fatalf("while x runs: running %d waiting %d, want 1 and 2", st.Running, st.Waiting)
+		}
+	}
+	if y.generated.Load() != 0 || z.generated.Load() != 0 {
+		t.Fatal("waiting requests produced output")
+	}
+	drain(t, s, 1000)
+	for name, r := range map[string]*request{"x": x, "y": y, "z": z} {
+		select {
+		case <-r.done:
+		default:
+			t.Fatalf("%s did not finish", name)
+		}
+		if r.err != nil || int(r.generated.Load()) != r.maxTokens {
+			t.Errorf("%s: err %v, generated %d of %d", name, r.err, r.generated.Load(), r.maxTokens)
+		}
+	}
+	checkKV(t, s)
+}
+
+func TestStepTimeGrowsWithBatch(t *testing.T) {
+	cfg := Config{PrefillTokensPerSec: 1e15, MaxNumSeqs: 64}
+	decodeStep := func(n int) time.Duration {
+		s := manualServer(t, cfg)
+		for i := range n {
+			submit(t, s, fmt.Sprintf("prompt %d", i), 10)
+		}
+		step(s) // prefill step
+		d, batch := step(s)
+		if batch != n {
+			t.Fatalf("batch = %d, want %d", batch, n)
+		}
+		return d
+	}
+	prev := time.Duration(0)
+	for _, n := range []int{1, 2, 8, 32} {
+		d := decodeStep(n)
+		if d <= prev {
+			t.Errorf("decode step with batch %d = %v, not longer than with fewer sequences (%v)", n, d, prev)
+		}
+		prev = d
+	}
+}
+
+func TestPrefillTimeCountsOnlyUncachedTokens(t *testing.T) {
+	s := manualServer(t, Config{})
+	prompt := blocksText("q", 100)
+	submit(t, s, prompt, 1)
+	cold, _ := step(s)
+	drain(t, s, 10)
+	submit(t, s, prompt, 1)
+	warm, _ := step(s)
+	if warm >= cold {
+		t.Errorf("prefill step with cached prefix %v, want shorter than cold %v", warm, cold)
+	}
+}
+
+func TestChunkedPrefillKeepsDecoding(t *testing.T) {
+	s := manualServer(t, Config{MaxNumBatchedTokens: 256})
+	short := submit(t, s, "short", 50)
+	step(s)
+	long := submit(t, s, longText("L", 4000), 1) // 1000 tokens: 4 chunks
+	for range 3 {
+		step(s)
+	}
+	if long.generated.Load() != 0 {
+		t.Fatal("long prompt finished prefill too early")
+	}
+	if got := short.generated.Load(); got != 4 {
+		t.Errorf("short request generated %d tokens during the long prefill, want 4", got)
+	}
+	if st := s.State(); st.PendingPrefillTokens <= 0 {
+		t.Errorf("PendingPrefillTokens = %d during a chunked prefill", st.PendingPrefillTokens)
+	}
+	drain(t, s, 100)
+	if s.State().PendingPrefillTokens != 0 {
+		t.Errorf("PendingPrefillTokens = %d when idle", s.State().PendingPrefillTokens)
+	}
+}
+
+func TestAbortReleasesBlocks(t *testing.T) {
+	s := manualServer(t, Config{NumGPUBlocks: 64})
+	running := submit(t, s, blocksText("r", 4), 100)
+	step(s)
+	waiting := submit(t, s, blocksText("w", 50), 100) // does not fit
+	step(s)
+	if st := s.State(); st.Running != 1 || st.Waiting != 1 || st.UsedBlocks == 0 {
+		t.Fatalf("state %+v", st)
+	}
+	s.abort(waiting)
+	s.abort(running)
+	s.abort(running) // idempotent
+	st := s.State()
+	if st.Running != 0 || st.Waiting != 0 || st.UsedBlocks != 0 || st.ReservedBlocks != 0 || st.PendingPrefillTokens != 0 {
+		t.Errorf("after aborts: %+v", st)
+	}
+	if _, n := step(s); n != 0 {
+		t.Errorf("engine still has work")
+	}
+	checkKV(t, s)
+	// The aborted request's prompt blocks stay cached.
+	if got := cachedTokens(t, s, blocksText("r", 4)); got != 4*16 {
+		t.Errorf("cached after abort = %d, want %d", got, 4*16)
+	}
+}
+
+func TestQueueLimit(t *testing.T) {
+	s := manualServer(t, Config{MaxNumSeqs: 1, MaxQueue: 1})
+	submit(t, s, "a", 100)
+	step(s)
+	submit(t, s, "b", 1)
+	p, _ := parseRequest(textBody("c", 1), false)
+	if err := s.enqueue(s.newRequest(p)); err != errQueueFull {
+		t.Errorf("third request: err = %v, want errQueueFull", err)
+	}
+}
+
+func TestTooLongRequest(t *testing.T) {
+	s := manualServer(t, Config{NumGPUBlocks: 4})
+	p, _ := parseRequest(textBody(strings.Repeat("x", 4*60), 10), false)
+	if err := s.enqueue(s.newRequest(p)); err != errTooLong {
+		t.Errorf("err = %v, want errTooLong", err)
+	}
+}
+
+func TestBlockHashesChain(t *testing.T) {
+	a := blockHashes([]byte(longText("abc", 64*3)), 16)
+	b := blockHashes([]byte(longText("abc", 64*2)+longText("zzz", 64)), 16)
+	if len(a) != 3 || len(b) != 3 {
+		t.Fatalf("got %d and %d hashes, want 3", len(a), len(b))
+	}
+	if a[0] != b[0] || a[1] != b[1] || a[2] == b[2] {
+		t.Errorf("shared prefix must share hashes and diverge after: %x %x", a, b)
+	}
+	// The same block content at another position hashes differently (chained).
+	c := blockHashes([]byte(longText("zzz", 64)), 16)
+	if c[0] == b[2] {
+		t.Error("block hash does not depend on its prefix")
+	}
+	if n := len(blockHashes([]byte("short"), 16)); n != 0 {
+		t.Errorf("%d hashes for a partial block", n)
+	}
+}
