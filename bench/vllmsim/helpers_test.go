@@ -35,7 +35,6 @@ func newTestServer(t *testing.T, cfg Config) (*Server, *httptest.Server) {
 func chatBodyJSON(t *testing.T, system, user string, maxTokens int, stream bool) []byte {
 	t.Helper()
 	m := map[string]any{
-		"model": "sim-model",
 		"messages": []map[string]string{
 			{"role": "system", "content": system},
 			{"role": "user", "content": user},
