@@ -97,7 +97,7 @@ const (
 func (e *encoder) count(text []byte) int {
 	n := 0
 	for len(text) > 0 {
-		k := nextChunk(text, maxChunk, maxRun)
+		k, _ := nextChunk(text, maxChunk, maxRun)
 		n += len(e.tk.EncodeOrdinary(unsafe.String(&text[0], k)))
 		tokenizerCallCount.Add(1)
 		text = text[k:]
@@ -107,8 +107,8 @@ func (e *encoder) count(text []byte) int {
 
 // nextChunk returns the length of the next chunk of s to tokenize: all of s if it is short enough
 // and has no run longer than maxRun bytes without a cut point; else the last exact cut point within
-// maxChunk bytes; else a rune boundary about maxRun bytes in.
-func nextChunk(s []byte, maxChunk, maxRun int) int {
+// maxChunk bytes; else (exact false) a rune boundary about maxRun or maxChunk bytes in.
+func nextChunk(s []byte, maxChunk, maxRun int) (n int, exact bool) {
 	limit := min(len(s), maxChunk)
 	lastCut, runStart := 0, 0
 	prev, size := utf8.DecodeRune(s)
@@ -119,23 +119,23 @@ func nextChunk(s []byte, maxChunk, maxRun int) int {
 			lastCut, runStart = i, i
 		} else if i-runStart >= maxRun {
 			if lastCut > 0 {
-				return lastCut
+				return lastCut, true
 			}
-			return i // a rune boundary: forced cut
+			return i, false // a rune boundary
 		}
 		prev = r
 	}
 	if limit == len(s) {
-		return len(s)
+		return len(s), true
 	}
 	if lastCut > 0 {
-		return lastCut
+		return lastCut, true
 	}
 	i := limit
 	for i > 1 && !utf8.RuneStart(s[i]) {
 		i--
 	}
-	return i
+	return i, false
 }
 
 // isCut reports whether tokenizing the text before and after the point between runes prev and r

@@ -1,7 +1,10 @@
 package tokenize
 
 import (
+	"bytes"
+	"encoding/binary"
 	"fmt"
+	"math/bits"
 	"unicode/utf16"
 	"unicode/utf8"
 )
@@ -76,9 +79,7 @@ func (s *scanner) str() (start, end int, esc bool, err error) {
 	b := s.b
 	i := s.i
 	for {
-		for i < len(b) && !strSpecial[b[i]] {
-			i++
-		}
+		i = scanPlain(b, i)
 		if i >= len(b) {
 			s.i = i
 			return 0, 0, false, s.syntax("string")
@@ -113,6 +114,31 @@ func (s *scanner) str() (start, end int, esc bool, err error) {
 	}
 }
 
+const (
+	lsb = 0x0101010101010101
+	msb = 0x8080808080808080
+)
+
+// scanPlain returns the index of the first byte at or after i that is a quote, a backslash or a
+// control character (or len(b)). It tests eight bytes at a time: a byte x is flagged when x-n
+// borrows and x had its high bit clear, which is exact for the lowest flagged byte.
+func scanPlain(b []byte, i int) int {
+	for i+8 <= len(b) {
+		w := binary.LittleEndian.Uint64(b[i:])
+		q := w ^ (lsb * '"')
+		e := w ^ (lsb * '\\')
+		t := ((w - lsb*0x20) & ^w) | ((q - lsb) & ^q) | ((e - lsb) & ^e)
+		if t &= msb; t != 0 {
+			return i + bits.TrailingZeros64(t)/8
+		}
+		i += 8
+	}
+	for i < len(b) && !strSpecial[b[i]] {
+		i++
+	}
+	return i
+}
+
 func isHex4(b []byte) bool {
 	for _, c := range b[:4] {
 		if !(c >= '0' && c <= '9' || c >= 'a' && c <= 'f' || c >= 'A' && c <= 'F') {
@@ -144,12 +170,12 @@ func appendUnescaped(dst, raw []byte) []byte {
 	for i := 0; i < len(raw); {
 		c := raw[i]
 		if c != '\\' {
-			j := i + 1
-			for j < len(raw) && raw[j] != '\\' {
-				j++
+			j := bytes.IndexByte(raw[i:], '\\')
+			if j < 0 {
+				return append(dst, raw[i:]...)
 			}
-			dst = append(dst, raw[i:j]...)
-			i = j
+			dst = append(dst, raw[i:i+j]...)
+			i += j
 			continue
 		}
 		switch raw[i+1] {
@@ -357,6 +383,16 @@ func (s *scanner) array(depth int, elem func() error) error {
 			return s.syntax("array (expected ',' or ']')")
 		}
 	}
+}
+
+// typeErr reports a value of the wrong type, appending ", not <kind>" to the message; when the next
+// byte cannot start any JSON value it reports invalid JSON instead.
+func (s *scanner) typeErr(format string, args ...any) error {
+	switch c := s.peek(); {
+	case c == '{' || c == '[' || c == '"' || c == 't' || c == 'f' || c == 'n' || c == '-' || c >= '0' && c <= '9':
+		return s.errorf(format+", not %s", append(args, s.kind())...)
+	}
+	return s.syntax("value")
 }
 
 // kind names the JSON type of the next value, for error messages.

@@ -156,7 +156,7 @@ func (p *parser) optString(dst *span, has *bool, what string, idx, sub int) erro
 		*has = false
 		return p.s.literal("null")
 	default:
-		return p.s.errorf("%s must be a string, not %s", fieldName(what, idx, sub), p.s.kind())
+		return p.s.typeErr("%s must be a string", fieldName(what, idx, sub))
 	}
 }
 
@@ -179,7 +179,7 @@ func (p *parser) optInt(dst *int64, has *bool, what string) error {
 		*dst, *has = v, true
 		return nil
 	default:
-		return p.s.errorf("%s must be an integer, not %s", what, p.s.kind())
+		return p.s.typeErr("%s must be an integer", what)
 	}
 }
 
@@ -189,7 +189,7 @@ func (p *parser) parseBody() error {
 		if c == 0 {
 			return fmt.Errorf("%w: empty body", ErrMalformed)
 		}
-		return s.errorf("body must be a JSON object, not %s", s.kind())
+		return s.typeErr("body must be a JSON object")
 	}
 	err := s.object(0, func(raw []byte, esc bool) error {
 		k := p.key(raw, esc)
@@ -208,7 +208,7 @@ func (p *parser) parseBody() error {
 				p.stream = false
 				return s.literal("null")
 			}
-			return s.errorf("stream must be a boolean, not %s", s.kind())
+			return s.typeErr("stream must be a boolean")
 		case string(k) == "max_tokens":
 			return p.optInt(&p.maxTokens, &p.hasMax, "max_tokens")
 		case string(k) == "max_completion_tokens":
@@ -254,7 +254,7 @@ func (p *parser) parseTools() error {
 		p.tools, p.hasTools = span{off: start, end: s.i}, true
 		return nil
 	}
-	return s.errorf("tools must be an array, not %s", s.kind())
+	return s.typeErr("tools must be an array")
 }
 
 func (p *parser) parseMessages() error {
@@ -262,7 +262,7 @@ func (p *parser) parseMessages() error {
 	// A repeated "messages" key replaces the earlier one, as in Python's json.
 	p.msgs, p.segs = p.msgs[:0], p.segs[:0]
 	if s.peek() != '[' {
-		return s.errorf("messages must be an array, not %s", s.kind())
+		return s.typeErr("messages must be an array")
 	}
 	p.hasMessages = true
 	return s.array(1, func() error { return p.parseMessage(len(p.msgs)) })
@@ -271,7 +271,7 @@ func (p *parser) parseMessages() error {
 func (p *parser) parseMessage(idx int) error {
 	s := &p.s
 	if s.peek() != '{' {
-		return s.errorf("messages[%d] must be an object, not %s", idx, s.kind())
+		return s.typeErr("messages[%d] must be an object", idx)
 	}
 	m := msg{segStart: len(p.segs)}
 	err := s.object(2, func(raw []byte, esc bool) error {
@@ -279,7 +279,7 @@ func (p *parser) parseMessage(idx int) error {
 		switch {
 		case string(k) == "role":
 			if s.peek() != '"' {
-				return s.errorf("messages[%d].role must be a string, not %s", idx, s.kind())
+				return s.typeErr("messages[%d].role must be a string", idx)
 			}
 			sp, err := p.str()
 			m.role, m.hasRole = sp, true
@@ -337,13 +337,13 @@ func (p *parser) parseContent(idx int) error {
 			return err
 		})
 	}
-	return s.errorf("messages[%d].content must be a string, an array of content parts, or null, not %s", idx, s.kind())
+	return s.typeErr("messages[%d].content must be a string, an array of content parts, or null", idx)
 }
 
 func (p *parser) parseContentPart(idx, part int) error {
 	s := &p.s
 	if s.peek() != '{' {
-		return s.errorf("messages[%d].content[%d] must be an object, not %s", idx, part, s.kind())
+		return s.typeErr("messages[%d].content[%d] must be an object", idx, part)
 	}
 	start := s.i
 	var typ, text, refusal span
@@ -353,21 +353,21 @@ func (p *parser) parseContentPart(idx, part int) error {
 		switch {
 		case string(k) == "type":
 			if s.peek() != '"' {
-				return s.errorf("messages[%d].content[%d].type must be a string, not %s", idx, part, s.kind())
+				return s.typeErr("messages[%d].content[%d].type must be a string", idx, part)
 			}
 			sp, err := p.str()
 			typ, hasType = sp, true
 			return err
 		case string(k) == "text":
 			if s.peek() != '"' {
-				return s.errorf("messages[%d].content[%d].text must be a string, not %s", idx, part, s.kind())
+				return s.typeErr("messages[%d].content[%d].text must be a string", idx, part)
 			}
 			sp, err := p.str()
 			text, hasText = sp, true
 			return err
 		case string(k) == "refusal":
 			if s.peek() != '"' {
-				return s.errorf("messages[%d].content[%d].refusal must be a string, not %s", idx, part, s.kind())
+				return s.typeErr("messages[%d].content[%d].refusal must be a string", idx, part)
 			}
 			sp, err := p.str()
 			refusal, hasRefusal = sp, true
@@ -402,12 +402,12 @@ func (p *parser) parseToolCalls(idx int) error {
 		return s.literal("null")
 	case '[':
 	default:
-		return s.errorf("messages[%d].tool_calls must be an array, not %s", idx, s.kind())
+		return s.typeErr("messages[%d].tool_calls must be an array", idx)
 	}
 	call := 0
 	return s.array(3, func() error {
 		if s.peek() != '{' {
-			return s.errorf("messages[%d].tool_calls[%d] must be an object, not %s", idx, call, s.kind())
+			return s.typeErr("messages[%d].tool_calls[%d] must be an object", idx, call)
 		}
 		var id, name, args span
 		var hasID, hasName, hasArgs bool
@@ -418,7 +418,7 @@ func (p *parser) parseToolCalls(idx int) error {
 				return p.optString(&id, &hasID, "messages[%d].tool_calls[%d].id", idx, call)
 			case string(k) == "function":
 				if s.peek() != '{' {
-					return s.errorf("messages[%d].tool_calls[%d].function must be an object, not %s", idx, call, s.kind())
+					return s.typeErr("messages[%d].tool_calls[%d].function must be an object", idx, call)
 				}
 				return s.object(5, func(raw []byte, esc bool) error {
 					k := p.key(raw, esc)
@@ -459,7 +459,7 @@ func (p *parser) parsePrompt() error {
 	case 'n':
 		return s.errorf("prompt is required (got null)")
 	default:
-		return s.errorf("prompt must be a string, an array of strings, or an array of token IDs, not %s", s.kind())
+		return s.typeErr("prompt must be a string, an array of strings, or an array of token IDs")
 	}
 	var shape byte // 's' strings, 'i' token IDs, 'a' arrays of token IDs
 	n := 0
@@ -474,7 +474,7 @@ func (p *parser) parsePrompt() error {
 		case c == '[':
 			this = 'a'
 		default:
-			return s.errorf("prompt[%d] must be a string, a token ID or an array of token IDs, not %s", n, s.kind())
+			return s.typeErr("prompt[%d] must be a string, a token ID or an array of token IDs", n)
 		}
 		if shape == 0 {
 			shape = this
@@ -534,7 +534,7 @@ func (p *parser) tokenID() error {
 	s := &p.s
 	c := s.peek()
 	if c != '-' && (c < '0' || c > '9') {
-		return s.errorf("prompt token IDs must be integers, not %s", s.kind())
+		return s.typeErr("prompt token IDs must be integers")
 	}
 	start, end, err := s.number()
 	if err != nil {
