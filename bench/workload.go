@@ -69,7 +69,7 @@ func generateWorkload(name string, seed int64, size workloadSize) (Workload, err
 	rng := rand.New(rand.NewPCG(uint64(seed), h.Sum64()))
 	switch name {
 	case "shared-prefix":
-		groups, perGroup := 16, 16
+		groups, perGroup := 32, 10
 		if size.quick {
 			groups, perGroup = 8, 6
 		}

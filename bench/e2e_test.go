@@ -1,0 +1,115 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"testing"
+)
+
+// TestEndToEnd runs a small shared-prefix workload on 2 backends through Caddy with round_robin
+// and the oracle, writes the outputs, and checks that results.json has every field and that the
+// oracle, which reads the true caches, hits the cache at least as often as round_robin.
+func TestEndToEnd(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts Caddy and simulated backends")
+	}
+	t.Setenv("XDG_DATA_HOME", t.TempDir())
+	t.Setenv("XDG_CONFIG_HOME", t.TempDir())
+	o := options{
+		quick:     true,
+		workloads: []string{"shared-prefix"},
+		backends:  2,
+		load:      0.75,
+		seed:      7,
+		out:       t.TempDir(),
+		sim:       defaultSim,
+	}
+	o.sim.TimeScale = 20
+	for _, name := range []string{"round_robin", "oracle"} {
+		p, _ := findPolicy(name)
+		o.policies = append(o.policies, p)
+	}
+	wls, err := runWorkloads(context.Background(), o, os.Stderr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := writeOutputs(o.out, Results{Command: "test", Backends: 2, Load: o.load, Sim: o.sim, Workloads: wls}); err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range []string{"results.json", "report.md", "ttft.svg"} {
+		if st, err := os.Stat(filepath.Join(o.out, f)); err != nil || st.Size() == 0 {
+			t.Errorf("output %s missing or empty: %v", f, err)
+		}
+	}
+
+	js, err := os.ReadFile(filepath.Join(o.out, "results.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var doc struct {
+		Workloads []struct {
+			Workload string           `json:"workload"`
+			Policies []map[string]any `json:"policies"`
+		} `json:"workloads"`
+	}
+	if err := json.Unmarshal(js, &doc); err != nil {
+		t.Fatalf("decoding results.json: %v", err)
+	}
+	if len(doc.Workloads) != 1 || doc.Workloads[0].Workload != "shared-prefix" || len(doc.Workloads[0].Policies) != 2 {
+		t.Fatalf("results.json has %+v, want shared-prefix with 2 policies", doc.Workloads)
+	}
+	hit := map[string]float64{}
+	for _, p := range doc.Workloads[0].Policies {
+		name, _ := p["policy"].(string)
+		if s, ok := p["skipped"]; ok {
+			t.Fatalf("policy %s skipped: %v", name, s)
+		}
+		for _, field := range []string{"ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms",
+			"e2e_mean_ms", "tpot_p50_ms", "output_tokens_per_s", "cache_hit_rate", "failed"} {
+			if _, ok := p[field].(float64); !ok {
+				t.Errorf("%s: results.json field %s = %v, want a number", name, field, p[field])
+			}
+		}
+		if failed := p["failed"].(float64); failed != 0 {
+			t.Errorf("%s: %v failed requests, want 0", name, failed)
+		}
+		if p["ttft_p50_ms"].(float64) <= 0 || p["output_tokens_per_s"].(float64) <= 0 {
+			t.Errorf("%s: TTFT p50 %v, tokens/s %v, want positive", name, p["ttft_p50_ms"], p["output_tokens_per_s"])
+		}
+		hit[name] = p["cache_hit_rate"].(float64)
+	}
+	if hit["oracle"] < hit["round_robin"] {
+		t.Errorf("cache hit rate: oracle %.3f < round_robin %.3f, want the oracle at least as high", hit["oracle"], hit["round_robin"])
+	}
+}
+
+// TestSkipsUnregisteredPolicy checks that a policy whose module is missing is reported as
+// skipped instead of failing the run.
+func TestSkipsUnregisteredPolicy(t *testing.T) {
+	if err := policyAvailable(policy{"nope", `{"policy":"no_such_policy"}`}); err == nil {
+		t.Error("policyAvailable(no_such_policy) = nil, want an error")
+	}
+	if err := policyAvailable(policy{"rr", `{"policy":"round_robin"}`}); err != nil {
+		t.Errorf("policyAvailable(round_robin) = %v, want nil", err)
+	}
+	if err := policyAvailable(policy{"oracle", `{"policy":"oracle"}`}); err != nil {
+		t.Errorf("policyAvailable(oracle) = %v, want nil", err)
+	}
+}
+
+func TestParseOptions(t *testing.T) {
+	o, err := parseOptions([]string{"-quick", "-workloads", "mixed,hot-prefix", "-policies", "least_conn,oracle", "-backends", "3"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(o.workloads) != 2 || len(o.policies) != 2 || o.backends != 3 || o.sim.TimeScale != 10 {
+		t.Errorf("parseOptions = %+v, want 2 workloads, 2 policies, 3 backends, time scale 10", o)
+	}
+	for _, bad := range [][]string{{"-workloads", "nope"}, {"-policies", "nope"}, {"-backends", "0"}, {"-load", "0"}, {"extra"}} {
+		if _, err := parseOptions(bad); err == nil {
+			t.Errorf("parseOptions(%q) = nil error, want an error", bad)
+		}
+	}
+}

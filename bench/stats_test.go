@@ -1,0 +1,77 @@
+package main
+
+import (
+	"math"
+	"testing"
+	"time"
+)
+
+func TestPercentile(t *testing.T) {
+	data := []float64{1, 2, 3, 4, 5, 6, 7, 8, 9, 10}
+	tests := []struct {
+		p, want float64
+	}{
+		{0, 1}, {50, 5.5}, {90, 9.1}, {99, 9.91}, {100, 10},
+	}
+	for _, tt := range tests {
+		if got := percentile(data, tt.p); math.Abs(got-tt.want) > 1e-9 {
+			t.Errorf("percentile(1..10, %v) = %v, want %v", tt.p, got, tt.want)
+		}
+	}
+	if got := percentile([]float64{7}, 99); got != 7 {
+		t.Errorf("percentile([7], 99) = %v, want 7", got)
+	}
+	if got := percentile(nil, 50); !math.IsNaN(got) {
+		t.Errorf("percentile(nil, 50) = %v, want NaN", got)
+	}
+}
+
+func TestDistributionSortsACopy(t *testing.T) {
+	in := []float64{3, 1, 2}
+	d := newDistribution(in)
+	if d.P50 != 2 || d.Mean != 2 || in[0] != 3 {
+		t.Errorf("newDistribution(3,1,2) = p50 %v mean %v (input now %v), want 2, 2, unchanged", d.P50, d.Mean, in)
+	}
+}
+
+func TestSummarize(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	res := []requestResult{
+		{Seq: 0, Warmup: true, Arrival: true, Sent: t0, End: t0.Add(time.Second), TTFT: time.Second, E2E: time.Second, OutputTokens: 5},
+		{Seq: 1, Arrival: true, Lag: 2 * time.Millisecond, Sent: t0, End: t0.Add(110 * time.Millisecond),
+			TTFT: 10 * time.Millisecond, E2E: 110 * time.Millisecond, OutputTokens: 11, PromptTokens: 100, CachedTokens: 50},
+		{Seq: 2, Sent: t0.Add(100 * time.Millisecond), End: t0.Add(200 * time.Millisecond),
+			TTFT: 30 * time.Millisecond, E2E: 100 * time.Millisecond, OutputTokens: 9, PromptTokens: 100},
+		{Seq: 3, Failed: true, Sent: t0, End: t0.Add(time.Millisecond), E2E: time.Millisecond},
+	}
+	s := summarize("p", res, 10)
+	if s.Requests != 3 || s.Completed != 2 || s.Failed != 1 {
+		t.Errorf("requests/completed/failed = %d/%d/%d, want 3/2/1", s.Requests, s.Completed, s.Failed)
+	}
+	if s.TTFTP50 != 200 || s.E2EMean != 1050 {
+		t.Errorf("TTFT p50 = %v, E2E mean = %v (simulated ms), want 200 and 1050", s.TTFTP50, s.E2EMean)
+	}
+	// TPOT: (110-10)/10 = 10 ms and (100-30)/8 = 8.75 ms, times the scale
+	if math.Abs(s.TPOTP50-93.75) > 1e-9 {
+		t.Errorf("TPOT p50 = %v, want 93.75", s.TPOTP50)
+	}
+	// 20 tokens over 200 ms wall = 2 simulated seconds
+	if math.Abs(s.OutputTokensPerS-10) > 1e-9 {
+		t.Errorf("output tokens/s = %v, want 10", s.OutputTokensPerS)
+	}
+	if s.ClientCachedRate != 0.25 {
+		t.Errorf("client cached rate = %v, want 0.25", s.ClientCachedRate)
+	}
+	if s.LagMax != 2 {
+		t.Errorf("lag max = %v, want 2 (wall ms over arrivals, warm-up included)", s.LagMax)
+	}
+}
+
+func TestSummarizeEmptyIsValidJSON(t *testing.T) {
+	s := summarize("p", nil, 1)
+	for name, v := range map[string]float64{"ttft": s.TTFTP99, "e2e": s.E2EMean, "tpot": s.TPOTP50} {
+		if math.IsNaN(v) {
+			t.Errorf("%s of no requests is NaN, want 0", name)
+		}
+	}
+}

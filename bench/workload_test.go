@@ -1,0 +1,169 @@
+package main
+
+import (
+	"reflect"
+	"strings"
+	"testing"
+)
+
+func TestWorkloadsAreDeterministic(t *testing.T) {
+	for _, name := range workloadNames {
+		t.Run(name, func(t *testing.T) {
+			a, err := generateWorkload(name, 42, workloadSize{quick: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			b, _ := generateWorkload(name, 42, workloadSize{quick: true})
+			if !reflect.DeepEqual(a, b) {
+				t.Errorf("generateWorkload(%q, 42) differs between calls", name)
+			}
+			c, _ := generateWorkload(name, 43, workloadSize{quick: true})
+			if reflect.DeepEqual(a, c) {
+				t.Errorf("generateWorkload(%q) is the same for seeds 42 and 43", name)
+			}
+			if a.NumRequests() == 0 {
+				t.Errorf("generateWorkload(%q) has no requests", name)
+			}
+		})
+	}
+}
+
+func TestUnknownWorkload(t *testing.T) {
+	if _, err := generateWorkload("nope", 1, workloadSize{}); err == nil {
+		t.Error("generateWorkload(nope) = nil error, want an error")
+	}
+}
+
+func TestSharedPrefixShape(t *testing.T) {
+	w, _ := generateWorkload("shared-prefix", 1, workloadSize{})
+	systems := map[string]int{}
+	groups := map[string]string{}
+	for _, r := range w.Requests() {
+		if len(r.Messages) != 2 || r.Messages[0].Role != "system" || r.Messages[1].Role != "user" {
+			t.Fatalf("request messages = %d (%s...), want system + user", len(r.Messages), r.Messages[0].Role)
+		}
+		sys := r.Messages[0].Content
+		systems[sys]++
+		if g, ok := groups[sys]; ok && g != r.Conversation {
+			t.Errorf("one system prompt in groups %s and %s", g, r.Conversation)
+		}
+		groups[sys] = r.Conversation
+		if n := templatedTokens(r.Messages[:1]); n < 1400 || n > 1700 {
+			t.Errorf("system prompt has %d tokens, want ~1500", n)
+		}
+	}
+	if len(systems) != 32 {
+		t.Errorf("distinct system prompts = %d, want 32", len(systems))
+	}
+	for _, n := range systems {
+		if n != 10 {
+			t.Errorf("prompts per group = %d, want 10", n)
+		}
+	}
+	// groups interleave: the first 32 requests are not all from one group
+	first := map[string]bool{}
+	for _, r := range w.Requests()[:32] {
+		first[r.Conversation] = true
+	}
+	if len(first) < 8 {
+		t.Errorf("the first 32 requests come from %d groups, want them shuffled", len(first))
+	}
+}
+
+func TestMultiTurnResendsGrowingHistory(t *testing.T) {
+	w, _ := generateWorkload("multi-turn", 1, workloadSize{quick: true})
+	system := w.Sessions[0].Requests[0].Messages[0]
+	for i, s := range w.Sessions {
+		if n := len(s.Requests); n < 6 || n > 10 {
+			t.Errorf("session %d has %d turns, want 6-10", i, n)
+		}
+		for k, r := range s.Requests {
+			if r.Messages[0] != system {
+				t.Fatalf("session %d turn %d does not start with the shared system prompt", i, k)
+			}
+			if want := 2 + 2*k; len(r.Messages) != want {
+				t.Fatalf("session %d turn %d has %d messages, want %d", i, k, len(r.Messages), want)
+			}
+			if last := r.Messages[len(r.Messages)-1]; last.Role != "user" {
+				t.Errorf("session %d turn %d ends with %s, want user", i, k, last.Role)
+			}
+			if k > 0 {
+				prev := s.Requests[k-1].Messages
+				if !reflect.DeepEqual(r.Messages[:len(prev)], prev) {
+					t.Errorf("session %d turn %d does not resend turn %d's messages", i, k, k-1)
+				}
+				if r.Messages[len(prev)].Role != "assistant" {
+					t.Errorf("session %d turn %d: history lacks the assistant reply", i, k)
+				}
+			}
+			if r.Conversation != s.Requests[0].Conversation {
+				t.Errorf("session %d changes conversation ID", i)
+			}
+		}
+	}
+}
+
+func TestMixedShape(t *testing.T) {
+	w, _ := generateWorkload("mixed", 1, workloadSize{})
+	short, long := 0, 0
+	for _, r := range w.Requests() {
+		switch n := templatedTokens(r.Messages); {
+		case n < 30:
+			short++
+		case n > 3800 && n < 4200:
+			long++
+		default:
+			t.Errorf("prompt of %d tokens, want ~10 or ~4000", n)
+		}
+	}
+	if short < w.NumRequests()/3 || long < w.NumRequests()/3 {
+		t.Errorf("short/long = %d/%d, want both about half", short, long)
+	}
+}
+
+func TestHotPrefixShape(t *testing.T) {
+	w, _ := generateWorkload("hot-prefix", 1, workloadSize{})
+	hot := 0
+	for _, r := range w.Requests() {
+		if strings.HasPrefix(r.Messages[0].Content, "Hot. ") {
+			hot++
+		}
+	}
+	if frac := float64(hot) / float64(w.NumRequests()); frac < 0.7 || frac > 0.9 {
+		t.Errorf("hot system prompt in %.2f of requests, want ~0.8", frac)
+	}
+}
+
+func TestTextOfTokens(t *testing.T) {
+	w, _ := generateWorkload("mixed", 3, workloadSize{quick: true})
+	for _, r := range w.Requests() {
+		c := r.Messages[0].Content
+		if strings.ContainsAny(c, "\"\\\n") {
+			t.Fatalf("generated text contains characters needing escapes")
+		}
+	}
+}
+
+func TestEstimateCapacity(t *testing.T) {
+	shared, _ := generateWorkload("shared-prefix", 1, workloadSize{})
+	mixedW, _ := generateWorkload("mixed", 1, workloadSize{})
+	s := estimateCapacity(shared, defaultSim, 4)
+	m := estimateCapacity(mixedW, defaultSim, 4)
+	if !(s.MeanUncached < s.MeanPrompt/3) {
+		t.Errorf("shared-prefix: ideal uncached %.0f of %.0f tokens, want most of the prompt shared", s.MeanUncached, s.MeanPrompt)
+	}
+	if m.MeanUncached != m.MeanPrompt {
+		t.Errorf("mixed: ideal uncached %.0f, want all %.0f (no sharing)", m.MeanUncached, m.MeanPrompt)
+	}
+	if two := estimateCapacity(shared, defaultSim, 2); two.ClusterRPS*2 < s.ClusterRPS*0.999 || two.ClusterRPS*2 > s.ClusterRPS*1.001 {
+		t.Errorf("capacity with 2 backends = %.2f, want half of 4 backends' %.2f", two.ClusterRPS, s.ClusterRPS)
+	}
+	// the formula by hand for a single request of 100 uncached tokens and 10 output tokens
+	one := Workload{Sessions: []Session{{Requests: []Request{{Messages: []Message{{Role: "user", Content: strings.Repeat("abcd", 100-3)}}, MaxTokens: 10}}}}}
+	e := estimateCapacity(one, defaultSim, 1)
+	step := defaultSim.DecodeStep.Seconds() + defaultSim.DecodeStepPerSeq.Seconds()*e.Batch
+	want := 1 / (100/defaultSim.PrefillTokensPerSec + 10*step/e.Batch)
+	if e.MeanPrompt != 100 || e.PerBackendRPS < want*0.999 || e.PerBackendRPS > want*1.001 {
+		t.Errorf("estimateCapacity(one) = %+v, want prompt 100 and %.3f req/s", e, want)
+	}
+}
