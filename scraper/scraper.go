@@ -106,7 +106,7 @@ func (o Options) withDefaults() Options {
 type Status struct {
 	// Snapshot is the last good scrape; zero when none succeeded yet.
 	Snapshot Snapshot
-	// Fresh is true when Snapshot is younger than the poller's StaleAfter.
+	// Fresh is true when Snapshot is no older than the StaleAfter of the most recent live handle.
 	Fresh bool
 	// Errors counts failed scrapes since the poller started.
 	Errors uint64
