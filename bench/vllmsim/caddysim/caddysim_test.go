@@ -1,0 +1,171 @@
+package caddysim
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+)
+
+func TestUnmarshalCaddyfile(t *testing.T) {
+	tests := []struct {
+		name  string
+		input string
+		want  Handler
+	}{
+		{name: "bare", input: `vllm_sim`, want: Handler{}},
+		{name: "model argument", input: `vllm_sim llama-3`, want: Handler{Model: "llama-3"}},
+		{
+			name: "every option",
+			input: `vllm_sim {
+				model m
+				max_num_seqs 32
+				max_queue 100
+				block_size 32
+				num_gpu_blocks 2048
+				max_num_batched_tokens 4096
+				prefill_tokens_per_sec 12000.5
+				decode_step 25ms
+				decode_step_per_seq 500us
+				time_scale 10
+				tokens_per_chunk 4
+				metrics sglang
+				error_rate 0.01
+				drop_mid_stream_rate 0.02
+				metrics_delay 2s
+				metrics_fail
+				seed 42
+			}`,
+			want: Handler{
+				Model: "m", MaxNumSeqs: 32, MaxQueue: 100, BlockSize: 32, NumGPUBlocks: 2048,
+				MaxNumBatchedTokens: 4096, PrefillTokensPerSec: 12000.5,
+				DecodeStep: caddy.Duration(25 * time.Millisecond), DecodeStepPerSeq: caddy.Duration(500 * time.Microsecond),
+				TimeScale: 10, TokensPerChunk: 4, Metrics: "sglang", ErrorRate: 0.01, DropMidStreamRate: 0.02,
+				MetricsDelay: caddy.Duration(2 * time.Second), MetricsFail: true, Seed: 42,
+			},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var h Handler
+			if err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser(tt.input)); err != nil {
+				t.Fatalf("UnmarshalCaddyfile() error = %v", err)
+			}
+			if h != tt.want {
+				t.Errorf("UnmarshalCaddyfile() = %+v, want %+v", h, tt.want)
+			}
+		})
+	}
+}
+
+func TestUnmarshalCaddyfileErrors(t *testing.T) {
+	bad := map[string]string{
+		"unknown option":  `vllm_sim { nonsense 1 }`,
+		"two arguments":   `vllm_sim a b`,
+		"missing value":   `vllm_sim { max_num_seqs }`,
+		"extra value":     `vllm_sim { max_num_seqs 1 2 }`,
+		"not an integer":  `vllm_sim { num_gpu_blocks many }`,
+		"not a number":    `vllm_sim { time_scale fast }`,
+		"bad duration":    `vllm_sim { decode_step soon }`,
+		"bad seed":        `vllm_sim { seed x }`,
+		"flag with value": `vllm_sim { metrics_fail yes }`,
+		"repeated option": `vllm_sim { max_queue 1
+			max_queue 2 }`,
+		"model twice": `vllm_sim a { model b }`,
+	}
+	for name, input := range bad {
+		t.Run(name, func(t *testing.T) {
+			var h Handler
+			if err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser(input)); err == nil {
+				t.Errorf("UnmarshalCaddyfile(%q) = nil error, want one", input)
+			}
+		})
+	}
+}
+
+func TestCaddyfileAdapt(t *testing.T) {
+	input := `:8001 {
+		vllm_sim sim-a {
+			time_scale 100
+		}
+	}`
+	out, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(input), nil)
+	if err != nil {
+		t.Fatalf("adapting: %v", err)
+	}
+	if !strings.Contains(string(out), `"handler":"vllm_sim","model":"sim-a","time_scale":100`) {
+		t.Errorf("adapted JSON lacks the handler: %s", out)
+	}
+}
+
+func TestProvisionValidation(t *testing.T) {
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	for name, h := range map[string]*Handler{
+		"negative seqs":  {MaxNumSeqs: -1},
+		"bad metrics":    {Metrics: "prometheus"},
+		"error rate > 1": {ErrorRate: 2},
+		"negative scale": {TimeScale: -1},
+	} {
+		if err := h.Provision(ctx); err == nil {
+			h.Cleanup()
+			t.Errorf("%s: Provision() = nil error, want one", name)
+		}
+	}
+}
+
+func TestProvisionServeCleanup(t *testing.T) {
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	h := &Handler{Model: "m", TimeScale: 1000}
+	if err := h.Provision(ctx); err != nil {
+		t.Fatalf("Provision() error = %v", err)
+	}
+	defer h.Cleanup()
+
+	body := `{"model":"m","messages":[{"role":"user","content":"hello"}],"max_tokens":3}`
+	rec := httptest.NewRecorder()
+	req := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", strings.NewReader(body))
+	if err := h.ServeHTTP(rec, req, nil); err != nil {
+		t.Fatalf("ServeHTTP() error = %v", err)
+	}
+	if rec.Code != http.StatusOK {
+		t.Fatalf("status = %d, body %s", rec.Code, rec.Body)
+	}
+	var resp struct {
+		Usage struct {
+			CompletionTokens int `json:"completion_tokens"`
+		} `json:"usage"`
+	}
+	if err := json.Unmarshal(rec.Body.Bytes(), &resp); err != nil || resp.Usage.CompletionTokens != 3 {
+		t.Errorf("response %s: %v", rec.Body, err)
+	}
+	if st := h.Server().State(); st.Requests != 1 || st.Running != 0 {
+		t.Errorf("state %+v", st)
+	}
+
+	rec = httptest.NewRecorder()
+	if err := h.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil), nil); err != nil {
+		t.Fatal(err)
+	}
+	if raw, _ := io.ReadAll(rec.Body); !strings.Contains(string(raw), `vllm:num_requests_running{engine="0",model_name="m"} 0`) {
+		t.Errorf("metrics:\n%s", raw)
+	}
+
+	if err := h.Cleanup(); err != nil {
+		t.Fatal(err)
+	}
+	rec = httptest.NewRecorder()
+	h.ServeHTTP(rec, httptest.NewRequest(http.MethodPost, "/v1/chat/completions", strings.NewReader(body)), nil)
+	if rec.Code != http.StatusServiceUnavailable {
+		t.Errorf("after Cleanup: status %d, want 503", rec.Code)
+	}
+}
