@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 )
 
 // chatBody builds a chat request of n messages with about tokensPerMsg tokens each; salt makes
@@ -58,18 +59,63 @@ func BenchmarkParseChatCold(b *testing.B) {
 	if err := Warm(""); err != nil {
 		b.Fatal(err)
 	}
-	bodies := make([][]byte, b.N)
-	for i := range bodies {
-		bodies[i] = chatBody(20, 200, fmt.Sprintf("cold%d-%d", b.N, i))
-	}
+	body := chatBody(20, 200, "cold")
 	b.ReportAllocs()
-	b.SetBytes(int64(len(bodies[0])))
-	b.ResetTimer()
-	cpu := processCPU()
+	b.SetBytes(int64(len(body)))
+	var cpu time.Duration
 	for i := 0; i < b.N; i++ {
-		if _, err := Parse(bodies[i], APIChat, Options{}); err != nil {
+		b.StopTimer()
+		msgCache.Purge()
+		b.StartTimer()
+		start := processCPU()
+		if _, err := Parse(body, APIChat, Options{}); err != nil {
 			b.Fatal(err)
 		}
+		cpu += processCPU() - start
 	}
-	reportCPU(b, cpu)
+	b.ReportMetric(float64(cpu)/float64(b.N), "cpu-ns/op")
+}
+
+// BenchmarkParseHostile measures the bodies of issue 6's table that cost the most. The message
+// cache is purged before every iteration (timer stopped), so these are worst cases paid in full by
+// each request.
+func BenchmarkParseHostile(b *testing.B) {
+	if err := Warm(""); err != nil {
+		b.Fatal(err)
+	}
+	prose := strings.Repeat("Zebras quietly explore vintage harbors while 42 jugglers improvise, ", 500)
+	tiny := make([]string, 100000)
+	for i := range tiny {
+		tiny[i] = fmt.Sprint(i)
+	}
+	cases := []struct {
+		name string
+		api  API
+		body string
+	}{
+		{"10MB_one_char_one_message", APIChat, chatJSON(strings.Repeat("a", 10<<20))},
+		{"30KB_run_of_a", APIChat, chatJSON(strings.Repeat("a", 30000))},
+		{"30KB_run_of_spaces", APIChat, chatJSON(strings.Repeat(" ", 30000))},
+		{"100k_tiny_messages", APIChat, chatJSON(tiny...)},
+		{"128KB_unique_prose_budget", APIChat, chatJSON(prose[:30000], prose[1:30001], prose[2:30002], prose[3:30003], prose[4:30004])},
+		{"deep_nesting_100k", APIChat, `{"messages":[{"role":"user","content":` + strings.Repeat("[", 100000) + `}]}`},
+		{"special_tokens", APIChat, chatJSON(strings.Repeat("<|endoftext|>", 1000))},
+	}
+	for _, c := range cases {
+		b.Run(c.name, func(b *testing.B) {
+			body := []byte(c.body)
+			b.ReportAllocs()
+			b.SetBytes(int64(len(body)))
+			var cpu time.Duration
+			for i := 0; i < b.N; i++ {
+				b.StopTimer()
+				msgCache.Purge()
+				b.StartTimer()
+				start := processCPU()
+				Parse(body, c.api, Options{})
+				cpu += processCPU() - start
+			}
+			b.ReportMetric(float64(cpu)/float64(b.N), "cpu-ns/op")
+		})
+	}
 }

@@ -8,12 +8,13 @@ import (
 
 // Overheads of the counting rule documented in the package doc.
 const (
-	chatPriming       = 3  // tokens that prime the reply, counted once per chat request
-	perMessage        = 3  // template tokens around each chat message
-	perName           = 1  // extra for a message with a name
-	partTokens        = 85 // each non-text content part (image, audio, file, ...)
-	minChargeBytes    = 64 // minimum budget charge for one tokenizer call
-	tokenIDBlock      = 64 // step boundaries inside a token-ID prompt, in tokens
+	chatPriming       = 3    // tokens that prime the reply, counted once per chat request
+	perMessage        = 3    // template tokens around each chat message
+	perName           = 1    // extra for a message with a name
+	partTokens        = 85   // each non-text content part (image, audio, file, ...)
+	minChargeBytes    = 256  // minimum budget charge for one tokenizer call
+	maxCacheLookups   = 4096 // per request; later messages bypass the cache (bounds lock traffic)
+	tokenIDBlock      = 64   // step boundaries inside a token-ID prompt, in tokens
 	messageHashSeed   = 0x6c6c6d2d6d736731
 	boundaryHashStart = 0x6c6c6d2d62647279
 )
@@ -27,14 +28,16 @@ func chain(prev, piece uint64) uint64 {
 	return xxhash.Sum64(b[:])
 }
 
-// budget tracks how many more bytes one request may tokenize.
+// budget tracks how many more bytes one request may tokenize, and how many more cache lookups
+// it may make.
 type budget struct {
 	perMessage, left int
+	lookups          int
 }
 
 // count computes token counts, message hashes and boundaries of a parsed body.
 func (p *parser) count(enc *encoder, opts Options) *Request {
-	b := budget{perMessage: opts.MaxMessageBytes, left: opts.MaxTotalBytes}
+	b := budget{perMessage: opts.MaxMessageBytes, left: opts.MaxTotalBytes, lookups: maxCacheLookups}
 	if b.perMessage <= 0 {
 		b.perMessage = DefaultMaxMessageBytes
 	}
@@ -74,7 +77,7 @@ func (p *parser) count(enc *encoder, opts Options) *Request {
 		p.d.ResetWithSeed(messageHashSeed)
 		writePiece(&p.d, 't', raw)
 		th := p.d.Sum64()
-		n, exact, hit := p.cached(enc, th, func() (int, bool) {
+		n, exact, hit := p.cached(enc, th, &b, func() (int, bool) {
 			return b.countText(enc, raw, max(len(raw), minChargeBytes))
 		})
 		hits, misses = tally(hits, misses, enc, hit)
@@ -90,9 +93,9 @@ func (p *parser) count(enc *encoder, opts Options) *Request {
 		var n int
 		var exact, hit bool
 		if p.api == APIChat {
-			n, exact, hit = p.cached(enc, mh, func() (int, bool) { return p.countChat(enc, m, &b) })
+			n, exact, hit = p.cached(enc, mh, &b, func() (int, bool) { return p.countChat(enc, m, &b) })
 		} else {
-			n, exact, hit = p.cached(enc, mh, func() (int, bool) { return p.countPrompt(enc, m, &b) })
+			n, exact, hit = p.cached(enc, mh, &b, func() (int, bool) { return p.countPrompt(enc, m, &b) })
 		}
 		hits, misses = tally(hits, misses, enc, hit)
 		r.Estimated = r.Estimated || !exact
@@ -132,11 +135,16 @@ func appendBoundary(bs []Boundary, tokens int, h uint64) []Boundary {
 }
 
 // cached returns a message's count from the cache, or computes it and caches exact counts.
-func (p *parser) cached(enc *encoder, h uint64, compute func() (int, bool)) (n int, exact, hit bool) {
+func (p *parser) cached(enc *encoder, h uint64, b *budget, compute func() (int, bool)) (n int, exact, hit bool) {
 	if enc.tk == nil {
 		n, _ = compute()
 		return n, false, false
 	}
+	if b.lookups <= 0 {
+		n, exact = compute()
+		return n, exact, false
+	}
+	b.lookups--
 	key := cacheKey{enc: enc.id, hash: h}
 	if v, ok := msgCache.Get(key); ok {
 		return int(v), true, true

@@ -3,6 +3,7 @@ package tokenize
 import (
 	"fmt"
 	"strings"
+	"unsafe"
 
 	"github.com/cespare/xxhash/v2"
 )
@@ -10,11 +11,11 @@ import (
 // span locates a decoded string: in the body, or in the parser's scratch buffer when the JSON
 // string had escapes that had to be decoded.
 type span struct {
-	off, end int
+	off, end int32 // Parse rejects bodies of 2 GiB or more
 	scratch  bool
 }
 
-func (sp span) len() int { return sp.end - sp.off }
+func (sp span) len() int { return int(sp.end - sp.off) }
 
 // segKind says what a piece of a message is, which decides how it is counted and hashed.
 type segKind uint8
@@ -49,7 +50,7 @@ type seg struct {
 type msg struct {
 	role, name, callID          span
 	hasRole, hasName, hasCallID bool
-	segStart, segEnd            int // range of parser.segs
+	segStart, segEnd            int32 // range of parser.segs
 }
 
 // parser holds the per-call scratch state; parsers are pooled so that a warm Parse allocates
@@ -74,8 +75,9 @@ type parser struct {
 	d xxhash.Digest
 }
 
-// maxPooledBytes keeps a huge request from pinning its scratch memory in the pool.
-const maxPooledBytes = 1 << 20
+// maxPooledBytes keeps a huge request from pinning its scratch memory in the pool (which the
+// runtime empties within two garbage collections anyway).
+const maxPooledBytes = 8 << 20
 
 func (p *parser) reset(body []byte, api API) {
 	buf, segs, msgs, ids := p.buf[:0], p.segs[:0], p.msgs[:0], p.ids[:0]
@@ -84,16 +86,16 @@ func (p *parser) reset(body []byte, api API) {
 
 func (p *parser) release() {
 	p.s.b = nil
-	if cap(p.buf) > maxPooledBytes || cap(p.segs)*int(sizeofSeg) > maxPooledBytes ||
-		cap(p.msgs)*int(sizeofMsg) > maxPooledBytes || cap(p.ids)*4 > maxPooledBytes {
+	if cap(p.buf) > maxPooledBytes || cap(p.segs)*sizeofSeg > maxPooledBytes ||
+		cap(p.msgs)*sizeofMsg > maxPooledBytes || cap(p.ids)*4 > maxPooledBytes {
 		return
 	}
 	parserPool.Put(p)
 }
 
 const (
-	sizeofSeg = 32
-	sizeofMsg = 96
+	sizeofSeg = int(unsafe.Sizeof(seg{}))
+	sizeofMsg = int(unsafe.Sizeof(msg{}))
 )
 
 // bytes returns the decoded bytes of a span.
@@ -111,11 +113,11 @@ func (p *parser) str() (span, error) {
 		return span{}, err
 	}
 	if !esc {
-		return span{off: start, end: end}, nil
+		return span{off: int32(start), end: int32(end)}, nil
 	}
 	off := len(p.buf)
 	p.buf = appendUnescaped(p.buf, p.s.b[start:end])
-	return span{off: off, end: len(p.buf), scratch: true}, nil
+	return span{off: int32(off), end: int32(len(p.buf)), scratch: true}, nil
 }
 
 // key returns an object key's decoded bytes.
@@ -251,7 +253,7 @@ func (p *parser) parseTools() error {
 		if err := s.skip(1); err != nil {
 			return err
 		}
-		p.tools, p.hasTools = span{off: start, end: s.i}, true
+		p.tools, p.hasTools = span{off: int32(start), end: int32(s.i)}, true
 		return nil
 	}
 	return s.typeErr("tools must be an array")
@@ -273,7 +275,7 @@ func (p *parser) parseMessage(idx int) error {
 	if s.peek() != '{' {
 		return s.typeErr("messages[%d] must be an object", idx)
 	}
-	m := msg{segStart: len(p.segs)}
+	m := msg{segStart: int32(len(p.segs))}
 	err := s.object(2, func(raw []byte, esc bool) error {
 		k := p.key(raw, esc)
 		switch {
@@ -285,14 +287,14 @@ func (p *parser) parseMessage(idx int) error {
 			m.role, m.hasRole = sp, true
 			return err
 		case string(k) == "content":
-			p.kill(m.segStart, fieldContent)
+			p.kill(int(m.segStart), fieldContent)
 			return p.parseContent(idx)
 		case string(k) == "name":
 			return p.optString(&m.name, &m.hasName, "messages[%d].name", idx, 0)
 		case string(k) == "tool_call_id":
 			return p.optString(&m.callID, &m.hasCallID, "messages[%d].tool_call_id", idx, 0)
 		case string(k) == "tool_calls":
-			p.kill(m.segStart, fieldToolCalls)
+			p.kill(int(m.segStart), fieldToolCalls)
 			return p.parseToolCalls(idx)
 		}
 		return s.skip(3)
@@ -303,7 +305,7 @@ func (p *parser) parseMessage(idx int) error {
 	if !m.hasRole {
 		return s.errorf("messages[%d] must have a string role", idx)
 	}
-	m.segEnd = len(p.segs)
+	m.segEnd = int32(len(p.segs))
 	p.msgs = append(p.msgs, m)
 	return nil
 }
@@ -390,7 +392,7 @@ func (p *parser) parseContentPart(idx, part int) error {
 	case string(t) == "refusal" && hasRefusal:
 		p.segs = append(p.segs, seg{kind: segText, field: fieldContent, sp: refusal})
 	default:
-		p.segs = append(p.segs, seg{kind: segPart, field: fieldContent, sp: span{off: start, end: s.i}})
+		p.segs = append(p.segs, seg{kind: segPart, field: fieldContent, sp: span{off: int32(start), end: int32(s.i)}})
 	}
 	return nil
 }
@@ -479,8 +481,8 @@ func (p *parser) parsePrompt() error {
 		if shape == 0 {
 			shape = this
 			if shape == 'i' {
-				p.msgs = append(p.msgs, msg{segStart: len(p.segs)})
-				p.segs = append(p.segs, seg{kind: segTokens, sp: span{off: len(p.ids), end: len(p.ids)}})
+				p.msgs = append(p.msgs, msg{segStart: int32(len(p.segs))})
+				p.segs = append(p.segs, seg{kind: segTokens, sp: span{off: int32(len(p.ids)), end: int32(len(p.ids))}})
 			}
 		} else if this != shape {
 			return s.errorf("prompt array elements must all be strings, all token IDs, or all arrays of token IDs")
@@ -493,7 +495,7 @@ func (p *parser) parsePrompt() error {
 			if err := p.tokenID(); err != nil {
 				return err
 			}
-			p.segs[len(p.segs)-1].sp.end = len(p.ids)
+			p.segs[len(p.segs)-1].sp.end = int32(len(p.ids))
 			return nil
 		default:
 			first := len(p.ids)
@@ -503,8 +505,8 @@ func (p *parser) parsePrompt() error {
 			if len(p.ids) == first {
 				return s.errorf("prompt[%d] must not be an empty token array", n-1)
 			}
-			p.msgs = append(p.msgs, msg{segStart: len(p.segs), segEnd: len(p.segs) + 1})
-			p.segs = append(p.segs, seg{kind: segTokens, sp: span{off: first, end: len(p.ids)}})
+			p.msgs = append(p.msgs, msg{segStart: int32(len(p.segs)), segEnd: int32(len(p.segs) + 1)})
+			p.segs = append(p.segs, seg{kind: segTokens, sp: span{off: int32(first), end: int32(len(p.ids))}})
 			return nil
 		}
 	})
@@ -515,7 +517,7 @@ func (p *parser) parsePrompt() error {
 		return s.errorf("prompt must not be an empty array")
 	}
 	if shape == 'i' {
-		p.msgs[0].segEnd = len(p.segs)
+		p.msgs[0].segEnd = int32(len(p.segs))
 	}
 	return nil
 }
@@ -525,7 +527,7 @@ func (p *parser) promptString() error {
 	if err != nil {
 		return err
 	}
-	p.msgs = append(p.msgs, msg{segStart: len(p.segs), segEnd: len(p.segs) + 1})
+	p.msgs = append(p.msgs, msg{segStart: int32(len(p.segs)), segEnd: int32(len(p.segs) + 1)})
 	p.segs = append(p.segs, seg{kind: segText, sp: sp})
 	return nil
 }
