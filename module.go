@@ -1,12 +1,567 @@
-// Package caddyllm is a Caddy plugin that load-balances OpenAI-compatible LLM inference servers.
+// Package caddyllm is a Caddy plugin that load-balances OpenAI-compatible LLM inference servers (vLLM,
+// SGLang, ...). It adds the selection policy http.reverse_proxy.selection_policies.llm, which routes each
+// request by the tokens every upstream has in flight and by where its prompt prefix is probably cached, and
+// the request matcher http.matchers.llm, which matches requests by model, prompt tokens, streaming and API.
 package caddyllm
 
 import (
-	_ "github.com/caddyserver/caddy/v2/caddytest"
-	_ "github.com/cespare/xxhash/v2"
-	_ "github.com/hashicorp/golang-lru/v2"
-	_ "github.com/pkoukk/tiktoken-go"
-	_ "github.com/pkoukk/tiktoken-go-loader"
-	_ "github.com/prometheus/common/expfmt"
-	_ "go.uber.org/zap"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net/http"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+
+	"github.com/tokenrouter/caddy-llm/affinity"
+	"github.com/tokenrouter/caddy-llm/selection"
+	"github.com/tokenrouter/caddy-llm/tokenize"
+)
+
+func init() {
+	caddy.RegisterModule(LLMSelection{})
+	caddy.RegisterModule(MatchLLM{})
+}
+
+// Defaults, documented on the fields that use them.
+const (
+	defaultOutputTokens = 256
+	defaultBlockSize    = 16
+	defaultRouteTTL     = 10 * time.Minute
+	defaultRoutes       = 100_000
+)
+
+// LLMSelection is a reverse_proxy selection policy for OpenAI-compatible LLM servers. It reads the request
+// body once, counts its prompt tokens, and chooses among the available upstreams the one where the request
+// costs least: the tokens each upstream already has in flight from this process, plus the prompt tokens it
+// would have to prefill given what its KV cache probably holds (learned from earlier routing decisions).
+//
+// Every request reserves its weight on the chosen upstream and releases it exactly once: a retry releases
+// the previous attempt's reservation before reserving again, and the end of the request (the end of a
+// stream, or the client going away) releases the last one. The counters and learned routes are
+// process-global, so they survive config reloads.
+//
+// Requests that are not LLM requests (not a POST of JSON to a chat/completions or completions endpoint),
+// bodies over the cap and bodies that do not parse go to the fallback policy and are proxied intact.
+type LLMSelection struct {
+	// Mode is the routing strategy: "combined" (default) weighs load against the prefill work a cached
+	// prefix saves; "least_tokens" uses load alone; "prefix" prefers the longest cached prefix, subject to
+	// the hot-spot guard.
+	Mode string `json:"mode,omitempty"`
+
+	// Tokenizer counts prompt tokens: "cl100k_base" (default), "o200k_base", or "approx" (no tokenizer:
+	// about 4 bytes a token; the cheapest).
+	Tokenizer string `json:"tokenizer,omitempty"`
+
+	// MaxBodyBytes is the largest body read and parsed; larger requests go to the fallback policy, unread.
+	// Default 4 MiB.
+	MaxBodyBytes int64 `json:"max_body_bytes,omitempty"`
+
+	// MaxMessageBytes: a message longer than this is counted by estimate rather than tokenized. Default 32 KiB.
+	MaxMessageBytes int `json:"max_message_bytes,omitempty"`
+
+	// MaxTokenizeBytes: after this many bytes of one request are tokenized, the rest is estimated.
+	// Default 128 KiB. Together with MaxMessageBytes it bounds the CPU one request can cost.
+	MaxTokenizeBytes int `json:"max_tokenize_bytes,omitempty"`
+
+	// OutputTokens is the output estimate added to a request's weight: a request's max_tokens (or
+	// max_completion_tokens) when it is lower, else this. Default 256.
+	OutputTokens int `json:"output_tokens,omitempty"`
+
+	// ConversationHeader names a request header whose value identifies a conversation; a conversation is
+	// pinned to the upstream that served it (until the pin expires or the upstream becomes a hot spot).
+	// Off by default.
+	ConversationHeader string `json:"conversation_header,omitempty"`
+
+	// BlockSize is the backends' KV-cache block size in tokens; learned prefixes are aligned down to it.
+	// Default 16 (vLLM's).
+	BlockSize int `json:"block_size,omitempty"`
+
+	// RouteCapacity bounds the learned prefix routes (least recently used are evicted). Default 100000.
+	RouteCapacity int `json:"route_capacity,omitempty"`
+
+	// RouteTTL is how long a learned route is trusted. Default 10m.
+	RouteTTL caddy.Duration `json:"route_ttl,omitempty"`
+
+	// GuardFactor and GuardSlack form the hot-spot guard: an upstream whose load exceeds
+	// guard_factor x the median load + guard_slack tokens loses its cache and conversation claims.
+	// Defaults 2 and 4096.
+	GuardFactor float64 `json:"guard_factor,omitempty"`
+	GuardSlack  int64   `json:"guard_slack,omitempty"`
+
+	// FallbackRaw is the policy for requests this one cannot read. Default least_conn.
+	FallbackRaw json.RawMessage `json:"fallback,omitempty" caddy:"namespace=http.reverse_proxy.selection_policies inline_key=policy"`
+
+	fallback reverseproxy.Selector
+	decide   selection.Config
+	tokOpts  tokenize.Options
+	routes   *affinity.Table
+	logger   *zap.Logger
+}
+
+// CaddyModule returns the Caddy module information.
+func (LLMSelection) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "http.reverse_proxy.selection_policies.llm",
+		New: func() caddy.Module { return new(LLMSelection) },
+	}
+}
+
+// Provision sets up the policy.
+func (s *LLMSelection) Provision(ctx caddy.Context) error {
+	s.logger = ctx.Logger()
+	if s.Mode == "" {
+		s.Mode = selection.Combined.String()
+	}
+	if s.Tokenizer == "" {
+		s.Tokenizer = "cl100k_base"
+	}
+	if s.MaxBodyBytes == 0 {
+		s.MaxBodyBytes = defaultMaxBodyBytes
+	}
+	if s.OutputTokens == 0 {
+		s.OutputTokens = defaultOutputTokens
+	}
+	if s.BlockSize == 0 {
+		s.BlockSize = defaultBlockSize
+	}
+	if s.RouteCapacity == 0 {
+		s.RouteCapacity = defaultRoutes
+	}
+	if s.RouteTTL == 0 {
+		s.RouteTTL = caddy.Duration(defaultRouteTTL)
+	}
+	s.decide = selection.DefaultConfig()
+	if s.GuardFactor == 0 {
+		s.GuardFactor = s.decide.GuardFactor
+	}
+	if s.GuardSlack == 0 {
+		s.GuardSlack = s.decide.GuardSlack
+	}
+	if err := s.Validate(); err != nil {
+		return err
+	}
+	s.decide.Mode, _ = selection.ParseMode(s.Mode)
+	s.decide.GuardFactor = s.GuardFactor
+	s.decide.GuardSlack = s.GuardSlack
+	s.tokOpts = tokenize.Options{
+		Encoding:        s.Tokenizer,
+		MaxMessageBytes: s.MaxMessageBytes,
+		MaxTotalBytes:   s.MaxTokenizeBytes,
+	}
+	if err := tokenize.Warm(s.Tokenizer); err != nil {
+		return fmt.Errorf("loading tokenizer %s: %w", s.Tokenizer, err)
+	}
+
+	if s.FallbackRaw == nil {
+		s.FallbackRaw = caddyconfig.JSONModuleObject(reverseproxy.LeastConnSelection{}, "policy", "least_conn", nil)
+	}
+	mod, err := ctx.LoadModule(s, "FallbackRaw")
+	if err != nil {
+		return fmt.Errorf("loading fallback selection policy: %w", err)
+	}
+	s.fallback = mod.(reverseproxy.Selector)
+
+	s.routes = acquireRoutes(affinity.Config{
+		Capacity:  s.RouteCapacity,
+		TTL:       time.Duration(s.RouteTTL),
+		BlockSize: s.BlockSize,
+	})
+	return nil
+}
+
+// Validate checks the configuration.
+func (s *LLMSelection) Validate() error {
+	if _, ok := selection.ParseMode(s.Mode); !ok {
+		return fmt.Errorf("unknown mode %q (want combined, least_tokens or prefix)", s.Mode)
+	}
+	if !tokenize.ValidEncoding(s.Tokenizer) {
+		return fmt.Errorf("unknown tokenizer %q (want cl100k_base, o200k_base or approx)", s.Tokenizer)
+	}
+	switch {
+	case s.MaxBodyBytes < 0:
+		return fmt.Errorf("max_body_bytes must be positive, got %d", s.MaxBodyBytes)
+	case s.MaxMessageBytes < 0:
+		return fmt.Errorf("max_message_bytes must be positive, got %d", s.MaxMessageBytes)
+	case s.MaxTokenizeBytes < 0:
+		return fmt.Errorf("max_tokenize_bytes must be positive, got %d", s.MaxTokenizeBytes)
+	case s.OutputTokens < 0:
+		return fmt.Errorf("output_tokens must be positive, got %d", s.OutputTokens)
+	case s.BlockSize < 0:
+		return fmt.Errorf("block_size must be positive, got %d", s.BlockSize)
+	case s.RouteCapacity < 0:
+		return fmt.Errorf("route_capacity must be positive, got %d", s.RouteCapacity)
+	case s.RouteTTL < 0:
+		return fmt.Errorf("route_ttl must be positive, got %s", time.Duration(s.RouteTTL))
+	case s.GuardFactor < 0:
+		return fmt.Errorf("guard_factor must be positive, got %g", s.GuardFactor)
+	case s.GuardSlack < 0:
+		return fmt.Errorf("guard_slack must be positive, got %d", s.GuardSlack)
+	}
+	return nil
+}
+
+// Cleanup releases this config's hold on the shared route table; learned routes survive as long as any
+// config uses them, so a reload keeps them.
+func (s *LLMSelection) Cleanup() error {
+	if s.routes != nil {
+		releaseRoutes()
+		s.routes = nil
+	}
+	return nil
+}
+
+// Select chooses an upstream for r.
+func (s *LLMSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter) *reverseproxy.Upstream {
+	lr := inspectRequest(r, s.MaxBodyBytes)
+	lr.installBody(r)
+	if lr.api == tokenize.APIUnknown {
+		return s.fallback.Select(pool, r, w)
+	}
+	if lr.acct == nil {
+		lr.acct = newReservationHolder(r.Context())
+	}
+
+	req, err := lr.parse(s.tokOpts)
+	if err != nil {
+		// Route it anyway: by the fallback, weighted by its size so a huge prompt is not counted as nothing.
+		up := s.fallback.Select(pool, r, w)
+		weight := max(r.ContentLength, 0) / 4
+		s.hold(lr, up, weight)
+		if c := s.logger.Check(zapcore.DebugLevel, "routed unparsed request by fallback"); c != nil {
+			c.Write(zap.String("upstream", dialOf(up)), zap.Int64("weight", weight), zap.String("error", err.Error()))
+		}
+		return up
+	}
+
+	sc := scratchPool.Get().(*scratch)
+	defer scratchPool.Put(sc)
+	sc.reset()
+	// A retry goes to an upstream this request has not tried yet, while there is one.
+	skipTried := len(lr.tried) > 0 && hasUntried(pool, lr.tried)
+	for _, u := range pool {
+		if !u.Available() || skipTried && slices.Contains(lr.tried, u.Dial) {
+			continue
+		}
+		tokens, requests := loads.get(u.Dial)
+		sc.upstreams = append(sc.upstreams, u)
+		sc.keys = append(sc.keys, u.Dial)
+		sc.cands = append(sc.cands, selection.Candidate{Key: u.Dial, InflightTokens: tokens, InflightRequests: requests})
+	}
+	if len(sc.cands) == 0 {
+		lr.acct.swap(nil)
+		return nil
+	}
+
+	useRoutes := s.decide.Mode != selection.LeastTokens
+	var conversation string
+	if s.ConversationHeader != "" {
+		conversation = r.Header.Get(s.ConversationHeader)
+	}
+	if useRoutes {
+		sc.cached = sc.cached[:len(sc.keys)]
+		s.routes.Match(req.Model, req.Boundaries, sc.keys, sc.cached)
+		for i := range sc.cands {
+			sc.cands[i].CachedTokens = sc.cached[i]
+		}
+		if conversation != "" {
+			if dial, ok := s.routes.Pinned(req.Model, conversation); ok {
+				for i := range sc.cands {
+					sc.cands[i].Pinned = sc.cands[i].Key == dial
+				}
+			}
+		}
+	}
+
+	d := selection.Choose(sc.cands, selection.Request{
+		PromptTokens: req.PromptTokens,
+		PrefixHash:   firstPrefixHash(req.Boundaries),
+	}, s.decide, rand.IntN, sc.floats)
+	up := sc.upstreams[d.Index]
+
+	if useRoutes {
+		s.routes.Learn(req.Model, req.Boundaries, up.Dial)
+		if conversation != "" {
+			s.routes.Pin(req.Model, conversation, up.Dial)
+		}
+	}
+	weight := int64(req.PromptTokens + s.outputEstimate(req.MaxTokens))
+	s.hold(lr, up, weight)
+	lr.tried = append(lr.tried, up.Dial)
+
+	if c := s.logger.Check(zapcore.DebugLevel, "selected upstream"); c != nil {
+		c.Write(
+			zap.String("upstream", up.Dial),
+			zap.String("reason", d.Reason.String()),
+			zap.String("model", req.Model),
+			zap.Int("prompt_tokens", req.PromptTokens),
+			zap.Int("matched_tokens", d.MatchedTokens),
+			zap.Int64("weight", weight),
+			zap.Int("candidates", len(sc.cands)),
+		)
+	}
+	return up
+}
+
+// outputEstimate is the output tokens a request is expected to generate: its max_tokens when lower than
+// the configured estimate, else the estimate. Real outputs are usually far shorter than max_tokens, so a
+// generous limit must not inflate the weight; a small one lowers it.
+func (s *LLMSelection) outputEstimate(maxTokens int) int {
+	if maxTokens > 0 && maxTokens < s.OutputTokens {
+		return maxTokens
+	}
+	return s.OutputTokens
+}
+
+// hold makes up's reservation of weight the one the request holds, releasing the previous attempt's.
+func (s *LLMSelection) hold(lr *llmRequest, up *reverseproxy.Upstream, weight int64) {
+	if lr.acct == nil {
+		return
+	}
+	if up == nil {
+		lr.acct.swap(nil)
+		return
+	}
+	lr.acct.swap(loads.reserve(up.Dial, weight))
+}
+
+// firstPrefixHash identifies the request's leading prefix (its first boundary, usually the system prompt)
+// for rendezvous hashing, so that requests sharing it agree on where to go when nothing else decides.
+func firstPrefixHash(bounds []tokenize.Boundary) uint64 {
+	if len(bounds) == 0 {
+		return 0
+	}
+	return bounds[0].Hash
+}
+
+// hasUntried reports whether pool has an available upstream not in tried.
+func hasUntried(pool reverseproxy.UpstreamPool, tried []string) bool {
+	for _, u := range pool {
+		if u.Available() && !slices.Contains(tried, u.Dial) {
+			return true
+		}
+	}
+	return false
+}
+
+func dialOf(u *reverseproxy.Upstream) string {
+	if u == nil {
+		return ""
+	}
+	return u.Dial
+}
+
+// scratch holds Select's per-call slices, pooled so the hot path does not allocate them.
+type scratch struct {
+	upstreams []*reverseproxy.Upstream
+	keys      []string
+	cands     []selection.Candidate
+	cached    []int
+	floats    []float64
+}
+
+func (sc *scratch) reset() {
+	clear(sc.upstreams) // drop references to old configs' upstreams
+	sc.upstreams = sc.upstreams[:0]
+	sc.keys = sc.keys[:0]
+	sc.cands = sc.cands[:0]
+	sc.cached = sc.cached[:0]
+	sc.floats = sc.floats[:0]
+}
+
+var scratchPool = sync.Pool{New: func() any {
+	return &scratch{cached: make([]int, 0, 16), floats: make([]float64, 0, 32)}
+}}
+
+// The learned route table is shared by every policy in the process and survives reloads: each Provision
+// takes a reference and each Cleanup drops one; it is dropped when no config uses it.
+var (
+	routesMu   sync.Mutex
+	routesRefs int
+	routeTable *affinity.Table
+)
+
+func acquireRoutes(cfg affinity.Config) *affinity.Table {
+	routesMu.Lock()
+	defer routesMu.Unlock()
+	if routeTable == nil {
+		routeTable = affinity.New(cfg)
+	} else {
+		routeTable.Reconfigure(cfg)
+	}
+	routesRefs++
+	return routeTable
+}
+
+func releaseRoutes() {
+	routesMu.Lock()
+	defer routesMu.Unlock()
+	routesRefs--
+	if routesRefs == 0 {
+		routeTable = nil
+	}
+}
+
+// MatchLLM matches OpenAI-compatible LLM requests by model, prompt tokens, streaming and API. A request
+// that is not an LLM request (not a POST of JSON to a chat/completions or completions endpoint) does not
+// match. An LLM request whose body is malformed is answered 400 with what is wrong, and one over the body
+// cap 413, since routing it anywhere would only fail later.
+type MatchLLM struct {
+	// Models are glob patterns (* matches any run of characters, ? one) for the request's model field.
+	Models []string `json:"models,omitempty"`
+	// MinTokens and MaxTokens bound the prompt tokens (inclusive); 0 means unbounded.
+	MinTokens int `json:"min_tokens,omitempty"`
+	MaxTokens int `json:"max_tokens,omitempty"`
+	// Stream, when set, matches only streaming (true) or non-streaming (false) requests.
+	Stream *bool `json:"stream,omitempty"`
+	// APIs limits the match to "chat" (/v1/chat/completions) and/or "completions" (/v1/completions).
+	APIs []string `json:"apis,omitempty"`
+	// Tokenizer counts prompt tokens for the token bounds, as in the policy. Default cl100k_base.
+	Tokenizer string `json:"tokenizer,omitempty"`
+	// MaxBodyBytes is the largest body read; larger LLM requests are answered 413. Default 4 MiB.
+	MaxBodyBytes int64 `json:"max_body_bytes,omitempty"`
+
+	apis    []tokenize.API
+	tokOpts tokenize.Options
+}
+
+// CaddyModule returns the Caddy module information.
+func (MatchLLM) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "http.matchers.llm",
+		New: func() caddy.Module { return new(MatchLLM) },
+	}
+}
+
+// Provision sets up the matcher.
+func (m *MatchLLM) Provision(caddy.Context) error {
+	if m.Tokenizer == "" {
+		m.Tokenizer = "cl100k_base"
+	}
+	if m.MaxBodyBytes == 0 {
+		m.MaxBodyBytes = defaultMaxBodyBytes
+	}
+	if err := m.Validate(); err != nil {
+		return err
+	}
+	m.apis = m.apis[:0]
+	for _, name := range m.APIs {
+		m.apis = append(m.apis, apiByName[name])
+	}
+	m.tokOpts = tokenize.Options{Encoding: m.Tokenizer}
+	if m.MinTokens > 0 || m.MaxTokens > 0 {
+		if err := tokenize.Warm(m.Tokenizer); err != nil {
+			return fmt.Errorf("loading tokenizer %s: %w", m.Tokenizer, err)
+		}
+	}
+	return nil
+}
+
+var apiByName = map[string]tokenize.API{"chat": tokenize.APIChat, "completions": tokenize.APICompletions}
+
+// Validate checks the configuration.
+func (m *MatchLLM) Validate() error {
+	for _, name := range m.APIs {
+		if _, ok := apiByName[name]; !ok {
+			return fmt.Errorf("unknown api %q (want chat or completions)", name)
+		}
+	}
+	if !tokenize.ValidEncoding(m.Tokenizer) {
+		return fmt.Errorf("unknown tokenizer %q (want cl100k_base, o200k_base or approx)", m.Tokenizer)
+	}
+	switch {
+	case m.MinTokens < 0 || m.MaxTokens < 0:
+		return fmt.Errorf("token bounds must be positive, got min %d max %d", m.MinTokens, m.MaxTokens)
+	case m.MaxTokens > 0 && m.MinTokens > m.MaxTokens:
+		return fmt.Errorf("min_tokens %d is above max_tokens %d", m.MinTokens, m.MaxTokens)
+	case m.MaxBodyBytes < 0:
+		return fmt.Errorf("max_body_bytes must be positive, got %d", m.MaxBodyBytes)
+	}
+	return nil
+}
+
+// Match returns true if r matches m. Errors (malformed bodies) count as no match; use MatchWithError.
+func (m MatchLLM) Match(r *http.Request) bool {
+	ok, _ := m.MatchWithError(r)
+	return ok
+}
+
+// MatchWithError returns whether r matches m, or an HTTP 400/413/415 error for an LLM request whose body
+// cannot be read. Non-LLM requests never error.
+func (m MatchLLM) MatchWithError(r *http.Request) (bool, error) {
+	lr := inspectRequest(r, m.MaxBodyBytes)
+	lr.installBody(r)
+	if lr.api == tokenize.APIUnknown {
+		return false, nil
+	}
+	if len(m.apis) > 0 && !containsAPI(m.apis, lr.api) {
+		return false, nil
+	}
+	needBody := len(m.Models) > 0 || m.MinTokens > 0 || m.MaxTokens > 0 || m.Stream != nil
+	if !needBody {
+		return true, nil
+	}
+	opts := m.tokOpts
+	if m.MinTokens == 0 && m.MaxTokens == 0 {
+		// Only fields are needed: count by estimate, and share the parse with any other approx user.
+		opts = tokenize.Options{Encoding: "approx"}
+	}
+	req, err := lr.parse(opts)
+	if err != nil {
+		return false, httpError(err)
+	}
+	if len(m.Models) > 0 && !matchAnyGlob(m.Models, req.Model) {
+		return false, nil
+	}
+	if m.Stream != nil && *m.Stream != req.Stream {
+		return false, nil
+	}
+	if m.MinTokens > 0 && req.PromptTokens < m.MinTokens {
+		return false, nil
+	}
+	if m.MaxTokens > 0 && req.PromptTokens > m.MaxTokens {
+		return false, nil
+	}
+	return true, nil
+}
+
+// httpError turns a body or parse error into the status a client should see.
+func httpError(err error) error {
+	var maxBytes *http.MaxBytesError
+	switch {
+	case errors.Is(err, errBodyTooLarge), errors.As(err, &maxBytes):
+		return caddyhttp.Error(http.StatusRequestEntityTooLarge, err)
+	case errors.Is(err, errUnsupportedEncoding):
+		return caddyhttp.Error(http.StatusUnsupportedMediaType, err)
+	default:
+		return caddyhttp.Error(http.StatusBadRequest, err)
+	}
+}
+
+func containsAPI(apis []tokenize.API, api tokenize.API) bool {
+	for _, a := range apis {
+		if a == api {
+			return true
+		}
+	}
+	return false
+}
+
+// Interface guards
+var (
+	_ caddy.Provisioner                  = (*LLMSelection)(nil)
+	_ caddy.Validator                    = (*LLMSelection)(nil)
+	_ caddy.CleanerUpper                 = (*LLMSelection)(nil)
+	_ reverseproxy.Selector              = (*LLMSelection)(nil)
+	_ caddy.Provisioner                  = (*MatchLLM)(nil)
+	_ caddy.Validator                    = (*MatchLLM)(nil)
+	_ caddyhttp.RequestMatcherWithError = (*MatchLLM)(nil)
 )

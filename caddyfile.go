@@ -1,0 +1,246 @@
+package caddyllm
+
+import (
+	"strconv"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"github.com/dustin/go-humanize"
+)
+
+// UnmarshalCaddyfile sets up the policy from Caddyfile tokens. Syntax:
+//
+//	lb_policy llm {
+//		mode                <combined|least_tokens|prefix>
+//		tokenizer           <cl100k_base|o200k_base|approx>
+//		max_body_size       <size>
+//		max_message_size    <size>
+//		max_tokenize_size   <size>
+//		output_tokens       <n>
+//		conversation_header <field>
+//		block_size          <tokens>
+//		route_capacity      <n>
+//		route_ttl           <duration>
+//		guard_factor        <factor>
+//		guard_slack         <tokens>
+//		fallback            <policy> [<args...>] [{ ... }]
+//	}
+func (s *LLMSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // consume policy name
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	for d.NextBlock(0) {
+		option := d.Val()
+		if option == "fallback" {
+			if !d.NextArg() {
+				return d.ArgErr()
+			}
+			if s.FallbackRaw != nil {
+				return d.Err("fallback selection policy already specified")
+			}
+			mod, err := loadFallbackPolicy(d)
+			if err != nil {
+				return err
+			}
+			s.FallbackRaw = mod
+			continue
+		}
+		if !d.NextArg() {
+			return d.ArgErr()
+		}
+		val := d.Val()
+		if d.NextArg() {
+			return d.ArgErr()
+		}
+		var err error
+		switch option {
+		case "mode":
+			s.Mode = val
+		case "tokenizer":
+			s.Tokenizer = val
+		case "max_body_size":
+			s.MaxBodyBytes, err = parseSize(d, option, val)
+		case "max_message_size":
+			var n int64
+			n, err = parseSize(d, option, val)
+			s.MaxMessageBytes = int(n)
+		case "max_tokenize_size":
+			var n int64
+			n, err = parseSize(d, option, val)
+			s.MaxTokenizeBytes = int(n)
+		case "output_tokens":
+			s.OutputTokens, err = parseCount(d, option, val)
+		case "conversation_header":
+			s.ConversationHeader = val
+		case "block_size":
+			s.BlockSize, err = parseCount(d, option, val)
+		case "route_capacity":
+			s.RouteCapacity, err = parseCount(d, option, val)
+		case "route_ttl":
+			var dur time.Duration
+			dur, err = caddy.ParseDuration(val)
+			if err != nil {
+				return d.Errf("parsing route_ttl: %v", err)
+			}
+			s.RouteTTL = caddy.Duration(dur)
+		case "guard_factor":
+			s.GuardFactor, err = strconv.ParseFloat(val, 64)
+			if err != nil || s.GuardFactor <= 0 {
+				return d.Errf("guard_factor must be a positive number, got '%s'", val)
+			}
+		case "guard_slack":
+			var n int
+			n, err = parseCount(d, option, val)
+			s.GuardSlack = int64(n)
+		default:
+			return d.Errf("unrecognized option '%s'", option)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// UnmarshalCaddyfile sets up the matcher from Caddyfile tokens. Syntax:
+//
+//	@name llm {
+//		model         <glob...>
+//		min_tokens    <n>
+//		max_tokens    <n>
+//		stream        <true|false>
+//		api           <chat|completions...>
+//		tokenizer     <cl100k_base|o200k_base|approx>
+//		max_body_size <size>
+//	}
+func (m *MatchLLM) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	for d.Next() { // a matcher may be used more than once in a set: the uses are concatenated
+		if d.NextArg() {
+			return d.ArgErr()
+		}
+		for d.NextBlock(0) {
+			option := d.Val()
+			args := d.RemainingArgs()
+			if len(args) == 0 {
+				return d.ArgErr()
+			}
+			switch option {
+			case "model":
+				m.Models = append(m.Models, args...)
+				continue
+			case "api":
+				m.APIs = append(m.APIs, args...)
+				continue
+			}
+			if len(args) != 1 {
+				return d.ArgErr()
+			}
+			val := args[0]
+			var err error
+			switch option {
+			case "min_tokens":
+				m.MinTokens, err = parseCount(d, option, val)
+			case "max_tokens":
+				m.MaxTokens, err = parseCount(d, option, val)
+			case "stream":
+				b, perr := strconv.ParseBool(val)
+				if perr != nil {
+					return d.Errf("stream must be true or false, got '%s'", val)
+				}
+				m.Stream = &b
+			case "tokenizer":
+				m.Tokenizer = val
+			case "max_body_size":
+				m.MaxBodyBytes, err = parseSize(d, option, val)
+			default:
+				return d.Errf("unrecognized option '%s'", option)
+			}
+			if err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// parseSize parses a size such as 4MiB or 512KB.
+func parseSize(d *caddyfile.Dispenser, option, val string) (int64, error) {
+	size, err := humanize.ParseBytes(val)
+	if err != nil || size == 0 || size > 1<<40 {
+		return 0, d.Errf("%s must be a size such as 4MiB, got '%s'", option, val)
+	}
+	return int64(size), nil
+}
+
+// parseCount parses a positive whole number.
+func parseCount(d *caddyfile.Dispenser, option, val string) (int, error) {
+	n, err := strconv.Atoi(val)
+	if err != nil || n <= 0 {
+		return 0, d.Errf("%s must be a positive whole number, got '%s'", option, val)
+	}
+	return n, nil
+}
+
+// loadFallbackPolicy reads a nested selection policy, as reverse_proxy's own policies do (its version is
+// unexported).
+func loadFallbackPolicy(d *caddyfile.Dispenser) ([]byte, error) {
+	name := d.Val()
+	modID := "http.reverse_proxy.selection_policies." + name
+	unm, err := caddyfile.UnmarshalModule(d, modID)
+	if err != nil {
+		return nil, err
+	}
+	sel, ok := unm.(reverseproxy.Selector)
+	if !ok {
+		return nil, d.Errf("module %s (%T) is not a reverseproxy.Selector", modID, unm)
+	}
+	return caddyconfig.JSONModuleObject(sel, "policy", name, nil), nil
+}
+
+// matchAnyGlob reports whether s matches any of the patterns.
+func matchAnyGlob(patterns []string, s string) bool {
+	for _, p := range patterns {
+		if matchGlob(p, s) {
+			return true
+		}
+	}
+	return false
+}
+
+// matchGlob matches s against a pattern in which * matches any run of bytes (slashes included: model
+// names such as meta-llama/Llama-3.1-8B have them) and ? any one byte. It runs in O(len(p)*len(s)) at
+// worst, with no recursion.
+func matchGlob(p, s string) bool {
+	pi, si := 0, 0
+	star, mark := -1, 0
+	for si < len(s) {
+		switch {
+		case pi < len(p) && (p[pi] == '?' || p[pi] == s[si]):
+			pi++
+			si++
+		case pi < len(p) && p[pi] == '*':
+			star, mark = pi, si
+			pi++
+		case star >= 0:
+			pi = star + 1
+			mark++
+			si = mark
+		default:
+			return false
+		}
+	}
+	for pi < len(p) && p[pi] == '*' {
+		pi++
+	}
+	return pi == len(p)
+}
+
+// Interface guards
+var (
+	_ caddyfile.Unmarshaler = (*LLMSelection)(nil)
+	_ caddyfile.Unmarshaler = (*MatchLLM)(nil)
+)

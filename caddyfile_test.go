@@ -1,0 +1,163 @@
+package caddyllm
+
+import (
+	"encoding/json"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+)
+
+func TestUnmarshalPolicy(t *testing.T) {
+	d := caddyfile.NewTestDispenser(`llm {
+		mode prefix
+		tokenizer approx
+		max_body_size 8MiB
+		max_message_size 16KiB
+		max_tokenize_size 64KiB
+		output_tokens 128
+		conversation_header X-Conversation-ID
+		block_size 32
+		route_capacity 5000
+		route_ttl 2m
+		guard_factor 1.5
+		guard_slack 2048
+		fallback header X-User {
+			fallback first
+		}
+	}`)
+	var s LLMSelection
+	if err := s.UnmarshalCaddyfile(d); err != nil {
+		t.Fatal(err)
+	}
+	want := LLMSelection{
+		Mode: "prefix", Tokenizer: "approx", MaxBodyBytes: 8 << 20, MaxMessageBytes: 16 << 10,
+		MaxTokenizeBytes: 64 << 10, OutputTokens: 128, ConversationHeader: "X-Conversation-ID",
+		BlockSize: 32, RouteCapacity: 5000, RouteTTL: caddy.Duration(2 * time.Minute),
+		GuardFactor: 1.5, GuardSlack: 2048,
+		FallbackRaw: json.RawMessage(`{"fallback":{"policy":"first"},"field":"X-User","policy":"header"}`),
+	}
+	if !reflect.DeepEqual(s, want) {
+		t.Errorf("UnmarshalCaddyfile() =\n%+v\nwant\n%+v", s, want)
+	}
+}
+
+func TestUnmarshalPolicyErrors(t *testing.T) {
+	for input, wantErr := range map[string]string{
+		`llm extra`:                              "wrong argument count",
+		`llm { mode }`:                           "wrong argument count",
+		`llm { mode a b }`:                       "wrong argument count",
+		`llm { speed 3 }`:                        "unrecognized option 'speed'",
+		`llm { max_body_size lots }`:             "max_body_size must be a size",
+		`llm { output_tokens -1 }`:               "output_tokens must be a positive whole number",
+		`llm { block_size 0 }`:                   "block_size must be a positive whole number",
+		`llm { route_ttl soon }`:                 "parsing route_ttl",
+		`llm { guard_factor 0 }`:                 "guard_factor must be a positive number",
+		`llm { fallback }`:                       "wrong argument count",
+		`llm { fallback nope }`:                  "module not registered",
+		`llm { fallback first; fallback first }`: "fallback selection policy already specified",
+	} {
+		var s LLMSelection
+		err := s.UnmarshalCaddyfile(caddyfile.NewTestDispenser(multiline(input)))
+		if err == nil || !strings.Contains(err.Error(), wantErr) {
+			t.Errorf("%s: error %v, want one containing %q", input, err, wantErr)
+		}
+	}
+}
+
+func TestValidatePolicy(t *testing.T) {
+	for name, s := range map[string]LLMSelection{
+		"unknown mode":      {Mode: "fastest", Tokenizer: "approx"},
+		"unknown tokenizer": {Mode: "combined", Tokenizer: "gpt2"},
+		"negative body":     {Mode: "combined", Tokenizer: "approx", MaxBodyBytes: -1},
+		"negative ttl":      {Mode: "combined", Tokenizer: "approx", RouteTTL: -1},
+	} {
+		if err := s.Validate(); err == nil {
+			t.Errorf("%s: Validate() accepted %+v", name, s)
+		}
+	}
+}
+
+func TestUnmarshalMatcher(t *testing.T) {
+	d := caddyfile.NewTestDispenser(`llm {
+		model llama-* qwen?
+		model gpt-4o
+		min_tokens 100
+		max_tokens 8000
+		stream true
+		api chat
+		tokenizer o200k_base
+		max_body_size 1MB
+	}`)
+	var m MatchLLM
+	if err := m.UnmarshalCaddyfile(d); err != nil {
+		t.Fatal(err)
+	}
+	stream := true
+	want := MatchLLM{Models: []string{"llama-*", "qwen?", "gpt-4o"}, MinTokens: 100, MaxTokens: 8000,
+		Stream: &stream, APIs: []string{"chat"}, Tokenizer: "o200k_base", MaxBodyBytes: 1_000_000}
+	if !reflect.DeepEqual(m, want) {
+		t.Errorf("UnmarshalCaddyfile() =\n%+v\nwant\n%+v", m, want)
+	}
+}
+
+func TestUnmarshalMatcherErrors(t *testing.T) {
+	for input, wantErr := range map[string]string{
+		`llm arg`:                 "wrong argument count",
+		`llm { model }`:           "wrong argument count",
+		`llm { stream maybe }`:    "stream must be true or false",
+		`llm { min_tokens many }`: "min_tokens must be a positive whole number",
+		`llm { max_tokens 1 2 }`:  "wrong argument count",
+		`llm { colour blue }`:     "unrecognized option 'colour'",
+		`llm { max_body_size x }`: "max_body_size must be a size",
+	} {
+		var m MatchLLM
+		err := m.UnmarshalCaddyfile(caddyfile.NewTestDispenser(multiline(input)))
+		if err == nil || !strings.Contains(err.Error(), wantErr) {
+			t.Errorf("%s: error %v, want one containing %q", input, err, wantErr)
+		}
+	}
+	for name, m := range map[string]MatchLLM{
+		"unknown api":     {APIs: []string{"embeddings"}, Tokenizer: "approx"},
+		"inverted bounds": {MinTokens: 10, MaxTokens: 5, Tokenizer: "approx"},
+	} {
+		if err := m.Validate(); err == nil {
+			t.Errorf("%s: Validate() accepted %+v", name, m)
+		}
+	}
+}
+
+func TestMatchGlob(t *testing.T) {
+	for _, tc := range []struct {
+		pattern, s string
+		want       bool
+	}{
+		{"*", "", true},
+		{"*", "meta-llama/Llama-3.1-8B", true},
+		{"meta-llama/*", "meta-llama/Llama-3.1-8B", true},
+		{"*llama*", "meta-llama/Llama-3.1-8B", true},
+		{"*Llama-3.?-8B", "meta-llama/Llama-3.1-8B", true},
+		{"llama", "llama-3", false},
+		{"llama-*", "llama", false},
+		{"qwen?", "qwen2", true},
+		{"qwen?", "qwen", false},
+		{"a*b*c", "axxbyyc", true},
+		{"a*b*c", "axxbyy", false},
+		{"", "", true},
+		{"", "x", false},
+	} {
+		if got := matchGlob(tc.pattern, tc.s); got != tc.want {
+			t.Errorf("matchGlob(%q, %q) = %v, want %v", tc.pattern, tc.s, got, tc.want)
+		}
+	}
+}
+
+// multiline turns the one-line blocks of the error tables ("llm { a 1; b 2 }") into Caddyfile syntax.
+func multiline(s string) string {
+	s = strings.ReplaceAll(s, "{ ", "{\n")
+	s = strings.ReplaceAll(s, " }", "\n}")
+	return strings.ReplaceAll(s, "; ", "\n")
+}

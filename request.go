@@ -1,0 +1,179 @@
+package caddyllm
+
+import (
+	"bytes"
+	"compress/gzip"
+	"errors"
+	"fmt"
+	"io"
+	"mime"
+	"net/http"
+	"strings"
+
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+
+	"github.com/tokenrouter/caddy-llm/tokenize"
+)
+
+// varKey is the request variable under which the matcher and the policy share one llmRequest, so the body is
+// read and parsed once per request however many matchers, routes and retries look at it.
+const varKey = "llm.request"
+
+// defaultMaxBodyBytes is the default body cap: requests larger than this are not parsed.
+const defaultMaxBodyBytes = 4 << 20
+
+// errBodyTooLarge marks a body over the cap.
+var errBodyTooLarge = errors.New("request body too large")
+
+// errUnsupportedEncoding marks a body compressed with something other than gzip.
+var errUnsupportedEncoding = errors.New("unsupported content encoding")
+
+// llmRequest is what this plugin knows about one HTTP request. It lives in the request's variables and is
+// used only on the request's goroutine (Caddy's variable table is not locked); the accounting it points to
+// is the part another goroutine may touch, and it has its own lock.
+type llmRequest struct {
+	api tokenize.API // APIUnknown: not an LLM request; nothing else is set
+
+	body     []byte // the body exactly as received (complete unless tooLarge)
+	tooLarge bool   // reading stopped at the cap; the rest of the body is still in r.Body
+	readErr  error  // reading failed (client gone, request_body limit)
+	decoded  []byte // the body to parse: body itself, or body gunzipped
+	bodyErr  error  // why the body cannot be parsed (encoding); nil when decoded is set
+
+	parses []parseResult // one per tokenizer configuration that asked
+
+	acct  *reservationHolder // created by the first Select
+	tried []string           // dial addresses of the upstreams already selected for this request
+}
+
+// String keeps the request (and its prompt) out of logs and placeholders such as {http.vars.llm.request}.
+func (*llmRequest) String() string { return "[llm request]" }
+
+type parseResult struct {
+	opts tokenize.Options
+	req  *tokenize.Request
+	err  error
+}
+
+// inspectRequest returns the llmRequest for r, reading the body on first use. The body is read at most
+// maxBody+1 bytes far; what was read is always put back, so the upstream receives every byte.
+func inspectRequest(r *http.Request, maxBody int64) *llmRequest {
+	if lr, ok := caddyhttp.GetVar(r.Context(), varKey).(*llmRequest); ok {
+		return lr
+	}
+	lr := new(llmRequest)
+	caddyhttp.SetVar(r.Context(), varKey, lr)
+	if r.Method != http.MethodPost || !jsonContentType(r.Header.Get("Content-Type")) {
+		return lr
+	}
+	api, ok := tokenize.APIForPath(r.URL.Path)
+	if !ok {
+		return lr
+	}
+	lr.api = api
+	if r.Body == nil || r.Body == http.NoBody {
+		lr.decoded = []byte{}
+		return lr
+	}
+	if r.ContentLength > maxBody {
+		lr.tooLarge = true
+		return lr
+	}
+	buf, err := io.ReadAll(io.LimitReader(r.Body, maxBody+1))
+	switch {
+	case err != nil:
+		// What was read is lost to nobody: the client's body is broken, and the proxy will report it.
+		lr.readErr = err
+		r.Body = readCloser{io.MultiReader(bytes.NewReader(buf), r.Body), r.Body}
+		return lr
+	case int64(len(buf)) > maxBody:
+		lr.tooLarge = true
+		r.Body = readCloser{io.MultiReader(bytes.NewReader(buf), r.Body), r.Body}
+		return lr
+	}
+	_ = r.Body.Close()
+	lr.body = buf
+	lr.installBody(r)
+	lr.decoded, lr.bodyErr = decodeBody(buf, r.Header.Get("Content-Encoding"), maxBody)
+	return lr
+}
+
+// installBody puts the complete body back into r, as a fresh reader with a matching length and GetBody, so
+// that every attempt (retries included) sends all of it. It does nothing when the body was not read whole.
+func (lr *llmRequest) installBody(r *http.Request) {
+	if lr.body == nil {
+		return
+	}
+	body := lr.body
+	r.ContentLength = int64(len(body))
+	r.Body = io.NopCloser(bytes.NewReader(body))
+	r.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
+}
+
+// parse returns the request parsed with opts, parsing at most once per distinct opts.
+func (lr *llmRequest) parse(opts tokenize.Options) (*tokenize.Request, error) {
+	for _, p := range lr.parses {
+		if p.opts == opts {
+			return p.req, p.err
+		}
+	}
+	var req *tokenize.Request
+	var err error
+	switch {
+	case lr.api == tokenize.APIUnknown:
+		err = errors.New("not an LLM request")
+	case lr.tooLarge:
+		err = errBodyTooLarge
+	case lr.readErr != nil:
+		err = fmt.Errorf("reading request body: %w", lr.readErr)
+	case lr.bodyErr != nil:
+		err = lr.bodyErr
+	default:
+		req, err = tokenize.Parse(lr.decoded, lr.api, opts)
+	}
+	lr.parses = append(lr.parses, parseResult{opts: opts, req: req, err: err})
+	return req, err
+}
+
+// decodeBody returns the JSON text of a body sent with the given Content-Encoding, never longer than max.
+func decodeBody(body []byte, encoding string, max int64) ([]byte, error) {
+	switch strings.ToLower(strings.TrimSpace(encoding)) {
+	case "", "identity":
+		return body, nil
+	case "gzip", "x-gzip":
+		zr, err := gzip.NewReader(bytes.NewReader(body))
+		if err != nil {
+			return nil, fmt.Errorf("%w: decompressing gzip body: %v", tokenize.ErrMalformed, err)
+		}
+		decoded, err := io.ReadAll(io.LimitReader(zr, max+1))
+		if err != nil {
+			return nil, fmt.Errorf("%w: decompressing gzip body: %v", tokenize.ErrMalformed, err)
+		}
+		if int64(len(decoded)) > max {
+			return nil, fmt.Errorf("%w: decompressed body is over %d bytes", errBodyTooLarge, max)
+		}
+		return decoded, nil
+	default:
+		return nil, fmt.Errorf("%w %q (only gzip is read)", errUnsupportedEncoding, encoding)
+	}
+}
+
+// jsonContentType reports whether a Content-Type may hold an OpenAI request. An absent type counts: many
+// clients omit it, and the OpenAI servers accept that.
+func jsonContentType(ct string) bool {
+	if ct == "" {
+		return true
+	}
+	mediaType, _, err := mime.ParseMediaType(ct)
+	if err != nil {
+		return false
+	}
+	return mediaType == "application/json" || strings.HasSuffix(mediaType, "+json")
+}
+
+// readCloser reads from one reader and closes another: the part of a body already read, followed by the
+// rest, closing the original body.
+type readCloser struct {
+	io.Reader
+	io.Closer
+}
