@@ -532,3 +532,43 @@ func (s *Server) intN(n int) int {
 	defer s.rngMu.Unlock()
 	return s.rng.IntN(n)
 }
+
+// Prompt is the simulated tokenization of one request body: its prompt token count and the chained
+// hashes of its full blocks. Parse a body once with ParsePrompt and ask several servers with
+// CachedPrompt (the benchmark's oracle does this). Immutable and safe to share.
+type Prompt struct {
+	Tokens    int // prompt tokens
+	blockSize int
+	hashes    []uint64
+}
+
+// ParsePrompt tokenizes an OpenAI request body the way a server with the given block size does (a
+// body with "messages" is a chat request). It costs one JSON decode and one hash pass over the prompt.
+func ParsePrompt(body []byte, blockSize int) (Prompt, error) {
+	if blockSize <= 0 {
+		blockSize = 16
+	}
+	p, err := parseRequest(body, looksLikeChat(body))
+	if err != nil {
+		return Prompt{}, err
+	}
+	return Prompt{Tokens: promptTokens(p.prompt), blockSize: blockSize, hashes: blockHashes(p.prompt, blockSize)}, nil
+}
+
+// ErrBlockSize is returned by CachedPrompt for a Prompt parsed with another block size.
+var ErrBlockSize = errors.New("prompt parsed with a different block size")
+
+// CachedPrompt returns how many of p's tokens are cached right now, like Cached, without parsing
+// again. It holds the engine mutex for one map lookup per block.
+func (s *Server) CachedPrompt(p Prompt) (int, error) {
+	if p.blockSize != s.cfg.BlockSize {
+		return 0, ErrBlockSize
+	}
+	if p.Tokens == 0 {
+		return 0, nil
+	}
+	s.mu.Lock()
+	hits, _ := s.kv.lookup(p.hashes, (p.Tokens-1)/s.cfg.BlockSize)
+	s.mu.Unlock()
+	return hits * s.cfg.BlockSize, nil
+}

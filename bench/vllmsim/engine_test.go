@@ -335,3 +335,27 @@ func TestBlockHashesChain(t *testing.T) {
 		t.Errorf("%d hashes for a partial block", n)
 	}
 }
+
+func TestParsePromptMatchesCached(t *testing.T) {
+	s := manualServer(t, Config{})
+	prompt := blocksText("o", 6)
+	submit(t, s, prompt, 1)
+	drain(t, s, 10)
+	body := textBody(prompt+" and more", 3)
+	p, err := ParsePrompt(body, 16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tokens, cached, err := s.Cached(body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := s.CachedPrompt(p)
+	if err != nil || got != cached || p.Tokens != tokens || cached != 6*16 {
+		t.Errorf("CachedPrompt = %d, %v; Cached = %d of %d; Prompt.Tokens %d", got, err, cached, tokens, p.Tokens)
+	}
+	p32, _ := ParsePrompt(body, 32)
+	if _, err := s.CachedPrompt(p32); err != ErrBlockSize {
+		t.Errorf("mismatched block size: err = %v", err)
+	}
+}

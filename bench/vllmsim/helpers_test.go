@@ -144,3 +144,9 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 func longText(seed string, n int) string {
 	return strings.Repeat(seed, n/len(seed)+1)[:n]
 }
+
+func newBenchHTTP(b *testing.B, h http.Handler) string {
+	ts := httptest.NewServer(h)
+	b.Cleanup(ts.Close)
+	return ts.URL
+}

@@ -52,8 +52,18 @@ type streamOptions struct {
 
 type chatMessage struct {
 	Role      string          `json:"role"`
-	Content   json.RawMessage `json:"content"`
+	Content   rawContent      `json:"content"`
 	ToolCalls json.RawMessage `json:"tool_calls"`
+}
+
+// rawContent keeps a message's content as raw JSON (already validated by the enclosing decode) so
+// that plain strings can be copied without a second validating pass.
+type rawContent []byte
+
+// UnmarshalJSON implements json.Unmarshaler.
+func (c *rawContent) UnmarshalJSON(b []byte) error {
+	*c = b
+	return nil
 }
 
 type contentPart struct {
@@ -128,13 +138,17 @@ func parseRequest(body []byte, chat bool) (parsedRequest, error) {
 
 // appendContent writes a message's content: a string, null, or an array of parts whose text parts are
 // written as text and other parts (images, audio) as their JSON.
-func appendContent(buf *bytes.Buffer, raw json.RawMessage) error {
-	raw = bytes.TrimSpace(raw)
+func appendContent(buf *bytes.Buffer, raw rawContent) error {
 	if len(raw) == 0 || bytes.Equal(raw, []byte("null")) {
 		return nil
 	}
 	switch raw[0] {
 	case '"':
+		if bytes.IndexByte(raw, '\\') < 0 {
+			// Valid JSON (the decoder checked) without escapes: the bytes between the quotes are the text.
+			buf.Write(raw[1 : len(raw)-1])
+			return nil
+		}
 		var s string
 		if err := json.Unmarshal(raw, &s); err != nil {
 			return err
