@@ -14,6 +14,7 @@ const (
 	partTokens        = 85   // each non-text content part (image, audio, file, ...)
 	minChargeBytes    = 256  // minimum budget charge for one tokenizer call
 	maxCacheLookups   = 4096 // per request; later messages bypass the cache (bounds lock traffic)
+	maxSteps          = 4096 // step boundaries per request (1 MiB of text); later messages get only ends
 	tokenIDBlock      = 64   // step boundaries inside a token-ID prompt, in tokens
 	messageHashSeed   = 0x6c6c6d2d6d736731
 	boundaryHashStart = 0x6c6c6d2d62647279
@@ -64,7 +65,8 @@ func (p *parser) count(enc *encoder, opts Options) *Request {
 		}
 	}
 	r.Messages = make([]Message, len(p.msgs))
-	r.Boundaries = make([]Boundary, 0, len(p.msgs)+2+textBytes/StepBytes)
+	p.stepsLeft = maxSteps
+	r.Boundaries = make([]Boundary, 0, len(p.msgs)+2+min(textBytes/StepBytes, maxSteps))
 
 	h := chain(boundaryHashStart, uint64(p.api))
 	pos := 0
@@ -311,6 +313,9 @@ func (p *parser) hashIDs(d *xxhash.Digest, ids []uint32) {
 // name) and then every StepBytes-byte block of the message's text (its counted pieces
 // concatenated in canonical order); its position is interpolated proportionally.
 func (p *parser) steps(bs []Boundary, m *msg, h uint64, start, n int) []Boundary {
+	if p.stepsLeft <= 0 {
+		return bs
+	}
 	total := 0
 	for _, sg := range p.segs[m.segStart:m.segEnd] {
 		switch {
@@ -356,6 +361,9 @@ func (p *parser) steps(bs []Boundary, m *msg, h uint64, start, n int) []Boundary
 				d.ResetWithSeed(messageHashSeed)
 				fill = 0
 				bs = appendBoundary(bs, start+int(int64(n)*int64(done)/int64(total)), h)
+				if p.stepsLeft--; p.stepsLeft <= 0 {
+					return bs
+				}
 			}
 		}
 	}
@@ -372,6 +380,9 @@ func (p *parser) tokenSteps(bs []Boundary, m *msg, h uint64, start int) []Bounda
 			p.hashIDs(d, ids[off-tokenIDBlock:off])
 			h = chain(h, d.Sum64())
 			bs = appendBoundary(bs, start+off, h)
+			if p.stepsLeft--; p.stepsLeft <= 0 {
+				return bs
+			}
 		}
 	}
 	return bs

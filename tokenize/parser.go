@@ -71,6 +71,7 @@ type parser struct {
 	hasMessages, hasTools bool
 	hasPrompt             bool
 	tools                 span // raw JSON of the tools array
+	stepsLeft             int  // step boundaries this request may still add
 
 	d xxhash.Digest
 }

@@ -500,6 +500,12 @@ func TestStepBoundaries(t *testing.T) {
 		}
 	}
 
+	// At most maxSteps step boundaries per request.
+	huge := mustParse(t, chatJSON(strings.Repeat("x y ", 600000)), APIChat, Options{})
+	if got := len(huge.Boundaries); got != maxSteps+1 {
+		t.Errorf("2.4 MB message has %d boundaries, want %d steps and its end", got, maxSteps)
+	}
+
 	// Token-ID prompts step every tokenIDBlock tokens at exact positions.
 	ids := make([]string, 200)
 	for i := range ids {
