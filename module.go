@@ -557,11 +557,11 @@ func containsAPI(apis []tokenize.API, api tokenize.API) bool {
 
 // Interface guards
 var (
-	_ caddy.Provisioner                  = (*LLMSelection)(nil)
-	_ caddy.Validator                    = (*LLMSelection)(nil)
-	_ caddy.CleanerUpper                 = (*LLMSelection)(nil)
-	_ reverseproxy.Selector              = (*LLMSelection)(nil)
-	_ caddy.Provisioner                  = (*MatchLLM)(nil)
-	_ caddy.Validator                    = (*MatchLLM)(nil)
+	_ caddy.Provisioner                 = (*LLMSelection)(nil)
+	_ caddy.Validator                   = (*LLMSelection)(nil)
+	_ caddy.CleanerUpper                = (*LLMSelection)(nil)
+	_ reverseproxy.Selector             = (*LLMSelection)(nil)
+	_ caddy.Provisioner                 = (*MatchLLM)(nil)
+	_ caddy.Validator                   = (*MatchLLM)(nil)
 	_ caddyhttp.RequestMatcherWithError = (*MatchLLM)(nil)
 )

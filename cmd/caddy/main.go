@@ -8,6 +8,9 @@ import (
 
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
 
+	// The simulated vLLM backend for the demo and the benchmark; not part of the plugin.
+	_ "github.com/tokenrouter/caddy-llm/bench/vllmsim/caddysim"
+
 	_ "github.com/tokenrouter/caddy-llm"
 )
 
