@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"testing"
@@ -21,7 +22,7 @@ func TestEndToEnd(t *testing.T) {
 		quick:     true,
 		workloads: []string{"shared-prefix"},
 		backends:  2,
-		load:      0.75,
+		load:      0.3,
 		seed:      7,
 		out:       t.TempDir(),
 		sim:       defaultSim,
@@ -31,10 +32,12 @@ func TestEndToEnd(t *testing.T) {
 		p, _ := findPolicy(name)
 		o.policies = append(o.policies, p)
 	}
-	wls, err := runWorkloads(context.Background(), o, os.Stderr)
-	if err != nil {
-		t.Fatal(err)
-	}
+	// 8 groups x 5 prompts: round robin prefills each system prompt on both backends, a
+	// cache-aware choice about once. Low load keeps queueing from outweighing the cache.
+	w := sharedPrefix(rand.New(rand.NewPCG(7, 7)), 8, 5, 1500, 100, 16)
+	prog := newProgress(os.Stderr, 2*w.NumRequests())
+	wls := []WorkloadResult{runWorkload(context.Background(), o, w, prog)}
+	prog.finish()
 	if err := writeOutputs(o.out, Results{Command: "test", Backends: 2, Load: o.load, Sim: o.sim, Workloads: wls}); err != nil {
 		t.Fatal(err)
 	}
@@ -110,6 +113,28 @@ func TestParseOptions(t *testing.T) {
 	for _, bad := range [][]string{{"-workloads", "nope"}, {"-policies", "nope"}, {"-backends", "0"}, {"-load", "0"}, {"extra"}} {
 		if _, err := parseOptions(bad); err == nil {
 			t.Errorf("parseOptions(%q) = nil error, want an error", bad)
+		}
+	}
+}
+
+// TestOverhead runs the overhead mode briefly: both policies measured (llm only if registered),
+// nothing failed.
+func TestOverhead(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts Caddy")
+	}
+	t.Setenv("XDG_DATA_HOME", t.TempDir())
+	t.Setenv("XDG_CONFIG_HOME", t.TempDir())
+	res, err := runOverhead(context.Background(), options{backends: 2, seed: 1, overheadSeconds: 0.4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(res.Policies) == 0 || res.Policies[0].Policy != "round_robin" {
+		t.Fatalf("overhead policies = %+v, want round_robin first", res.Policies)
+	}
+	for _, p := range res.Policies {
+		if p.Failed != 0 || p.RequestsPerS <= 0 {
+			t.Errorf("%s: %d failed, %.0f req/s; want none failed and some throughput", p.Policy, p.Failed, p.RequestsPerS)
 		}
 	}
 }

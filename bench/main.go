@@ -47,7 +47,9 @@ type options struct {
 	overhead   bool
 	bypassRate float64
 	cpuProfile string
-	sim        simSettings
+	// overheadSeconds overrides the measuring time per policy of -overhead (tests).
+	overheadSeconds float64
+	sim             simSettings
 }
 
 // defaultSim is the simulated GPU: vLLM-like speeds (8k prefill tokens/s, 30 ms decode steps),
@@ -204,6 +206,6 @@ func run(args []string) error {
 	if err := writeOutputs(o.out, res); err != nil {
 		return err
 	}
-	fmt.Printf("\nwall time %.1fs; wrote %s/{results.json,report.md,ttft.svg}\n", time.Since(started).Seconds(), o.out)
+	fmt.Printf("\nwall time %.1fs; results in %s\n", time.Since(started).Seconds(), o.out)
 	return nil
 }

@@ -41,7 +41,7 @@ type OverheadFigures struct {
 // describe prints the comparison.
 func (r OverheadResult) describe() string {
 	var b strings.Builder
-	fmt.Fprintf(&b, "overhead: instant backends, %d-token prompts, %d concurrent clients, %.0fs per policy (wall time)\n",
+	fmt.Fprintf(&b, "overhead: instant backends, %d-token prompts, %d concurrent clients, %.0fs per policy in alternating rounds (wall time)\n",
 		r.PromptTokens, r.Concurrency, r.Seconds)
 	for _, p := range r.Policies {
 		fmt.Fprintf(&b, "  %-14s %8.0f req/s  mean %7.0f us  p99 %7.0f us  failed %d/%d\n",
@@ -71,9 +71,12 @@ func (instantBackend) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // runOverhead measures round_robin and llm (default mode) back to back on the same instant
 // backends.
 func runOverhead(ctx context.Context, o options) (OverheadResult, error) {
-	res := OverheadResult{PromptTokens: 4000, Concurrency: 8, Seconds: 5}
+	res := OverheadResult{PromptTokens: 4000, Concurrency: 8, Seconds: 8}
 	if o.quick {
 		res.Seconds = 2
+	}
+	if o.overheadSeconds > 0 {
+		res.Seconds = o.overheadSeconds
 	}
 	// 4k-token prompts: 16 system prompts of ~3,900 tokens shared by many requests (as an
 	// affinity index would see in production), each with its own ~100-token question.
@@ -98,17 +101,44 @@ func runOverhead(ctx context.Context, o options) (OverheadResult, error) {
 		}
 	}
 	defer c.close()
-	for _, p := range []policy{{"round_robin", `{"policy":"round_robin"}`}, {"llm", `{"policy":"llm"}`}} {
-		if err := policyAvailable(p); err != nil {
-			res.Note = fmt.Sprintf("%s skipped: %v", p.Name, err)
+	// Alternate the policies in short rounds so that background load on a shared machine hits
+	// both alike, and add the rounds up.
+	const rounds = 4
+	policies := []policy{{"round_robin", `{"policy":"round_robin"}`}, {"llm", `{"policy":"llm"}`}}
+	sums := make([]overheadSum, len(policies))
+	for round := range rounds {
+		for i, p := range policies {
+			if err := policyAvailable(p); err != nil {
+				res.Note = fmt.Sprintf("%s skipped: %v", p.Name, err)
+				continue
+			}
+			if round > 0 && sums[i].err != nil {
+				continue
+			}
+			lat, failed, elapsed, err := closedLoop(ctx, c.dials, p, bodies, res.Concurrency, time.Duration(res.Seconds/rounds*float64(time.Second)))
+			if err != nil {
+				sums[i].err = err
+				res.Note = fmt.Sprintf("%s failed: %v", p.Name, err)
+				continue
+			}
+			sums[i].latencies = append(sums[i].latencies, lat...)
+			sums[i].failed += failed
+			sums[i].elapsed += elapsed
+		}
+	}
+	for i, p := range policies {
+		if len(sums[i].latencies) == 0 {
 			continue
 		}
-		f, err := closedLoop(ctx, c.dials, p, bodies, res.Concurrency, time.Duration(res.Seconds*float64(time.Second)))
-		if err != nil {
-			res.Note = fmt.Sprintf("%s failed: %v", p.Name, err)
-			continue
-		}
-		res.Policies = append(res.Policies, f)
+		dist := newDistribution(sums[i].latencies)
+		res.Policies = append(res.Policies, OverheadFigures{
+			Policy:        p.Name,
+			Requests:      len(sums[i].latencies) + sums[i].failed,
+			Failed:        sums[i].failed,
+			RequestsPerS:  float64(len(sums[i].latencies)) / sums[i].elapsed.Seconds(),
+			MeanLatencyUS: finite(dist.Mean),
+			P99LatencyUS:  finite(dist.P99),
+		})
 	}
 	if len(res.Policies) == 2 && res.Policies[0].RequestsPerS > 0 {
 		res.RPSRatio = res.Policies[1].RequestsPerS / res.Policies[0].RequestsPerS
@@ -117,13 +147,20 @@ func runOverhead(ctx context.Context, o options) (OverheadResult, error) {
 	return res, nil
 }
 
+// overheadSum accumulates one policy's rounds.
+type overheadSum struct {
+	latencies []float64
+	failed    int
+	elapsed   time.Duration
+	err       error
+}
+
 // closedLoop runs concurrency clients back to back through a Caddy with policy p for d (after a
-// warm-up of d/5) and returns the throughput and latency.
-func closedLoop(ctx context.Context, dials []string, p policy, bodies [][]byte, concurrency int, d time.Duration) (OverheadFigures, error) {
-	f := OverheadFigures{Policy: p.Name}
+// warm-up of d/5) and returns the measured latencies (us), failures and measuring time.
+func closedLoop(ctx context.Context, dials []string, p policy, bodies [][]byte, concurrency int, d time.Duration) ([]float64, int, time.Duration, error) {
 	url, err := startCaddy(dials, p)
 	if err != nil {
-		return f, err
+		return nil, 0, 0, err
 	}
 	defer func() { _ = stopCaddy() }()
 	client := newClient()
@@ -166,11 +203,7 @@ func closedLoop(ctx context.Context, dials []string, p policy, bodies [][]byte, 
 	elapsed := time.Since(start)
 	stop.Store(true)
 	wg.Wait()
-	dist := newDistribution(latencies)
-	f.Requests, f.Failed = len(latencies)+failed, failed
-	f.RequestsPerS = float64(len(latencies)) / elapsed.Seconds()
-	f.MeanLatencyUS, f.P99LatencyUS = finite(dist.Mean), finite(dist.P99)
-	return f, nil
+	return latencies, failed, elapsed, nil
 }
 
 // postOnce sends one non-streaming completion and reports whether it succeeded.

@@ -171,6 +171,9 @@ func writeOutputs(dir string, res Results) error {
 	if err := os.WriteFile(filepath.Join(dir, "report.md"), []byte(md.String()), 0o644); err != nil {
 		return fmt.Errorf("writing report.md: %w", err)
 	}
+	if len(res.Workloads) == 0 {
+		return nil
+	}
 	var svg strings.Builder
 	writeChart(&svg, res.Workloads)
 	if err := os.WriteFile(filepath.Join(dir, "ttft.svg"), []byte(svg.String()), 0o644); err != nil {

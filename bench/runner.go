@@ -121,31 +121,36 @@ func runWorkloads(ctx context.Context, o options, progressOut *os.File) ([]Workl
 	defer prog.finish()
 	var out []WorkloadResult
 	for _, w := range wls {
-		est := estimateCapacity(w, o.sim, o.backends)
-		wr := WorkloadResult{
-			Workload:    w.Name,
-			Requests:    w.NumRequests(),
-			Warmup:      warmupCount(w.NumRequests()),
-			CapacityRPS: est.ClusterRPS,
-			RateRPS:     o.load * est.ClusterRPS,
-		}
-		wr.Notes = append(wr.Notes, fmt.Sprintf("capacity estimate: mean prompt %.0f tokens, %.0f to prefill with an ideal cache, %.0f output, decode batch %.0f: %.2f req/s per backend",
-			est.MeanPrompt, est.MeanUncached, est.MeanOutput, est.Batch, est.PerBackendRPS))
-		for _, p := range o.policies {
-			label := w.Name + "/" + p.Name
-			prog.setLabel(label)
-			s, err := runPolicy(ctx, o, w, wr.RateRPS, p, prog)
-			if err != nil {
-				s = Summary{Policy: p.Name, Skipped: err.Error()}
-				wr.Notes = append(wr.Notes, fmt.Sprintf("%s skipped: %v", p.Name, err))
-				prog.add(w.NumRequests())
-			}
-			wr.Policies = append(wr.Policies, s)
-			prog.stepDone(fmt.Sprintf("%s: TTFT p50 %.0f ms, hit rate %.0f%%", label, s.TTFTP50, 100*s.CacheHitRate))
-		}
-		out = append(out, wr)
+		out = append(out, runWorkload(ctx, o, w, prog))
 	}
 	return out, nil
+}
+
+// runWorkload runs one workload with every selected policy.
+func runWorkload(ctx context.Context, o options, w Workload, prog *progress) WorkloadResult {
+	est := estimateCapacity(w, o.sim, o.backends)
+	wr := WorkloadResult{
+		Workload:    w.Name,
+		Requests:    w.NumRequests(),
+		Warmup:      warmupCount(w.NumRequests()),
+		CapacityRPS: est.ClusterRPS,
+		RateRPS:     o.load * est.ClusterRPS,
+	}
+	wr.Notes = append(wr.Notes, fmt.Sprintf("capacity estimate: mean prompt %.0f tokens, %.0f to prefill with an ideal cache, %.0f output, decode batch %.0f: %.2f req/s per backend",
+		est.MeanPrompt, est.MeanUncached, est.MeanOutput, est.Batch, est.PerBackendRPS))
+	for _, p := range o.policies {
+		label := w.Name + "/" + p.Name
+		prog.setLabel(label)
+		s, err := runPolicy(ctx, o, w, wr.RateRPS, p, prog)
+		if err != nil {
+			s = Summary{Policy: p.Name, Skipped: err.Error()}
+			wr.Notes = append(wr.Notes, fmt.Sprintf("%s skipped: %v", p.Name, err))
+			prog.add(w.NumRequests())
+		}
+		wr.Policies = append(wr.Policies, s)
+		prog.stepDone(fmt.Sprintf("%s: TTFT p50 %.0f ms, hit rate %.0f%%", label, s.TTFTP50, 100*s.CacheHitRate))
+	}
+	return wr
 }
 
 // warmupCount is the number of warm-up requests of a workload of n requests.

@@ -6,6 +6,7 @@ package oracle
 
 import (
 	"bytes"
+	"context"
 	"io"
 	"net/http"
 	"sync"
@@ -62,14 +63,73 @@ func lookup(dial string) Backend {
 	return registry[dial]
 }
 
-// bodyVar is the request variable holding the body bytes, so that every Select of a request
-// (retries included) re-installs the same body.
-const bodyVar = "oracle.body"
+// Request variables: the body bytes, so that every Select of a request (retries included)
+// re-installs the same body, and the request's in-flight entry.
+const (
+	bodyVar     = "oracle.body"
+	inflightVar = "oracle.inflight"
+)
+
+// inflight is a request the oracle routed that has not finished yet: a backend registers a
+// prompt's blocks in its cache only once it has prefilled them, so a request arriving meanwhile
+// with the same prefix would otherwise look like a miss everywhere and be sent elsewhere.
+type inflight struct {
+	dial string
+	body []byte
+}
+
+var (
+	inflightMu sync.Mutex
+	inflights  = map[*inflight]struct{}{}
+)
+
+// inflightMatch returns the longest common prefix, in simulated tokens (4 bytes of the JSON body;
+// the generated text needs no escapes), of body and the bodies in flight to dial.
+func inflightMatch(dial string, body []byte) int {
+	inflightMu.Lock()
+	defer inflightMu.Unlock()
+	best := 0
+	for f := range inflights {
+		if f.dial != dial {
+			continue
+		}
+		n := min(len(f.body), len(body))
+		i := 0
+		for i < n && f.body[i] == body[i] {
+			i++
+		}
+		best = max(best, i)
+	}
+	return best / bytesPerToken
+}
+
+// bytesPerToken is the simulator's tokenizer.
+const bytesPerToken = 4
+
+// track records that the request behind r goes to dial, replacing the entry of an earlier
+// attempt, and forgets it when the request ends.
+func track(r *http.Request, dial string, body []byte) {
+	inflightMu.Lock()
+	defer inflightMu.Unlock()
+	if f, ok := caddyhttp.GetVar(r.Context(), inflightVar).(*inflight); ok {
+		f.dial = dial
+		return
+	}
+	f := &inflight{dial: dial, body: body}
+	inflights[f] = struct{}{}
+	caddyhttp.SetVar(r.Context(), inflightVar, f)
+	context.AfterFunc(r.Context(), func() {
+		inflightMu.Lock()
+		defer inflightMu.Unlock()
+		delete(inflights, f)
+	})
+}
 
 // Selection picks the available upstream with the least prefill work before this request's first
-// token: its pending prefill tokens plus this prompt's tokens it does not hold in cache. Ties go
-// to the one with fewer requests, then to the first in the pool. Upstreams with no registered
-// backend are used only if no registered one is available.
+// token: its pending prefill tokens plus this prompt's tokens it neither holds in cache nor is
+// about to (a common prefix with a request in flight there). Ties go to the one with fewer
+// requests, then to the first in the pool. Upstreams with no registered backend are used only if
+// no registered one is available.
 type Selection struct{}
 
 // CaddyModule returns the Caddy module information.
@@ -103,6 +163,7 @@ func (Selection) Select(pool reverseproxy.UpstreamPool, r *http.Request, _ http.
 		if err != nil {
 			prompt, cached = 0, 0
 		}
+		cached = max(cached, min(inflightMatch(u.Dial, body), prompt-1))
 		l := b.Load()
 		cost := l.PendingPrefillTokens + prompt - cached
 		if best == nil || cost < bestCost || (cost == bestCost && l.Requests < bestReq) {
@@ -112,6 +173,7 @@ func (Selection) Select(pool reverseproxy.UpstreamPool, r *http.Request, _ http.
 	if best == nil {
 		return fallback
 	}
+	track(r, best.Dial, body)
 	return best
 }
 
