@@ -13,7 +13,7 @@
 //	message      = 3 + tokens(role) + tokens(content text) [+ tokens(name) + 1]
 //	               + Σ tool calls (tokens(function name) + tokens(arguments))
 //	               + 85 per non-text content part (image, audio, file, ...)
-//	tools        = tokens(the raw JSON text of the "tools" array), when present
+//	tools        = tokens(the "tools" array's JSON text as sent), when present
 //
 // so {"role":"user","content":"hello world"} counts 3+1+2+3 = 9 with cl100k_base. Completions count
 // the prompt text exactly (no overhead); a token-ID prompt counts its length.
@@ -157,9 +157,17 @@ type Message struct {
 	Hash uint64
 }
 
-// Parse parses body as a request of the given API and counts its prompt. Errors for bodies that are
-// not valid requests wrap ErrMalformed and say what is wrong; an unknown opts.Encoding or an
-// encoder that cannot be built is reported as another error.
+// Parse parses body as a request of the given API and counts its prompt.
+//
+// Validation follows the OpenAI API: the body must be one JSON object (RFC 8259, UTF-8, nesting
+// under 1000 levels, nothing but whitespace after it); chat needs a non-empty "messages" array of
+// objects with a string "role", "content" a string, null or an array of typed parts; completions
+// need "prompt" as a string, an array of strings, an array of token IDs or an array of non-empty
+// token-ID arrays; "model" (optional), "stream", "max_tokens" and "max_completion_tokens" must
+// have their JSON types (or be null). Unknown fields are ignored; a repeated key's last value wins.
+// Errors for bodies that are not valid requests wrap ErrMalformed and say what is wrong and where
+// ("messages[1].content must be a string, an array of content parts, or null, not a number at
+// offset 57"); an unknown opts.Encoding or an encoder that cannot be built is another error.
 //
 // Parse is safe for concurrent use; encoders and the message cache are process-global. Its cost
 // is linear in len(body) plus the bounded tokenizing described in the package doc; with a warm
