@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -40,19 +41,18 @@ type request struct {
 	err       error         // why it ended early (nil when finished); written before done is closed
 
 	// guarded by Server.mu
-	state       int
-	blocks      []int32 // KV blocks in token order
-	registered  int     // prompt blocks published in the prefix cache
-	computed    int     // prompt tokens prefilled (cached ones included)
-	reserved    int     // output blocks reserved but not yet allocated
-	pendingEst  int     // contribution to Server.pendingPrefill
-	outstanding int     // output tokens not yet generated
+	state      int
+	blocks     []int32 // KV blocks in token order
+	registered int     // prompt blocks published in the prefix cache
+	computed   int     // tokens whose KV is computed (cache hits included)
+	target     int     // tokens to compute before the next sample while prefilling, else 0
+	pendingEst int     // contribution to Server.pendingPrefill
 }
 
 // stepItem is one request's share of a planned engine step.
 type stepItem struct {
-	r       *request
-	prefill int // prompt tokens prefilled in this step; 0 = a decode
+	r      *request
+	tokens int // tokens computed in this step: 1 for a decode, a chunk for a prefill
 }
 
 // Server is a simulated vLLM server: an http.Handler in front of one engine goroutine that runs
@@ -86,7 +86,8 @@ type Server struct {
 	waitHead       int
 	numWaiting     int
 	running        []*request
-	reservedTotal  int // output blocks reserved by running requests
+	watermark      int // free blocks admission leaves for running requests to grow into
+	preemptions    int64
 	pendingPrefill int
 	prefixQueries  int64
 	prefixHits     int64
@@ -121,6 +122,8 @@ func newServer(cfg Config) (*Server, error) {
 		exited: make(chan struct{}),
 		rng:    rand.New(rand.NewPCG(uint64(cfg.Seed), 0x5eed)),
 		kv:     newKVCache(cfg.NumGPUBlocks),
+		// Like vLLM's 1% watermark: admission keeps a few blocks free for running sequences to grow.
+		watermark: cfg.NumGPUBlocks / 100,
 	}
 	s.modelJSON = appendJSONString(nil, cfg.Model)
 	s.idBase = s.rng.Uint32()
@@ -162,7 +165,7 @@ type State struct {
 
 	// Additions beyond the harness contract.
 	CachedBlocks     int           // blocks whose contents are in the prefix cache (referenced or not)
-	ReservedBlocks   int           // free blocks promised to running requests' future output
+	Preemptions      int64         // running requests evicted to free blocks (they recompute later)
 	Evictions        int64         // cached blocks evicted to make room
 	Finished         int64         // requests that generated all their tokens
 	Steps            int64         // engine steps run
@@ -186,7 +189,7 @@ func (s *Server) State() State {
 		Failed429:            s.failed429.Load(),
 		Failed5xx:            s.failed5xx.Load(),
 		CachedBlocks:         len(s.kv.cached),
-		ReservedBlocks:       s.reservedTotal,
+		Preemptions:          s.preemptions,
 		Evictions:            s.kv.evictions,
 		Finished:             s.finished,
 		Steps:                s.steps,
@@ -229,9 +232,12 @@ func (s *Server) maxHitBlocks(r *request) int { return (r.promptTokens - 1) / s.
 
 func (s *Server) blocksFor(tokens int) int { return (tokens + s.cfg.BlockSize - 1) / s.cfg.BlockSize }
 
-// enqueue adds r to the waiting queue, or fails with ErrClosed, errQueueFull or errTooLong.
+// enqueue adds r to the waiting queue, or fails with ErrClosed, errQueueFull or errTooLong. The queue
+// limit counts the requests waiting beyond the free sequence slots (those the next step admits anyway,
+// if their blocks fit).
 func (s *Server) enqueue(r *request) error {
-	if s.blocksFor(r.promptTokens+r.maxTokens) > s.cfg.NumGPUBlocks {
+	if s.blocksFor(r.promptTokens+r.maxTokens) > s.cfg.NumGPUBlocks ||
+		s.blocksFor(r.promptTokens) > s.cfg.NumGPUBlocks-s.watermark {
 		return errTooLong
 	}
 	s.mu.Lock()
@@ -239,16 +245,12 @@ func (s *Server) enqueue(r *request) error {
 		s.mu.Unlock()
 		return ErrClosed
 	}
-	// The queue limit counts requests waiting beyond the free sequence slots, which the next step
-	// admits anyway.
 	if s.cfg.MaxQueue > 0 && s.numWaiting+1-(s.cfg.MaxNumSeqs-len(s.running)) > s.cfg.MaxQueue {
 		s.mu.Unlock()
 		return errQueueFull
 	}
-	hits, _ := s.kv.lookup(r.hashes, s.maxHitBlocks(r))
 	r.state = stateWaiting
-	r.pendingEst = r.promptTokens - hits*s.cfg.BlockSize
-	s.pendingPrefill += r.pendingEst
+	s.setPendingLocked(r)
 	s.waiting = append(s.waiting, r)
 	s.numWaiting++
 	s.mu.Unlock()
@@ -259,6 +261,24 @@ func (s *Server) enqueue(r *request) error {
 	return nil
 }
 
+// knownTokens is the number of tokens whose KV the next sample needs: the prompt and the output so far.
+func (r *request) knownTokens() int { return r.promptTokens + int(r.generated.Load()) }
+
+// setPendingLocked sets r's contribution to PendingPrefillTokens to the tokens it still has to
+// prefill, estimating a waiting request's cache hits from the cache as it is now.
+func (s *Server) setPendingLocked(r *request) {
+	pending := 0
+	switch r.state {
+	case stateWaiting:
+		hits, _ := s.kv.lookup(r.hashes, s.maxHitBlocks(r))
+		pending = r.knownTokens() - hits*s.cfg.BlockSize
+	case stateRunning:
+		pending = max(r.target-r.computed, 0)
+	}
+	s.pendingPrefill += pending - r.pendingEst
+	r.pendingEst = pending
+}
+
 // abort removes r from the engine if it is still there and releases its blocks.
 func (s *Server) abort(r *request) {
 	s.mu.Lock()
@@ -266,91 +286,121 @@ func (s *Server) abort(r *request) {
 	switch r.state {
 	case stateWaiting:
 		s.numWaiting--
-		s.pendingPrefill -= r.pendingEst
-		r.pendingEst = 0
-		r.state = stateDone
+		s.retireLocked(r)
 	case stateRunning:
-		for i, q := range s.running {
-			if q == r {
-				s.running = append(s.running[:i], s.running[i+1:]...)
-				break
-			}
-		}
+		s.removeRunningLocked(r)
 		s.retireLocked(r)
 	}
 }
 
-// retireLocked releases a running request's blocks and reservation and marks it done (without closing
-// done: the caller decides how it ended).
+func (s *Server) removeRunningLocked(r *request) {
+	if i := slices.Index(s.running, r); i >= 0 {
+		s.running = slices.Delete(s.running, i, i+1)
+	}
+}
+
+// retireLocked releases a request's blocks and marks it done (without closing done: the caller
+// decides how it ended). A waiting request stays in the queue as a tombstone.
 func (s *Server) retireLocked(r *request) {
 	s.kv.release(r.blocks)
 	r.blocks = nil
-	s.reservedTotal -= r.reserved
-	r.reserved = 0
-	s.pendingPrefill -= r.pendingEst
-	r.pendingEst = 0
 	r.state = stateDone
+	s.setPendingLocked(r)
 }
 
-// admitLocked tries to give the waiting request r its prefix-cache hits, prompt blocks and a
-// reservation for its output blocks. It returns false, changing nothing, when the free blocks (minus
-// other requests' reservations) do not suffice.
+// admitLocked tries to give the waiting request r its prefix-cache hits and blocks for every token it
+// has to compute before its next sample (the prompt, plus the output so far after a preemption). It
+// returns false, changing nothing, when the free blocks would fall below the watermark.
 func (s *Server) admitLocked(r *request) bool {
 	hits, hitsFree := s.kv.lookup(r.hashes, s.maxHitBlocks(r))
-	promptBlocks := s.blocksFor(r.promptTokens)
-	outBlocks := s.blocksFor(r.promptTokens+r.maxTokens) - promptBlocks
-	if hitsFree+(promptBlocks-hits)+outBlocks > s.kv.free-s.reservedTotal {
+	target := r.knownTokens()
+	blocks := s.blocksFor(target)
+	if hitsFree+(blocks-hits) > s.kv.free-s.watermark {
 		return false
 	}
-	r.blocks = make([]int32, 0, promptBlocks+outBlocks)
+	if cap(r.blocks) == 0 {
+		r.blocks = make([]int32, 0, s.blocksFor(r.promptTokens+r.maxTokens))
+	}
 	for _, h := range r.hashes[:hits] {
 		r.blocks = append(r.blocks, s.kv.take(h))
 	}
-	for range promptBlocks - hits {
+	for range blocks - hits {
 		r.blocks = append(r.blocks, s.kv.allocate())
 	}
-	r.reserved = outBlocks
-	s.reservedTotal += outBlocks
 	cached := hits * s.cfg.BlockSize
-	r.computed, r.registered = cached, hits
-	r.cached.Store(int64(cached))
+	r.computed, r.registered, r.target = cached, hits, target
+	if r.generated.Load() == 0 {
+		r.cached.Store(int64(cached))
+	}
 	s.prefixQueries += int64(r.promptTokens)
 	s.prefixHits += int64(cached)
-	s.pendingPrefill += r.promptTokens - cached - r.pendingEst
-	r.pendingEst = r.promptTokens - cached
-	r.outstanding = r.maxTokens
 	r.state = stateRunning
+	s.setPendingLocked(r)
 	return true
 }
 
-// planLocked admits waiting requests and chooses the next step's batch: one decode token for every
-// prefilled running request, then prefill chunks for running and newly admitted requests within the
-// step's token budget. It returns the batch and the step's simulated duration.
+// preemptLocked evicts the running request r back to the front of the waiting queue, releasing its
+// blocks; it will recompute its prompt and output so far (vLLM's recompute preemption).
+func (s *Server) preemptLocked(r *request) {
+	s.removeRunningLocked(r)
+	s.kv.release(r.blocks)
+	r.blocks = r.blocks[:0]
+	r.computed, r.registered, r.target = 0, 0, 0
+	r.state = stateWaiting
+	s.setPendingLocked(r)
+	if s.waitHead > 0 {
+		s.waitHead--
+		s.waiting[s.waitHead] = r
+	} else {
+		s.waiting = append([]*request{r}, s.waiting...)
+	}
+	s.numWaiting++
+	s.preemptions++
+}
+
+// planLocked chooses the next step's batch, like vLLM's scheduler: running requests first, in order,
+// each computing the tokens it still lacks before its next sample (one for a decode, a prefill chunk
+// otherwise) within the step's token budget; a decode that needs a new block and finds none preempts
+// the most recently admitted running request. Then waiting requests are admitted in FIFO order while
+// a sequence slot, the budget and their blocks allow. It returns the batch and the step's simulated
+// duration: prefill tokens / PrefillTokensPerSec + DecodeStep + DecodeStepPerSeq * batch size.
 func (s *Server) planLocked(batch []stepItem) ([]stepItem, time.Duration) {
 	budget := s.cfg.MaxNumBatchedTokens
 	unlimited := budget < 0
 	prefill := 0
-	for _, r := range s.running {
-		if r.computed == r.promptTokens {
-			batch = append(batch, stepItem{r: r})
-			budget--
-		}
-	}
 	take := func(r *request) {
-		chunk := r.promptTokens - r.computed
-		if !unlimited {
-			chunk = min(chunk, budget)
+		n := r.knownTokens() - r.computed
+		if r.computed < r.target {
+			n = r.target - r.computed
 		}
-		if chunk > 0 {
-			batch = append(batch, stepItem{r: r, prefill: chunk})
-			budget -= chunk
-			prefill += chunk
+		if !unlimited {
+			n = min(n, budget)
+		}
+		if n <= 0 {
+			return
+		}
+		batch = append(batch, stepItem{r: r, tokens: n})
+		budget -= n
+		if r.computed < r.target {
+			prefill += n
 		}
 	}
-	for _, r := range s.running {
-		if r.computed < r.promptTokens {
-			take(r)
+	for i := 0; i < len(s.running) && (unlimited || budget > 0); i++ {
+		r := s.running[i]
+		if r.computed >= r.target {
+			// A decode: the block for the token it computes must exist.
+			for s.blocksFor(r.computed+1) > len(r.blocks) && r.state == stateRunning {
+				if s.kv.free > 0 {
+					r.blocks = append(r.blocks, s.kv.allocate())
+					continue
+				}
+				s.preemptLocked(s.running[len(s.running)-1])
+			}
+			if r.state != stateRunning {
+				break // r preempted itself: it was the last one
+			}
 		}
+		take(r)
 	}
 	for s.numWaiting > 0 && len(s.running) < s.cfg.MaxNumSeqs && (unlimited || budget > 0) {
 		r := s.waiting[s.waitHead]
@@ -389,9 +439,10 @@ func (s *Server) popWaitingLocked() {
 	}
 }
 
-// applyLocked completes a step: prefill progress (publishing full prompt blocks in the prefix cache),
-// one output token for every request whose prefill is complete, and retirement of finished requests.
-// Requests aborted during the step are skipped.
+// applyLocked completes a step: every request in the batch has computed its tokens (full prompt
+// blocks are published in the prefix cache); those that have now computed everything they know
+// sample one output token; finished requests retire. Requests aborted or preempted during the step
+// are skipped (a preempted one recomputes later).
 func (s *Server) applyLocked(batch []stepItem, d time.Duration) {
 	s.steps++
 	s.busy += d
@@ -403,29 +454,23 @@ func (s *Server) applyLocked(batch []stepItem, d time.Duration) {
 		if r.state != stateRunning {
 			continue
 		}
-		if it.prefill > 0 {
-			r.computed += it.prefill
-			s.pendingPrefill -= it.prefill
-			r.pendingEst -= it.prefill
-			full := min(r.computed/bs, len(r.hashes))
-			for ; r.registered < full; r.registered++ {
-				s.kv.register(r.blocks[r.registered], r.hashes[r.registered])
-			}
-			if r.computed < r.promptTokens {
-				continue // more prefill chunks to come
-			}
-			s.promptTotal += int64(r.promptTokens)
+		r.computed += it.tokens
+		full := min(r.computed/bs, len(r.hashes))
+		for ; r.registered < full; r.registered++ {
+			s.kv.register(r.blocks[r.registered], r.hashes[r.registered])
 		}
-		// The step that completes the prefill, and every decode step, yield one token.
+		if r.computed < r.knownTokens() {
+			s.setPendingLocked(r)
+			continue // more prefill chunks to come
+		}
+		if r.target > 0 && r.computed == r.target {
+			s.promptTotal += int64(r.target)
+			r.target = 0 // prefill done: decodes from now on
+		}
 		n := r.generated.Add(1)
-		r.outstanding--
 		s.outputTotal++
-		if need := s.blocksFor(r.promptTokens + int(n)); need > len(r.blocks) && r.reserved > 0 {
-			r.blocks = append(r.blocks, s.kv.allocate())
-			r.reserved--
-			s.reservedTotal--
-		}
-		if r.outstanding == 0 {
+		s.setPendingLocked(r)
+		if int(n) == r.maxTokens {
 			s.retireLocked(r)
 			s.finished++
 			finished = true

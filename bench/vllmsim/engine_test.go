@@ -93,8 +93,13 @@ func checkKV(t *testing.T, s *Server) {
 			t.Fatalf("block %d ref %d", id, b.ref)
 		}
 	}
-	if s.reservedTotal > c.free {
-		t.Fatalf("reserved %d > free %d", s.reservedTotal, c.free)
+	used := 0
+	for _, r := range s.running {
+		used += len(r.blocks)
+	}
+	if used < c.used() && len(s.running) > 0 {
+		// Shared blocks are counted once per user, so users >= used blocks whenever anything runs.
+		t.Fatalf("running requests hold %d block refs, cache says %d used", used, c.used())
 	}
 }
 
@@ -121,7 +126,7 @@ func TestRepeatedPromptIsCached(t *testing.T) {
 	if st.PrefixQueries != 2*int64(r1.promptTokens) || st.PrefixHits != 8*16 {
 		t.Errorf("prefix queries/hits = %d/%d, want %d/%d", st.PrefixQueries, st.PrefixHits, 2*r1.promptTokens, 8*16)
 	}
-	if st.UsedBlocks != 0 || st.ReservedBlocks != 0 || st.PendingPrefillTokens != 0 {
+	if st.UsedBlocks != 0 || st.PendingPrefillTokens != 0 {
 		t.Errorf("idle engine holds blocks: %+v", st)
 	}
 	checkKV(t, s)
@@ -185,7 +190,7 @@ func TestLRUEvictionUnderKVPressure(t *testing.T) {
 
 func TestRequestWaitsForBlocks(t *testing.T) {
 	s := manualServer(t, Config{NumGPUBlocks: 24})
-	x := submit(t, s, longText("x", 64), 300) // 16 + 300 tokens: 20 blocks
+	x := submit(t, s, blocksText("x", 16), 100) // 17 prompt blocks, growing to 23
 	step(s)
 	y := submit(t, s, blocksText("y", 8), 1) // 9 blocks: do not fit beside x
 	z := submit(t, s, "z", 1)                // fits, but FIFO: waits behind y
@@ -209,7 +214,46 @@ func TestRequestWaitsForBlocks(t *testing.T) {
 			t.Errorf("%s: err %v, generated %d of %d", name, r.err, r.generated.Load(), r.maxTokens)
 		}
 	}
+	if p := s.State().Preemptions; p != 0 {
+		t.Errorf("%d preemptions, want none", p)
+	}
 	checkKV(t, s)
+}
+
+func TestPreemptionUnderKVPressure(t *testing.T) {
+	// Two requests of 6 prompt blocks fit at admission; growing to 18 blocks each, they cannot both
+	// finish: the later one is preempted, recomputes after the first finishes, and completes.
+	s := manualServer(t, Config{NumGPUBlocks: 24})
+	a := submit(t, s, blocksText("a", 5), 200)
+	b := submit(t, s, blocksText("b", 5), 200)
+	step(s)
+	if st := s.State(); st.Running != 2 {
+		t.Fatalf("running %d, want 2", st.Running)
+	}
+	last := int64(0)
+	for i := 0; i < 2000; i++ {
+		if _, n := step(s); n == 0 {
+			break
+		}
+		checkKV(t, s)
+		g := b.generated.Load()
+		if g < last {
+			t.Fatalf("b's output went from %d to %d tokens", last, g)
+		}
+		last = g
+	}
+	for name, r := range map[string]*request{"a": a, "b": b} {
+		if int(r.generated.Load()) != r.maxTokens {
+			t.Errorf("%s generated %d of %d", name, r.generated.Load(), r.maxTokens)
+		}
+	}
+	st := s.State()
+	if st.Preemptions == 0 {
+		t.Error("no preemption under KV pressure")
+	}
+	if st.UsedBlocks != 0 || st.PendingPrefillTokens != 0 || st.Running != 0 || st.Waiting != 0 {
+		t.Errorf("idle state %+v", st)
+	}
 }
 
 func TestStepTimeGrowsWithBatch(t *testing.T) {
@@ -276,7 +320,7 @@ func TestAbortReleasesBlocks(t *testing.T) {
 	s := manualServer(t, Config{NumGPUBlocks: 64})
 	running := submit(t, s, blocksText("r", 4), 100)
 	step(s)
-	waiting := submit(t, s, blocksText("w", 50), 100) // does not fit
+	waiting := submit(t, s, blocksText("w", 59), 20) // 60 blocks: does not fit beside the 5 of running
 	step(s)
 	if st := s.State(); st.Running != 1 || st.Waiting != 1 || st.UsedBlocks == 0 {
 		t.Fatalf("state %+v", st)
@@ -285,7 +329,7 @@ func TestAbortReleasesBlocks(t *testing.T) {
 	s.abort(running)
 	s.abort(running) // idempotent
 	st := s.State()
-	if st.Running != 0 || st.Waiting != 0 || st.UsedBlocks != 0 || st.ReservedBlocks != 0 || st.PendingPrefillTokens != 0 {
+	if st.Running != 0 || st.Waiting != 0 || st.UsedBlocks != 0 || st.PendingPrefillTokens != 0 {
 		t.Errorf("after aborts: %+v", st)
 	}
 	if _, n := step(s); n != 0 {

@@ -70,6 +70,7 @@ func (s *Server) metricsText() []byte {
 		}
 		metric(prefix+"prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of queried tokens.", labels, float64(st.PrefixQueries))
 		metric(prefix+"prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.", labels, float64(st.PrefixHits))
+		metric("vllm:num_preemptions_total", "counter", "Cumulative number of preemption from the engine.", labels, float64(st.Preemptions))
 		metric("vllm:request_success_total", "counter", "Count of successfully processed requests.", labels, float64(st.Finished))
 		s.mu.Lock()
 		promptTotal, outputTotal := s.promptTotal, s.outputTotal
