@@ -9,6 +9,11 @@ import (
 
 // Config shapes one simulated server. The zero value of every field selects the default named in its
 // comment, so Config{} is a valid, vLLM-like single-GPU server.
+//
+// MaxQueue counts the requests waiting beyond the free sequence slots: with MaxNumSeqs 1 busy and
+// MaxQueue 1, one more request waits and the next gets 429. A request whose prompt and output cannot
+// fit in the whole KV cache gets 400, like vLLM's max_model_len check. MetricsDelay is wall-clock
+// time (not scaled); every engine duration is divided by TimeScale.
 type Config struct {
 	Model               string        // served model name, default "sim-model"
 	MaxNumSeqs          int           // running sequences (continuous batching), default 64
