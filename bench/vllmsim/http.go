@@ -182,13 +182,25 @@ func (s *Server) serveStream(w http.ResponseWriter, r *http.Request, rs *respons
 			_ = rc.Flush()
 			return
 		}
-		if n > sent && (done || sent == 0 || n-sent >= s.cfg.TokensPerChunk) {
-			if drop && n >= dropAt {
-				n = dropAt
+		// One chunk per TokensPerChunk tokens (the first token alone), even when this goroutine runs
+		// behind the engine, so the stream has the same shape at any load.
+		buf = buf[:0]
+		for n > sent && !(drop && sent >= dropAt) {
+			size := s.cfg.TokensPerChunk
+			if sent == 0 {
+				size = 1
 			}
-			last := done && n == rs.p.maxTokens
-			buf = rs.appendChunk(buf[:0], sent, n, last)
-			sent = n
+			if n-sent < size && !done {
+				break
+			}
+			end := min(sent+size, n)
+			if drop {
+				end = min(end, dropAt)
+			}
+			buf = rs.appendChunk(buf, sent, end, done && end == rs.p.maxTokens)
+			sent = end
+		}
+		if len(buf) > 0 {
 			if _, err := w.Write(buf); err != nil {
 				return
 			}

@@ -35,8 +35,8 @@ func TestChatStreaming(t *testing.T) {
 		t.Errorf("Content-Type = %q", ct)
 	}
 	events := sseEvents(t, resp.Body)
-	if len(events) < 3 || events[len(events)-1] != "[DONE]" {
-		t.Fatalf("events = %q, want chunks then [DONE]", events)
+	if len(events) != 7+2 || events[len(events)-1] != "[DONE]" {
+		t.Fatalf("events = %q, want 7 token chunks, the usage chunk and [DONE]", events)
 	}
 	var content strings.Builder
 	var u *usage
@@ -92,8 +92,8 @@ func TestCompletions(t *testing.T) {
 				t.Fatalf("no [DONE] in %q", events)
 			}
 			// 8 tokens in chunks of 3: 1 (first token at once), then 3, 3, 1.
-			if len(events)-1 > 5 {
-				t.Errorf("%d content chunks for 8 tokens at 3 per chunk", len(events)-1)
+			if len(events)-1 != 4 {
+				t.Errorf("%d content chunks for 8 tokens at 3 per chunk, want 4", len(events)-1)
 			}
 			for _, e := range events[:len(events)-1] {
 				var c chatResponse
