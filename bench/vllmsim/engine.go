@@ -155,8 +155,11 @@ func (s *Server) SetFaults(f Faults) {
 
 // State is a snapshot of the engine for tests and the benchmark's oracle.
 type State struct {
-	Running, Waiting      int
-	PendingPrefillTokens  int // uncached prompt tokens of waiting + running-but-not-yet-prefilled requests
+	Running, Waiting int
+	// PendingPrefillTokens is the prefill work queued: the uncached tokens of waiting requests
+	// (estimated from the cache when they arrived) plus what running requests have yet to prefill
+	// (exact; a preempted request's output so far counts, since it is recomputed).
+	PendingPrefillTokens  int
 	UsedBlocks, NumBlocks int
 	PrefixQueries         int64 // prompt tokens looked up in the prefix cache
 	PrefixHits            int64 // of which found cached
@@ -204,8 +207,7 @@ func (s *Server) State() State {
 // "messages" is a chat request, anything else a text completion. It costs one parse and one hash pass
 // over the prompt and holds the engine mutex for one map lookup per block.
 func (s *Server) Cached(body []byte) (promptTokens, cachedTokens int, err error) {
-	chat := looksLikeChat(body)
-	p, err := parseRequest(body, chat)
+	p, err := parseAny(body)
 	if err != nil {
 		return 0, 0, err
 	}
@@ -593,7 +595,7 @@ func ParsePrompt(body []byte, blockSize int) (Prompt, error) {
 	if blockSize <= 0 {
 		blockSize = 16
 	}
-	p, err := parseRequest(body, looksLikeChat(body))
+	p, err := parseAny(body)
 	if err != nil {
 		return Prompt{}, err
 	}
@@ -616,4 +618,15 @@ func (s *Server) CachedPrompt(p Prompt) (int, error) {
 	hits, _ := s.kv.lookup(p.hashes, (p.Tokens-1)/s.cfg.BlockSize)
 	s.mu.Unlock()
 	return hits * s.cfg.BlockSize, nil
+}
+
+// parseAny parses a chat request if the body mentions "messages" and parses as one, else a text
+// completion.
+func parseAny(body []byte) (parsedRequest, error) {
+	if looksLikeChat(body) {
+		if p, err := parseRequest(body, true); err == nil {
+			return p, nil
+		}
+	}
+	return parseRequest(body, false)
 }
