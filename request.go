@@ -79,7 +79,7 @@ func inspectRequest(r *http.Request, maxBody int64) *llmRequest {
 		lr.tooLarge = true
 		return lr
 	}
-	buf, err := io.ReadAll(io.LimitReader(r.Body, maxBody+1))
+	buf, err := readBody(r.Body, r.ContentLength, maxBody)
 	switch {
 	case err != nil:
 		// What was read is lost to nobody: the client's body is broken, and the proxy will report it.
@@ -96,6 +96,25 @@ func inspectRequest(r *http.Request, maxBody int64) *llmRequest {
 	lr.installBody(r)
 	lr.decoded, lr.bodyErr = decodeBody(buf, r.Header.Get("Content-Encoding"), maxBody)
 	return lr
+}
+
+// readBody reads at most max+1 bytes of body. With a known length it reads into one buffer of exactly
+// that size (plus a byte to detect a body longer than declared), instead of growing one.
+func readBody(body io.Reader, length, max int64) ([]byte, error) {
+	if length <= 0 {
+		return io.ReadAll(io.LimitReader(body, max+1))
+	}
+	buf := make([]byte, length+1)
+	n, err := io.ReadFull(body, buf)
+	switch err {
+	case io.ErrUnexpectedEOF, io.EOF: // the usual case: the body ended where it said it would, or earlier
+		err = nil
+	case nil: // more bytes than declared: keep reading up to the cap, as for an unknown length
+		var rest []byte
+		rest, err = io.ReadAll(io.LimitReader(body, max+1-int64(n)))
+		return append(buf[:n], rest...), err
+	}
+	return buf[:n:n], err
 }
 
 // installBody puts the complete body back into r, as a fresh reader with a matching length and GetBody, so
