@@ -47,6 +47,7 @@ type options struct {
 	overhead   bool
 	bypassRate float64
 	cpuProfile string
+	maxReruns  int
 	// overheadSeconds overrides the measuring time per policy of -overhead (tests).
 	overheadSeconds float64
 	sim             simSettings
@@ -90,6 +91,7 @@ func parseOptions(args []string) (options, error) {
 	fs.Float64Var(&o.bypassRate, "bypass-rate", 0, "extra requests per simulated second sent straight to backend 0, not through Caddy (another client)")
 	fs.Float64Var(&o.sim.TimeScale, "timescale", defaultSim.TimeScale, "how many times faster than real time the simulators run")
 	fs.IntVar(&o.sim.NumGPUBlocks, "kv-blocks", defaultSim.NumGPUBlocks, "KV cache blocks (16 tokens) per simulated backend")
+	fs.IntVar(&o.maxReruns, "reruns", 2, "run a policy again up to this many times when the load generator's scheduling lag shows the machine was busy")
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the run to this file")
 	if err := fs.Parse(args); err != nil {
 		return o, err
@@ -105,6 +107,9 @@ func parseOptions(args []string) (options, error) {
 	}
 	if o.quick && !isSet(fs, "timescale") {
 		o.sim.TimeScale = 10
+	}
+	if o.quick && !isSet(fs, "reruns") {
+		o.maxReruns = 1
 	}
 	o.workloads = workloadNames
 	if workloads != "all" {

@@ -15,7 +15,7 @@ import (
 type progress struct {
 	out   io.Writer
 	tty   bool
-	total int64
+	total atomic.Int64
 	done  atomic.Int64
 	start time.Time
 
@@ -27,7 +27,8 @@ type progress struct {
 
 // newProgress starts a progress display for total requests.
 func newProgress(out *os.File, total int) *progress {
-	p := &progress{out: out, total: int64(total), start: time.Now(), stop: make(chan struct{})}
+	p := &progress{out: out, start: time.Now(), stop: make(chan struct{})}
+	p.total.Store(int64(total))
 	if fi, err := out.Stat(); err == nil && fi.Mode()&os.ModeCharDevice != 0 {
 		p.tty = true
 		p.wg.Add(1)
@@ -35,6 +36,9 @@ func newProgress(out *os.File, total int) *progress {
 	}
 	return p
 }
+
+// grow adds n requests to the total (a step run again).
+func (p *progress) grow(n int) { p.total.Add(int64(n)) }
 
 // add counts n finished requests.
 func (p *progress) add(n int) { p.done.Add(int64(n)) }
@@ -54,10 +58,11 @@ func (p *progress) stepDone(msg string) {
 }
 
 func (p *progress) percent() float64 {
-	if p.total == 0 {
+	total := p.total.Load()
+	if total == 0 {
 		return 100
 	}
-	return 100 * min(float64(p.done.Load())/float64(p.total), 1)
+	return 100 * min(float64(p.done.Load())/float64(total), 1)
 }
 
 func (p *progress) loop() {
@@ -84,7 +89,7 @@ func (p *progress) draw() {
 	label := p.label
 	p.mu.Unlock()
 	fmt.Fprintf(p.out, "\r[%s%s] %3.0f%% %d/%d %5.1fs %-40s", strings.Repeat("#", filled), strings.Repeat("-", width-filled),
-		pct, min(p.done.Load(), p.total), p.total, time.Since(p.start).Seconds(), label)
+		pct, min(p.done.Load(), p.total.Load()), p.total.Load(), time.Since(p.start).Seconds(), label)
 }
 
 // finish stops the display.

@@ -142,6 +142,16 @@ func runWorkload(ctx context.Context, o options, w Workload, prog *progress) Wor
 		label := w.Name + "/" + p.Name
 		prog.setLabel(label)
 		s, err := runPolicy(ctx, o, w, wr.RateRPS, p, prog)
+		// Other processes on a shared machine can stall the load generator: run again (up to
+		// maxReruns times) while the arrivals left late, and keep the least disturbed run.
+		for rerun := 1; err == nil && s.LagP99 > lagRerunMS && rerun <= o.maxReruns; rerun++ {
+			prog.grow(w.NumRequests())
+			wr.Notes = append(wr.Notes, fmt.Sprintf("%s: run %d had scheduling lag p99 %.1f ms (wall), running it again", p.Name, rerun, s.LagP99))
+			again, err2 := runPolicy(ctx, o, w, wr.RateRPS, p, prog)
+			if err2 == nil && again.LagP99 < s.LagP99 {
+				s = again
+			}
+		}
 		if err != nil {
 			s = Summary{Policy: p.Name, Skipped: err.Error()}
 			wr.Notes = append(wr.Notes, fmt.Sprintf("%s skipped: %v", p.Name, err))
@@ -152,6 +162,9 @@ func runWorkload(ctx context.Context, o options, w Workload, prog *progress) Wor
 	}
 	return wr
 }
+
+// lagRerunMS is the scheduling lag (wall ms, p99) above which a policy's run is repeated.
+const lagRerunMS = 10.0
 
 // warmupCount is the number of warm-up requests of a workload of n requests.
 func warmupCount(n int) int { return int(float64(n) * warmupFraction) }
