@@ -154,7 +154,6 @@ func writeMarkdown(out io.Writer, res Results) {
 	}
 }
 
-
 // writeOutputs writes results.json, report.md and ttft.svg into dir.
 func writeOutputs(dir string, res Results) error {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
