@@ -5,6 +5,7 @@ import (
 	"html"
 	"io"
 	"math"
+	"strings"
 )
 
 // palette gives each policy (in allPolicies order) a distinguishable colour.
@@ -94,7 +95,12 @@ func writePanel(out io.Writer, wl WorkloadResult, x0, y0 int) {
 			continue
 		}
 		color := policyColor(s.Policy)
-		fmt.Fprintf(out, `<polyline fill="none" stroke="%s" stroke-width="1.6" points="`, color)
+		// Caddy's own policies dashed, this plugin's and the oracle solid
+		dash := ""
+		if !strings.HasPrefix(s.Policy, "llm") && s.Policy != "oracle" {
+			dash = ` stroke-dasharray="5,3"`
+		}
+		fmt.Fprintf(out, `<polyline fill="none" stroke="%s" stroke-width="1.6"%s points="`, color, dash)
 		n := len(s.ttft)
 		step := max(1, n/maxCDFPoints)
 		for i := 0; i < n; i += step {
@@ -102,7 +108,7 @@ func writePanel(out io.Writer, wl WorkloadResult, x0, y0 int) {
 			fmt.Fprintf(out, "%.1f,%.1f ", xOf(v), yOf(float64(i+1)/float64(n)))
 		}
 		fmt.Fprintf(out, "%.1f,%.1f\"/>\n", xOf(math.Max(s.ttft[n-1], math.Pow(10, lmin))), yOf(1))
-		fmt.Fprintf(out, `<line x1="%.0f" y1="%.0f" x2="%.0f" y2="%.0f" stroke="%s" stroke-width="3"/>`+"\n", left+width+8, ly, left+width+24, ly, color)
+		fmt.Fprintf(out, `<line x1="%.0f" y1="%.0f" x2="%.0f" y2="%.0f" stroke="%s" stroke-width="3"%s/>`+"\n", left+width+8, ly, left+width+24, ly, color, dash)
 		fmt.Fprintf(out, `<text x="%.0f" y="%.0f">%s p50 %s</text>`+"\n", left+width+28, ly+4, html.EscapeString(s.Policy), tickLabel(s.TTFTP50))
 		ly += 16
 	}

@@ -120,6 +120,11 @@ func writeMarkdown(out io.Writer, res Results) {
 	}
 	fmt.Fprintf(out, ".\n\nLatencies are in simulated milliseconds (wall time x time scale %.0f); the first %.0f%% of requests are warm-up and not counted. "+
 		"Ratios are to `%s`; hit rate is the backends' own prefix-cache hits / queries.\n\n", res.Sim.TimeScale, 100*warmupFraction, baselinePolicy)
+	fmt.Fprintf(out, "Method: fresh backends (cold caches) and a fresh in-process Caddy for every policy; sessions arrive open-loop (Poisson) at load x capacity, "+
+		"where capacity = backends / (U/P + out x (D0 + Dseq x B) / B) with U the mean prompt tokens left to prefill under an ideal cluster-wide prefix cache, "+
+		"P the prefill rate, out the output tokens, D0 + Dseq x B the decode step at batch B (max_num_seqs, or fewer if the KV cache cannot hold them): "+
+		"a policy that recomputes shared prefixes saturates below load 1. Multi-turn sessions send each turn when the previous one ends. "+
+		"TTFT is the first chunk with content, TPOT (e2e - TTFT) / (output tokens - 1). The oracle routes on the simulators' true cache and queues, greedily per request.\n\n")
 	fmt.Fprintf(out, "![TTFT distribution](ttft.svg)\n\n")
 	for _, w := range res.Workloads {
 		fmt.Fprintf(out, "## %s\n\n%d requests (%d warm-up), offered %.1f req/s (capacity estimate %.1f req/s)\n\n",
@@ -138,7 +143,7 @@ func writeMarkdown(out io.Writer, res Results) {
 		fmt.Fprintln(out)
 		for _, s := range w.Policies {
 			if s.Skipped == "" && s.LagP99 > lagRerunMS {
-				fmt.Fprintf(out, "- %s: scheduling lag p99 %.1f ms (wall): the load generator was CPU-bound\n", s.Policy, s.LagP99)
+				fmt.Fprintf(out, "- %s: scheduling lag p99 %.1f ms (wall) even after re-runs: the machine was busy, read this row with care\n", s.Policy, s.LagP99)
 			}
 		}
 		for _, n := range w.Notes {

@@ -251,8 +251,9 @@ func runPolicy(ctx context.Context, o options, w Workload, rate float64, p polic
 		s.BackendRequests = append(s.BackendRequests, int(after[i].Requests-before[i].Requests))
 	}
 	if queries > 0 {
-		s.CacheHitRate = float64(hits) / float64(queries)
+		s.CacheHitRate = round3(float64(hits)/float64(queries)*1e3) / 1e3
 	}
+	s.WallSeconds = round3(s.WallSeconds)
 	return s, nil
 }
 

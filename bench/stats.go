@@ -167,8 +167,16 @@ func summarize(policy string, results []requestResult, scale float64) Summary {
 		s.ClientCachedRate = float64(cached) / float64(prompt)
 	}
 	s.ttft = t.sorted
+	for _, f := range []*float64{&s.TTFTP50, &s.TTFTP90, &s.TTFTP99, &s.TTFTMean, &s.E2EP50, &s.E2EP90, &s.E2EP99,
+		&s.E2EMean, &s.TPOTP50, &s.TPOTP99, &s.TPOTMean, &s.OutputTokensPerS, &s.RequestsPerS, &s.ClientCachedRate,
+		&s.LagP50, &s.LagP99, &s.LagMax} {
+		*f = round3(*f)
+	}
 	return s
 }
+
+// round3 rounds to 3 decimals so that results.json stays readable.
+func round3(x float64) float64 { return math.Round(x*1000) / 1000 }
 
 // ms converts a duration to float milliseconds.
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
