@@ -71,25 +71,25 @@ func generateWorkload(name string, seed int64, size workloadSize) (Workload, err
 	case "shared-prefix":
 		groups, perGroup := 32, 10
 		if size.quick {
-			groups, perGroup = 8, 6
+			groups, perGroup = 8, 8
 		}
 		return sharedPrefix(rng, groups, perGroup, 1500, 100, 64), nil
 	case "multi-turn":
 		convs := 40
 		if size.quick {
-			convs = 8
+			convs = 10
 		}
 		return multiTurn(rng, convs, 6, 10, 500, 80, 64), nil
 	case "mixed":
 		n := 320
 		if size.quick {
-			n = 48
+			n = 64
 		}
 		return mixed(rng, n, 10, 4000, 64), nil
 	case "hot-prefix":
 		n, others := 320, 16
 		if size.quick {
-			n, others = 48, 6
+			n, others = 64, 6
 		}
 		return hotPrefix(rng, n, 0.8, others, 1500, 100, 64), nil
 	}
