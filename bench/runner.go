@@ -138,6 +138,9 @@ func runWorkload(ctx context.Context, o options, w Workload, prog *progress) Wor
 	}
 	wr.Notes = append(wr.Notes, fmt.Sprintf("capacity estimate: mean prompt %.0f tokens, %.0f to prefill with an ideal cache, %.0f output, decode batch %.0f: %.2f req/s per backend",
 		est.MeanPrompt, est.MeanUncached, est.MeanOutput, est.Batch, est.PerBackendRPS))
+	if o.bypassRate > 0 {
+		wr.Notes = append(wr.Notes, fmt.Sprintf("%.1f req/s (simulated) of the same workload went straight to backend 0; hit rates include that traffic, latencies do not", o.bypassRate))
+	}
 	for _, p := range o.policies {
 		label := w.Name + "/" + p.Name
 		prog.setLabel(label)
