@@ -107,8 +107,12 @@ func inflightMatch(dial string, body []byte) int {
 const bytesPerToken = 4
 
 // track records that the request behind r goes to dial, replacing the entry of an earlier
-// attempt, and forgets it when the request ends.
+// attempt, and forgets it when the request ends. Requests outside a Caddy server (no request
+// variables, so no way to recognise a retry) are not tracked.
 func track(r *http.Request, dial string, body []byte) {
+	if _, ok := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any); !ok || r.Context().Done() == nil {
+		return
+	}
 	inflightMu.Lock()
 	defer inflightMu.Unlock()
 	if f, ok := caddyhttp.GetVar(r.Context(), inflightVar).(*inflight); ok {
