@@ -15,6 +15,10 @@ type upstreamLoad struct {
 	tokens   atomic.Int64
 	requests atomic.Int64
 	lastUsed atomic.Int64 // unix nanoseconds of the last reserve or release
+
+	// saturatedUntil (unix nanoseconds) is set when the upstream answers 429 (vLLM's queue is full): until
+	// then it is chosen only if nothing else is available. Its learned routes are kept.
+	saturatedUntil atomic.Int64
 }
 
 // loadTable maps dial addresses to their loads. Entries are created on first use and removed only when
@@ -39,6 +43,7 @@ var loads = &loadTable{m: make(map[string]*upstreamLoad)}
 type reservation struct {
 	load   *upstreamLoad
 	tokens int64
+	dial   string
 }
 
 // reserve adds one request of the given weight to dial's load.
@@ -49,7 +54,7 @@ func (t *loadTable) reserve(dial string, tokens int64) *reservation {
 	if l != nil {
 		l.add(tokens, 1, now)
 		t.mu.RUnlock()
-		return &reservation{load: l, tokens: tokens}
+		return &reservation{load: l, tokens: tokens, dial: dial}
 	}
 	t.mu.RUnlock()
 
@@ -64,7 +69,7 @@ func (t *loadTable) reserve(dial string, tokens int64) *reservation {
 		t.m[dial] = l
 	}
 	l.add(tokens, 1, now)
-	return &reservation{load: l, tokens: tokens}
+	return &reservation{load: l, tokens: tokens, dial: dial}
 }
 
 // get returns dial's in-flight tokens and requests; zero for an upstream never used.
@@ -76,6 +81,24 @@ func (t *loadTable) get(dial string) (tokens, requests int64) {
 		return 0, 0
 	}
 	return l.tokens.Load(), l.requests.Load()
+}
+
+// saturate marks dial saturated until the given time.
+func (t *loadTable) saturate(dial string, until time.Time) {
+	t.mu.RLock()
+	l := t.m[dial]
+	t.mu.RUnlock()
+	if l != nil {
+		l.saturatedUntil.Store(until.UnixNano())
+	}
+}
+
+// saturated reports whether dial is marked saturated at now.
+func (t *loadTable) saturated(dial string, now int64) bool {
+	t.mu.RLock()
+	l := t.m[dial]
+	t.mu.RUnlock()
+	return l != nil && l.saturatedUntil.Load() > now
 }
 
 // snapshot returns every known upstream's load, sorted by dial address.
@@ -99,7 +122,8 @@ type upstreamInflight struct {
 // sweepLocked deletes idle entries. The caller holds the write lock.
 func (t *loadTable) sweepLocked(now int64) {
 	for dial, l := range t.m {
-		if l.requests.Load() == 0 && l.tokens.Load() == 0 && now-l.lastUsed.Load() > int64(idleAfter) {
+		if l.requests.Load() == 0 && l.tokens.Load() == 0 && now-l.lastUsed.Load() > int64(idleAfter) &&
+			l.saturatedUntil.Load() < now {
 			delete(t.m, dial)
 		}
 	}
@@ -123,11 +147,13 @@ type reservationHolder struct {
 	mu      sync.Mutex
 	current *reservation
 	done    bool
+	onEnd   func(dial string) // called once at the end with the last reservation's upstream, if any
 }
 
-// newReservationHolder returns a holder that releases its reservation when ctx is done.
-func newReservationHolder(ctx context.Context) *reservationHolder {
-	h := new(reservationHolder)
+// newReservationHolder returns a holder that releases its reservation when ctx is done, then calls onEnd
+// (if not nil) with the upstream that reservation was on.
+func newReservationHolder(ctx context.Context, onEnd func(dial string)) *reservationHolder {
+	h := &reservationHolder{onEnd: onEnd}
 	context.AfterFunc(ctx, h.finish)
 	return h
 }
@@ -160,5 +186,8 @@ func (h *reservationHolder) finish() {
 	h.mu.Unlock()
 	if prev != nil {
 		prev.release()
+		if h.onEnd != nil {
+			h.onEnd(prev.dial)
+		}
 	}
 }

@@ -2,7 +2,6 @@ package caddyllm
 
 import (
 	"strconv"
-	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
@@ -26,8 +25,24 @@ import (
 //		route_ttl           <duration>
 //		guard_factor        <factor>
 //		guard_slack         <tokens>
+//		capacity            <dial> <relative capacity>
+//		saturation_backoff  <duration>
+//		metrics {
+//			scheme         <http|https>
+//			port           <port>
+//			path           <path>
+//			interval       <duration>
+//			timeout        <duration>
+//			stale_after    <duration>
+//			model          <model_name>
+//			request_tokens <tokens>
+//			kv_threshold   <0-1>
+//			kv_weight      <tokens>
+//		}
 //		fallback            <policy> [<args...>] [{ ... }]
 //	}
+//
+// capacity may be repeated, once per upstream; metrics may be given with no block for all defaults.
 func (s *LLMSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // consume policy name
 	if d.NextArg() {
@@ -35,7 +50,8 @@ func (s *LLMSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	}
 	for d.NextBlock(0) {
 		option := d.Val()
-		if option == "fallback" {
+		switch option {
+		case "fallback":
 			if !d.NextArg() {
 				return d.ArgErr()
 			}
@@ -47,6 +63,32 @@ func (s *LLMSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			s.FallbackRaw = mod
+			continue
+		case "metrics":
+			if s.Metrics != nil {
+				return d.Err("metrics already specified")
+			}
+			if d.NextArg() {
+				return d.ArgErr()
+			}
+			s.Metrics = new(MetricsConfig)
+			if err := s.Metrics.unmarshalCaddyfile(d); err != nil {
+				return err
+			}
+			continue
+		case "capacity":
+			args := d.RemainingArgs()
+			if len(args) != 2 {
+				return d.ArgErr()
+			}
+			c, err := strconv.ParseFloat(args[1], 64)
+			if err != nil || c <= 0 {
+				return d.Errf("capacity must be a positive number, got '%s'", args[1])
+			}
+			if s.Capacities == nil {
+				s.Capacities = make(map[string]float64)
+			}
+			s.Capacities[args[0]] = c
 			continue
 		}
 		if !d.NextArg() {
@@ -81,12 +123,9 @@ func (s *LLMSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		case "route_capacity":
 			s.RouteCapacity, err = parseCount(d, option, val)
 		case "route_ttl":
-			var dur time.Duration
-			dur, err = caddy.ParseDuration(val)
-			if err != nil {
-				return d.Errf("parsing route_ttl: %v", err)
-			}
-			s.RouteTTL = caddy.Duration(dur)
+			s.RouteTTL, err = parseDuration(d, option, val)
+		case "saturation_backoff":
+			s.SaturationBackoff, err = parseDuration(d, option, val)
 		case "guard_factor":
 			s.GuardFactor, err = strconv.ParseFloat(val, 64)
 			if err != nil || s.GuardFactor <= 0 {
@@ -165,6 +204,64 @@ func (m *MatchLLM) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		}
 	}
 	return nil
+}
+
+func (m *MetricsConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		option := d.Val()
+		if !d.NextArg() {
+			return d.ArgErr()
+		}
+		val := d.Val()
+		if d.NextArg() {
+			return d.ArgErr()
+		}
+		var err error
+		switch option {
+		case "scheme":
+			m.Scheme = val
+		case "port":
+			m.Port = val
+		case "path":
+			m.Path = val
+		case "model":
+			m.Model = val
+		case "interval":
+			m.Interval, err = parseDuration(d, option, val)
+		case "timeout":
+			m.Timeout, err = parseDuration(d, option, val)
+		case "stale_after":
+			m.StaleAfter, err = parseDuration(d, option, val)
+		case "request_tokens":
+			var n int
+			n, err = parseCount(d, option, val)
+			m.RequestTokens = int64(n)
+		case "kv_weight":
+			var n int
+			n, err = parseCount(d, option, val)
+			m.KVWeight = int64(n)
+		case "kv_threshold":
+			m.KVThreshold, err = strconv.ParseFloat(val, 64)
+			if err != nil || m.KVThreshold <= 0 || m.KVThreshold >= 1 {
+				return d.Errf("kv_threshold must be a number between 0 and 1, got '%s'", val)
+			}
+		default:
+			return d.Errf("unrecognized metrics option '%s'", option)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// parseDuration parses a duration such as 10m or 1d.
+func parseDuration(d *caddyfile.Dispenser, option, val string) (caddy.Duration, error) {
+	dur, err := caddy.ParseDuration(val)
+	if err != nil || dur <= 0 {
+		return 0, d.Errf("%s must be a positive duration such as 10m, got '%s'", option, val)
+	}
+	return caddy.Duration(dur), nil
 }
 
 // parseSize parses a size such as 4MiB or 512KB.

@@ -25,6 +25,20 @@ func TestUnmarshalPolicy(t *testing.T) {
 		route_ttl 2m
 		guard_factor 1.5
 		guard_slack 2048
+		capacity 10.0.0.1:8000 2
+		capacity 10.0.0.2:8000 0.5
+		saturation_backoff 5s
+		metrics {
+			port 9100
+			path /prom
+			interval 2s
+			timeout 300ms
+			stale_after 10s
+			model llama
+			request_tokens 2000
+			kv_threshold 0.8
+			kv_weight 4096
+		}
 		fallback header X-User {
 			fallback first
 		}
@@ -38,6 +52,11 @@ func TestUnmarshalPolicy(t *testing.T) {
 		MaxTokenizeBytes: 64 << 10, OutputTokens: 128, ConversationHeader: "X-Conversation-ID",
 		BlockSize: 32, RouteCapacity: 5000, RouteTTL: caddy.Duration(2 * time.Minute),
 		GuardFactor: 1.5, GuardSlack: 2048,
+		Capacities:        map[string]float64{"10.0.0.1:8000": 2, "10.0.0.2:8000": 0.5},
+		SaturationBackoff: caddy.Duration(5 * time.Second),
+		Metrics: &MetricsConfig{Port: "9100", Path: "/prom", Interval: caddy.Duration(2 * time.Second),
+			Timeout: caddy.Duration(300 * time.Millisecond), StaleAfter: caddy.Duration(10 * time.Second),
+			Model: "llama", RequestTokens: 2000, KVThreshold: 0.8, KVWeight: 4096},
 		FallbackRaw: json.RawMessage(`{"fallback":{"policy":"first"},"field":"X-User","policy":"header"}`),
 	}
 	if !reflect.DeepEqual(s, want) {
@@ -54,9 +73,16 @@ func TestUnmarshalPolicyErrors(t *testing.T) {
 		`llm { max_body_size lots }`:             "max_body_size must be a size",
 		`llm { output_tokens -1 }`:               "output_tokens must be a positive whole number",
 		`llm { block_size 0 }`:                   "block_size must be a positive whole number",
-		`llm { route_ttl soon }`:                 "parsing route_ttl",
+		`llm { route_ttl soon }`:                 "route_ttl must be a positive duration",
 		`llm { guard_factor 0 }`:                 "guard_factor must be a positive number",
 		`llm { fallback }`:                       "wrong argument count",
+		`llm { capacity 10.0.0.1:80 }`:           "wrong argument count",
+		`llm { capacity 10.0.0.1:80 -2 }`:        "capacity must be a positive number",
+		`llm { metrics x }`:                      "wrong argument count",
+		`llm { metrics { interval soon } }`:      "interval must be a positive duration",
+		`llm { metrics { kv_threshold 2 } }`:     "kv_threshold must be a number between 0 and 1",
+		`llm { metrics { colour blue } }`:        "unrecognized metrics option 'colour'",
+		`llm { metrics; metrics }`:               "metrics already specified",
 		`llm { fallback nope }`:                  "module not registered",
 		`llm { fallback first; fallback first }`: "fallback selection policy already specified",
 	} {
@@ -74,6 +100,9 @@ func TestValidatePolicy(t *testing.T) {
 		"unknown tokenizer": {Mode: "combined", Tokenizer: "gpt2"},
 		"negative body":     {Mode: "combined", Tokenizer: "approx", MaxBodyBytes: -1},
 		"negative ttl":      {Mode: "combined", Tokenizer: "approx", RouteTTL: -1},
+		"zero capacity":     {Mode: "combined", Tokenizer: "approx", Capacities: map[string]float64{"a:1": 0}},
+		"bad scheme":        {Mode: "combined", Tokenizer: "approx", Metrics: &MetricsConfig{Scheme: "ftp", Path: "/m"}},
+		"relative path":     {Mode: "combined", Tokenizer: "approx", Metrics: &MetricsConfig{Scheme: "http", Path: "m"}},
 	} {
 		if err := s.Validate(); err == nil {
 			t.Errorf("%s: Validate() accepted %+v", name, s)

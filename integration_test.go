@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -29,23 +30,42 @@ func TestMain(m *testing.M) {
 	for _, k := range []string{"HOME", "XDG_DATA_HOME", "XDG_CONFIG_HOME"} {
 		os.Setenv(k, dir)
 	}
+	caddytest.Default.AdminPort = adminPort
 	code := m.Run()
 	os.RemoveAll(dir)
 	os.Exit(code)
 }
 
-// globalOptions are those Caddy's own integration tests use: admin on the caddytest port, HTTP on 9080.
-const globalOptions = `{
+// The ports the in-process Caddy uses: admin on the caddytest port, HTTP on 9080, as in Caddy's own
+// integration tests. CADDYLLM_TEST_ADMIN_PORT and CADDYLLM_TEST_HTTP_PORT move them, so that two test
+// processes on one machine do not load their configs into each other's Caddy (caddytest reuses any admin
+// endpoint it finds on its port).
+var (
+	adminPort = envPort("CADDYLLM_TEST_ADMIN_PORT", 2999)
+	httpPort  = envPort("CADDYLLM_TEST_HTTP_PORT", 9080)
+
+	globalOptions = fmt.Sprintf(`{
 	skip_install_trust
-	admin localhost:2999
-	http_port 9080
+	admin localhost:%d
+	http_port %d
 	https_port 9443
 	grace_period 1ns
 	persist_config off
 }
-`
+`, adminPort, httpPort)
 
-const proxyURL = "http://localhost:9080"
+	proxyURL = fmt.Sprintf("http://localhost:%d", httpPort)
+	adminURL = fmt.Sprintf("http://localhost:%d", adminPort)
+	// site is the site address of the proxy under test.
+	site = fmt.Sprintf(":%d", httpPort)
+)
+
+func envPort(name string, def int) int {
+	if v, err := strconv.Atoi(os.Getenv(name)); err == nil && v > 0 {
+		return v
+	}
+	return def
+}
 
 // backend is a real HTTP upstream on 127.0.0.1 that records what it receives.
 type backend struct {
@@ -153,13 +173,13 @@ func proxyConfig(policy string, extra string, upstreams ...*backend) string {
 		dials[i] = u.dial
 	}
 	return globalOptions + fmt.Sprintf(`
-:9080 {
+%s {
 	reverse_proxy %s {
 		lb_policy %s
 		%s
 	}
 }
-`, strings.Join(dials, " "), policy, extra)
+`, site, strings.Join(dials, " "), policy, extra)
 }
 
 // TestHeavyAndLightRequests is the case this project started from: one 4,000-token request and ten

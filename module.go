@@ -97,6 +97,20 @@ type LLMSelection struct {
 	GuardFactor float64 `json:"guard_factor,omitempty"`
 	GuardSlack  int64   `json:"guard_slack,omitempty"`
 
+	// Metrics, when set, scrapes each upstream's Prometheus metrics (vLLM or SGLang) and adds the load they
+	// show beyond this proxy's own requests - queues, other clients, KV-cache pressure - to the decision.
+	// Off by default.
+	Metrics *MetricsConfig `json:"metrics,omitempty"`
+
+	// Capacities gives upstreams (by dial address) a relative capacity, default 1: an upstream with
+	// capacity 2 is considered half as loaded as one with 1 at the same tokens in flight. Use it for
+	// unequal GPUs.
+	Capacities map[string]float64 `json:"capacities,omitempty"`
+
+	// SaturationBackoff is how long an upstream that answered 429 (vLLM's queue-full answer) is avoided
+	// while any other is available. Its learned routes are kept. Default 2s.
+	SaturationBackoff caddy.Duration `json:"saturation_backoff,omitempty"`
+
 	// FallbackRaw is the policy for requests this one cannot read. Default least_conn.
 	FallbackRaw json.RawMessage `json:"fallback,omitempty" caddy:"namespace=http.reverse_proxy.selection_policies inline_key=policy"`
 
@@ -104,6 +118,7 @@ type LLMSelection struct {
 	decide   selection.Config
 	tokOpts  tokenize.Options
 	routes   *affinity.Table
+	scrapes  *scrapes
 	logger   *zap.Logger
 }
 
@@ -146,8 +161,17 @@ func (s *LLMSelection) Provision(ctx caddy.Context) error {
 	if s.GuardSlack == 0 {
 		s.GuardSlack = s.decide.GuardSlack
 	}
+	if s.SaturationBackoff == 0 {
+		s.SaturationBackoff = caddy.Duration(defaultSaturationBackoff)
+	}
+	if s.Metrics != nil {
+		s.Metrics.provision()
+	}
 	if err := s.Validate(); err != nil {
 		return err
+	}
+	if err := registerMetrics(ctx); err != nil {
+		return fmt.Errorf("registering metrics: %w", err)
 	}
 	s.decide.Mode, _ = selection.ParseMode(s.Mode)
 	s.decide.GuardFactor = s.GuardFactor
@@ -170,6 +194,10 @@ func (s *LLMSelection) Provision(ctx caddy.Context) error {
 	}
 	s.fallback = mod.(reverseproxy.Selector)
 
+	if s.Metrics != nil {
+		s.scrapes = newScrapes(s.Metrics, s.logger)
+		addLiveScrapes(s.scrapes)
+	}
 	s.routes = acquireRoutes(affinity.Config{
 		Capacity:  s.RouteCapacity,
 		TTL:       time.Duration(s.RouteTTL),
@@ -205,6 +233,16 @@ func (s *LLMSelection) Validate() error {
 		return fmt.Errorf("guard_factor must be positive, got %g", s.GuardFactor)
 	case s.GuardSlack < 0:
 		return fmt.Errorf("guard_slack must be positive, got %d", s.GuardSlack)
+	case s.SaturationBackoff < 0:
+		return fmt.Errorf("saturation_backoff must be positive, got %s", time.Duration(s.SaturationBackoff))
+	}
+	for dial, c := range s.Capacities {
+		if c <= 0 {
+			return fmt.Errorf("capacity of %s must be positive, got %g", dial, c)
+		}
+	}
+	if s.Metrics != nil {
+		return s.Metrics.validate()
 	}
 	return nil
 }
@@ -212,6 +250,11 @@ func (s *LLMSelection) Validate() error {
 // Cleanup releases this config's hold on the shared route table; learned routes survive as long as any
 // config uses them, so a reload keeps them.
 func (s *LLMSelection) Cleanup() error {
+	if s.scrapes != nil {
+		removeLiveScrapes(s.scrapes)
+		s.scrapes.release()
+		s.scrapes = nil
+	}
 	if s.routes != nil {
 		releaseRoutes()
 		s.routes = nil
@@ -226,39 +269,74 @@ func (s *LLMSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, w
 	if lr.api == tokenize.APIUnknown {
 		return s.fallback.Select(pool, r, w)
 	}
+	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	if lr.acct == nil {
-		lr.acct = newReservationHolder(r.Context())
+		backoff := time.Duration(s.SaturationBackoff)
+		lr.acct = newReservationHolder(r.Context(), func(dial string) { s.noteStatus(repl, dial, backoff) })
+	} else if len(lr.tried) > 0 {
+		// A retry: the previous attempt's answer (if it got one) is still in the replacer.
+		s.noteStatus(repl, lr.tried[len(lr.tried)-1], time.Duration(s.SaturationBackoff))
 	}
 
+	start := time.Now()
 	req, err := lr.parse(s.tokOpts)
 	if err != nil {
 		// Route it anyway: by the fallback, weighted by its size so a huge prompt is not counted as nothing.
 		up := s.fallback.Select(pool, r, w)
 		weight := max(r.ContentLength, 0) / 4
 		s.hold(lr, up, weight)
+		fallbackDecisions.Inc()
+		setPlaceholder(repl, "http.llm.upstream_reason", "fallback")
 		if c := s.logger.Check(zapcore.DebugLevel, "routed unparsed request by fallback"); c != nil {
 			c.Write(zap.String("upstream", dialOf(up)), zap.Int64("weight", weight), zap.String("error", err.Error()))
 		}
 		return up
 	}
+	if len(lr.parses) == 1 && lr.parses[0].req == req {
+		tokenizeSeconds.Observe(time.Since(start).Seconds()) // parsed here, not by a matcher earlier
+	}
 
 	sc := scratchPool.Get().(*scratch)
 	defer scratchPool.Put(sc)
 	sc.reset()
-	// A retry goes to an upstream this request has not tried yet, while there is one.
-	skipTried := len(lr.tried) > 0 && hasUntried(pool, lr.tried)
+	now := start.UnixNano()
+	// A retry goes to an upstream this request has not tried yet, and an upstream in its 429 backoff is
+	// used only when there is nothing else.
+	skipTried := len(lr.tried) > 0 && anyEligible(pool, func(u *reverseproxy.Upstream) bool { return !slices.Contains(lr.tried, u.Dial) })
+	skipSaturated := anyEligible(pool, func(u *reverseproxy.Upstream) bool {
+		return !loads.saturated(u.Dial, now) && !(skipTried && slices.Contains(lr.tried, u.Dial))
+	})
+	var ownTokens, ownRequests int64
 	for _, u := range pool {
-		if !u.Available() || skipTried && slices.Contains(lr.tried, u.Dial) {
+		if !u.Available() || skipTried && slices.Contains(lr.tried, u.Dial) || skipSaturated && loads.saturated(u.Dial, now) {
 			continue
 		}
 		tokens, requests := loads.get(u.Dial)
+		ownTokens += tokens
+		ownRequests += requests
 		sc.upstreams = append(sc.upstreams, u)
 		sc.keys = append(sc.keys, u.Dial)
-		sc.cands = append(sc.cands, selection.Candidate{Key: u.Dial, InflightTokens: tokens, InflightRequests: requests})
+		sc.cands = append(sc.cands, selection.Candidate{
+			Key: u.Dial, InflightTokens: tokens, InflightRequests: requests, Capacity: s.Capacities[u.Dial],
+		})
 	}
 	if len(sc.cands) == 0 {
 		lr.acct.swap(nil)
 		return nil
+	}
+	if s.scrapes != nil {
+		requestTokens := s.Metrics.RequestTokens
+		if requestTokens == 0 {
+			requestTokens = defaultRequestTokens
+			if ownRequests > 0 {
+				requestTokens = max(ownTokens/ownRequests, 1)
+			}
+		}
+		for i := range sc.cands {
+			if snap, fresh := s.scrapes.load(sc.keys[i]); fresh {
+				sc.cands[i].ExtraLoad = s.Metrics.extraLoad(snap, sc.cands[i].InflightRequests, requestTokens)
+			}
+		}
 	}
 
 	useRoutes := s.decide.Mode != selection.LeastTokens
@@ -297,6 +375,12 @@ func (s *LLMSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, w
 	s.hold(lr, up, weight)
 	lr.tried = append(lr.tried, up.Dial)
 
+	decisionCounters[d.Reason].Inc()
+	promptTokens.Observe(float64(req.PromptTokens))
+	matchedTokens.Observe(float64(d.MatchedTokens))
+	setPlaceholder(repl, "http.llm.upstream_reason", d.Reason.String())
+	setPlaceholder(repl, "http.llm.matched_tokens", d.MatchedTokens)
+	setRequestPlaceholders(repl, req)
 	if c := s.logger.Check(zapcore.DebugLevel, "selected upstream"); c != nil {
 		c.Write(
 			zap.String("upstream", up.Dial),
@@ -305,10 +389,41 @@ func (s *LLMSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, w
 			zap.Int("prompt_tokens", req.PromptTokens),
 			zap.Int("matched_tokens", d.MatchedTokens),
 			zap.Int64("weight", weight),
+			zap.Int64("extra_load", sc.cands[d.Index].ExtraLoad),
 			zap.Int("candidates", len(sc.cands)),
 		)
 	}
 	return up
+}
+
+// noteStatus marks dial saturated if the attempt recorded in repl was answered 429.
+func (s *LLMSelection) noteStatus(repl *caddy.Replacer, dial string, backoff time.Duration) {
+	if repl == nil {
+		return
+	}
+	status, _ := repl.Get("http.reverse_proxy.status_code")
+	if code, ok := status.(int); ok && code == http.StatusTooManyRequests {
+		loads.saturate(dial, time.Now().Add(backoff))
+		saturationsTotal.WithLabelValues(dial).Inc()
+		if c := s.logger.Check(zapcore.DebugLevel, "upstream saturated"); c != nil {
+			c.Write(zap.String("upstream", dial), zap.Duration("backoff", backoff))
+		}
+	}
+}
+
+// setRequestPlaceholders exposes what the request is (never its text) as {http.llm.*} placeholders for
+// access logs and header_down.
+func setRequestPlaceholders(repl *caddy.Replacer, req *tokenize.Request) {
+	setPlaceholder(repl, "http.llm.model", req.Model)
+	setPlaceholder(repl, "http.llm.prompt_tokens", req.PromptTokens)
+	setPlaceholder(repl, "http.llm.api", req.API.String())
+	setPlaceholder(repl, "http.llm.stream", req.Stream)
+}
+
+func setPlaceholder(repl *caddy.Replacer, key string, value any) {
+	if repl != nil {
+		repl.Set(key, value)
+	}
 }
 
 // outputEstimate is the output tokens a request is expected to generate: its max_tokens when lower than
@@ -342,10 +457,10 @@ func firstPrefixHash(bounds []tokenize.Boundary) uint64 {
 	return bounds[0].Hash
 }
 
-// hasUntried reports whether pool has an available upstream not in tried.
-func hasUntried(pool reverseproxy.UpstreamPool, tried []string) bool {
+// anyEligible reports whether pool has an available upstream for which ok holds.
+func anyEligible(pool reverseproxy.UpstreamPool, ok func(*reverseproxy.Upstream) bool) bool {
 	for _, u := range pool {
-		if u.Available() && !slices.Contains(tried, u.Dial) {
+		if u.Available() && ok(u) {
 			return true
 		}
 	}
@@ -398,6 +513,13 @@ func acquireRoutes(cfg affinity.Config) *affinity.Table {
 		routeTable.Reconfigure(cfg)
 	}
 	routesRefs++
+	return routeTable
+}
+
+// currentRoutes returns the shared route table, or nil when no config uses the policy.
+func currentRoutes() *affinity.Table {
+	routesMu.Lock()
+	defer routesMu.Unlock()
 	return routeTable
 }
 
@@ -518,6 +640,8 @@ func (m MatchLLM) MatchWithError(r *http.Request) (bool, error) {
 	if err != nil {
 		return false, httpError(err)
 	}
+	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	setRequestPlaceholders(repl, req)
 	if len(m.Models) > 0 && !matchAnyGlob(m.Models, req.Model) {
 		return false, nil
 	}

@@ -1,0 +1,237 @@
+package caddyllm
+
+import (
+	"errors"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/tokenrouter/caddy-llm/scraper"
+	"github.com/tokenrouter/caddy-llm/selection"
+)
+
+// Metrics are registered on the registry of every config that uses the policy (Caddy makes a new one per
+// config load, so reloads never see duplicates); the collectors themselves are process-global so that two
+// policies in one config share them.
+var (
+	tokenBuckets = prometheus.ExponentialBuckets(16, 2, 15) // 16 .. 262,144 tokens
+
+	decisionsTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: "caddy", Subsystem: "llm", Name: "decisions_total",
+		Help: "Routing decisions by reason: affinity, conversation, load, guard, fallback.",
+	}, []string{"reason"})
+	promptTokens = prometheus.NewHistogram(prometheus.HistogramOpts{
+		Namespace: "caddy", Subsystem: "llm", Name: "prompt_tokens",
+		Help: "Prompt tokens of the requests routed.", Buckets: tokenBuckets,
+	})
+	matchedTokens = prometheus.NewHistogram(prometheus.HistogramOpts{
+		Namespace: "caddy", Subsystem: "llm", Name: "matched_tokens",
+		Help: "Prompt tokens predicted cached on the chosen upstream.", Buckets: tokenBuckets,
+	})
+	tokenizeSeconds = prometheus.NewHistogram(prometheus.HistogramOpts{
+		Namespace: "caddy", Subsystem: "llm", Name: "tokenize_seconds",
+		Help: "Time to parse and count a request body.", Buckets: prometheus.ExponentialBuckets(10e-6, 4, 8), // 10us .. 160ms
+	})
+	saturationsTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: "caddy", Subsystem: "llm", Name: "saturations_total",
+		Help: "Times an upstream answered 429 and was marked saturated.",
+	}, []string{"upstream"})
+)
+
+// decisionCounters are the reason-labelled counters, resolved once so Select does not look labels up.
+var decisionCounters = func() map[selection.Reason]prometheus.Counter {
+	m := make(map[selection.Reason]prometheus.Counter)
+	for _, r := range []selection.Reason{selection.ReasonLoad, selection.ReasonAffinity, selection.ReasonConversation, selection.ReasonGuard} {
+		m[r] = decisionsTotal.WithLabelValues(r.String())
+	}
+	return m
+}()
+
+var fallbackDecisions = decisionsTotal.WithLabelValues("fallback")
+
+// registerMetrics adds every collector to the config's registry.
+func registerMetrics(ctx caddy.Context) error {
+	registry := ctx.GetMetricsRegistry()
+	if registry == nil {
+		return nil
+	}
+	for _, c := range []prometheus.Collector{decisionsTotal, promptTokens, matchedTokens, tokenizeSeconds, saturationsTotal, stateCollector{}} {
+		if err := registry.Register(c); err != nil {
+			var already prometheus.AlreadyRegisteredError
+			if !errors.As(err, &already) {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// stateCollector reports the current state at scrape time: nothing on the request path updates it.
+type stateCollector struct{}
+
+var (
+	descInflightTokens   = prometheus.NewDesc("caddy_llm_upstream_inflight_tokens", "Tokens (prompt + output estimate) this process has in flight to the upstream.", []string{"upstream"}, nil)
+	descInflightRequests = prometheus.NewDesc("caddy_llm_upstream_inflight_requests", "Requests this process has in flight to the upstream.", []string{"upstream"}, nil)
+	descSaturated        = prometheus.NewDesc("caddy_llm_upstream_saturated", "1 while the upstream is in its 429 backoff.", []string{"upstream"}, nil)
+	descQueue            = prometheus.NewDesc("caddy_llm_upstream_queue_requests", "Waiting requests, as scraped from the upstream.", []string{"upstream"}, nil)
+	descRunning          = prometheus.NewDesc("caddy_llm_upstream_running_requests", "Running requests, as scraped from the upstream.", []string{"upstream"}, nil)
+	descKV               = prometheus.NewDesc("caddy_llm_upstream_kv_cache_usage", "KV-cache usage (0-1), as scraped from the upstream.", []string{"upstream"}, nil)
+	descScrapeAge        = prometheus.NewDesc("caddy_llm_upstream_scrape_age_seconds", "Age of the last good scrape of the upstream's metrics.", []string{"upstream"}, nil)
+	descScrapeErrors     = prometheus.NewDesc("caddy_llm_upstream_scrape_errors_total", "Failed scrapes of the upstream's metrics.", []string{"upstream"}, nil)
+	descRoutes           = prometheus.NewDesc("caddy_llm_routes", "Learned prefix routes.", nil, nil)
+	descRouteEvictions   = prometheus.NewDesc("caddy_llm_route_evictions_total", "Learned routes and conversation pins evicted by capacity.", nil, nil)
+	descRoutesExpired    = prometheus.NewDesc("caddy_llm_routes_expired_total", "Learned routes and conversation pins dropped by TTL.", nil, nil)
+	descPins             = prometheus.NewDesc("caddy_llm_conversation_pins", "Conversations pinned to an upstream.", nil, nil)
+)
+
+func (stateCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{descInflightTokens, descInflightRequests, descSaturated, descQueue, descRunning, descKV,
+		descScrapeAge, descScrapeErrors, descRoutes, descRouteEvictions, descRoutesExpired, descPins} {
+		ch <- d
+	}
+}
+
+func (stateCollector) Collect(ch chan<- prometheus.Metric) {
+	for _, u := range upstreamReport(false) {
+		ch <- prometheus.MustNewConstMetric(descInflightTokens, prometheus.GaugeValue, float64(u.InflightTokens), u.Upstream)
+		ch <- prometheus.MustNewConstMetric(descInflightRequests, prometheus.GaugeValue, float64(u.InflightRequests), u.Upstream)
+		ch <- prometheus.MustNewConstMetric(descSaturated, prometheus.GaugeValue, boolFloat(u.Saturated), u.Upstream)
+		if m := u.Metrics; m != nil {
+			if m.Fresh {
+				ch <- prometheus.MustNewConstMetric(descQueue, prometheus.GaugeValue, m.Waiting, u.Upstream)
+				ch <- prometheus.MustNewConstMetric(descRunning, prometheus.GaugeValue, m.Running, u.Upstream)
+				ch <- prometheus.MustNewConstMetric(descKV, prometheus.GaugeValue, m.KVUsage, u.Upstream)
+			}
+			if m.AgeSeconds >= 0 {
+				ch <- prometheus.MustNewConstMetric(descScrapeAge, prometheus.GaugeValue, m.AgeSeconds, u.Upstream)
+			}
+			ch <- prometheus.MustNewConstMetric(descScrapeErrors, prometheus.CounterValue, float64(m.Errors), u.Upstream)
+		}
+	}
+	if t := currentRoutes(); t != nil {
+		st := t.Stats()
+		ch <- prometheus.MustNewConstMetric(descRoutes, prometheus.GaugeValue, float64(st.Routes))
+		ch <- prometheus.MustNewConstMetric(descPins, prometheus.GaugeValue, float64(st.Pins))
+		ch <- prometheus.MustNewConstMetric(descRouteEvictions, prometheus.CounterValue, float64(st.Evictions))
+		ch <- prometheus.MustNewConstMetric(descRoutesExpired, prometheus.CounterValue, float64(st.Expired))
+	}
+}
+
+func boolFloat(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// upstreamStatus is what the admin endpoint and the metrics report about one upstream.
+type upstreamStatus struct {
+	Upstream         string          `json:"upstream"`
+	InflightTokens   int64           `json:"inflight_tokens"`
+	InflightRequests int64           `json:"inflight_requests"`
+	Saturated        bool            `json:"saturated"`
+	Routes           *int            `json:"learned_routes,omitempty"`
+	Metrics          *scrapedMetrics `json:"metrics,omitempty"`
+}
+
+type scrapedMetrics struct {
+	Flavor     string  `json:"flavor,omitempty"`
+	Running    float64 `json:"running"`
+	Waiting    float64 `json:"waiting"`
+	KVUsage    float64 `json:"kv_cache_usage"`
+	BlockSize  int     `json:"block_size,omitempty"`
+	NumBlocks  int     `json:"num_blocks,omitempty"`
+	AgeSeconds float64 `json:"age_seconds"` // -1 before the first good scrape
+	Fresh      bool    `json:"fresh"`
+	Errors     uint64  `json:"errors"`
+	LastError  string  `json:"last_error,omitempty"`
+}
+
+// liveScrapes are the scrape sets of every provisioned policy, for reporting.
+var (
+	liveScrapesMu sync.Mutex
+	liveScrapes   []*scrapes
+)
+
+func addLiveScrapes(sc *scrapes) {
+	liveScrapesMu.Lock()
+	liveScrapes = append(liveScrapes, sc)
+	liveScrapesMu.Unlock()
+}
+
+func removeLiveScrapes(sc *scrapes) {
+	liveScrapesMu.Lock()
+	liveScrapes = slices.DeleteFunc(liveScrapes, func(x *scrapes) bool { return x == sc })
+	liveScrapesMu.Unlock()
+}
+
+// upstreamReport describes every upstream this process has routed to or scrapes, sorted by address.
+// withRoutes adds each one's learned route count (O(routes)).
+func upstreamReport(withRoutes bool) []upstreamStatus {
+	now := time.Now().UnixNano()
+	var out []upstreamStatus
+	index := make(map[string]int)
+	for _, l := range loads.snapshot() {
+		index[l.Dial] = len(out)
+		out = append(out, upstreamStatus{
+			Upstream: l.Dial, InflightTokens: l.Tokens, InflightRequests: l.Requests,
+			Saturated: loads.saturated(l.Dial, now),
+		})
+	}
+	liveScrapesMu.Lock()
+	scrapeSets := slices.Clone(liveScrapes)
+	liveScrapesMu.Unlock()
+	for _, sc := range scrapeSets {
+		sc.mu.RLock()
+		dials := make([]string, 0, len(sc.handles))
+		for dial := range sc.handles {
+			dials = append(dials, dial)
+		}
+		sc.mu.RUnlock()
+		for _, dial := range dials {
+			i, ok := index[dial]
+			if !ok {
+				i = len(out)
+				index[dial] = i
+				out = append(out, upstreamStatus{Upstream: dial})
+			}
+			if out[i].Metrics != nil {
+				continue
+			}
+			if st, ok := sc.status(dial); ok {
+				out[i].Metrics = reportScrape(st)
+			}
+		}
+	}
+	if t := currentRoutes(); withRoutes && t != nil {
+		for i := range out {
+			n := t.RouteCount(out[i].Upstream)
+			out[i].Routes = &n
+		}
+	}
+	slices.SortFunc(out, func(a, b upstreamStatus) int {
+		switch {
+		case a.Upstream < b.Upstream:
+			return -1
+		case a.Upstream > b.Upstream:
+			return 1
+		}
+		return 0
+	})
+	return out
+}
+
+func reportScrape(st scraper.Status) *scrapedMetrics {
+	m := &scrapedMetrics{
+		Flavor: st.Snapshot.Flavor, Running: st.Snapshot.Running, Waiting: st.Snapshot.Waiting,
+		KVUsage: st.Snapshot.KVUsage, BlockSize: st.Snapshot.BlockSize, NumBlocks: st.Snapshot.NumBlocks,
+		AgeSeconds: -1, Fresh: st.Fresh, Errors: st.Errors, LastError: st.LastError,
+	}
+	if !st.Snapshot.At.IsZero() {
+		m.AgeSeconds = st.Age.Seconds()
+	}
+	return m
+}

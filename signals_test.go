@@ -1,0 +1,299 @@
+package caddyllm
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2/caddytest"
+
+	"github.com/tokenrouter/caddy-llm/bench/vllmsim"
+)
+
+// simBackend serves a simulated vLLM engine on 127.0.0.1.
+func simBackend(t *testing.T, cfg vllmsim.Config) (*vllmsim.Server, string) {
+	t.Helper()
+	sim, err := vllmsim.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(sim)
+	t.Cleanup(func() {
+		srv.CloseClientConnections()
+		sim.Close()
+		srv.Close()
+	})
+	return sim, strings.TrimPrefix(srv.URL, "http://")
+}
+
+// adminUpstreams reads GET /llm/upstreams.
+func adminUpstreams(t *testing.T) map[string]upstreamStatus {
+	t.Helper()
+	res, err := http.Get(adminURL + "/llm/upstreams")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer res.Body.Close()
+	var report struct {
+		Upstreams []upstreamStatus `json:"upstreams"`
+		Routes    routesReport     `json:"routes"`
+	}
+	if err := json.NewDecoder(res.Body).Decode(&report); err != nil {
+		t.Fatalf("decoding /llm/upstreams: %v", err)
+	}
+	out := make(map[string]upstreamStatus)
+	for _, u := range report.Upstreams {
+		out[u.Upstream] = u
+	}
+	return out
+}
+
+// waitFor polls cond (boundedly) until it holds.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// upstreamOf sends a chat request through the proxy and returns which sim answered (by the sims' request
+// counters before and after).
+func sendCounting(t *testing.T, client *http.Client, body string, sims map[string]*vllmsim.Server) string {
+	t.Helper()
+	before := make(map[string]int64)
+	for dial, s := range sims {
+		before[dial] = s.State().Requests
+	}
+	res, got := post(t, client, "/v1/chat/completions", body)
+	if res.StatusCode != http.StatusOK {
+		t.Fatalf("status %d: %s", res.StatusCode, got)
+	}
+	for dial, s := range sims {
+		if s.State().Requests > before[dial] {
+			return dial
+		}
+	}
+	t.Fatal("no simulated backend counted the request")
+	return ""
+}
+
+// TestScrapedQueueSteersRequests: a backend loaded from outside Caddy (as if by another proxy) shows a
+// long waiting queue in its /metrics; with metrics scraping on, new requests go to the other backend.
+func TestScrapedQueueSteersRequests(t *testing.T) {
+	fast := vllmsim.Config{TimeScale: 1000, Seed: 1}
+	slow := vllmsim.Config{TimeScale: 1, MaxNumSeqs: 1, DecodeStep: time.Second, Seed: 2}
+	simA, a := simBackend(t, fast)
+	simB, b := simBackend(t, slow)
+	sims := map[string]*vllmsim.Server{a: simA, b: simB}
+
+	tester := caddytest.NewTester(t)
+	tester.InitServer(globalOptions+fmt.Sprintf(`
+%s {
+	reverse_proxy %s %s {
+		lb_policy llm {
+			mode least_tokens
+			metrics {
+				interval 200ms
+			}
+		}
+	}
+}
+`, site, a, b), "caddyfile")
+
+	// The first request starts scraping both upstreams (one output token: it may land on the slow one).
+	sendCounting(t, tester.Client, strings.Replace(chatBody("sim-model", 10, false), `"max_tokens":16`, `"max_tokens":1`, 1), sims)
+	waitFor(t, "both upstreams scraped", func() bool {
+		ups := adminUpstreams(t)
+		t.Logf("A %+v B %+v", ups[a].Metrics, ups[b].Metrics)
+		return ups[a].Metrics != nil && ups[a].Metrics.Fresh && ups[b].Metrics != nil && ups[b].Metrics.Fresh
+	})
+
+	// Another client loads B directly: one request running, four waiting.
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	defer func() { cancel(); wg.Wait() }()
+	for range 5 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+b+"/v1/chat/completions",
+				strings.NewReader(`{"model":"sim-model","max_tokens":1000,"messages":[{"role":"user","content":"hold"}]}`))
+			if res, err := http.DefaultClient.Do(req); err == nil {
+				io.Copy(io.Discard, res.Body)
+				res.Body.Close()
+			}
+		}()
+	}
+	waitFor(t, "the scraped queue on B", func() bool {
+		m := adminUpstreams(t)[b].Metrics
+		return m != nil && m.Fresh && m.Waiting >= 4
+	})
+
+	for i := range 10 {
+		if got := sendCounting(t, tester.Client, chatBody("sim-model", 10+i, false), sims); got != a {
+			t.Fatalf("request %d went to the queued backend %s", i, got)
+		}
+	}
+}
+
+// TestAdminEndpointAndMetrics: GET /llm/upstreams shows in-flight work and learned routes, DELETE
+// /llm/routes clears them, and the Prometheus metrics are on Caddy's /metrics.
+func TestAdminEndpointAndMetrics(t *testing.T) {
+	a, b := newBackend(t), newBackend(t)
+	hold := make(chan struct{})
+	a.hold, b.hold = hold, hold
+	tester := caddytest.NewTester(t)
+	tester.InitServer(proxyConfig("llm", "", a, b), "caddyfile")
+
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		post(t, tester.Client, "/v1/chat/completions", chatBody("m", 500, false))
+	}()
+	dial := <-a.arrivedOrB(b)
+	ups := adminUpstreams(t)
+	if got := ups[dial]; got.InflightRequests != 1 || got.InflightTokens < 500 {
+		t.Errorf("/llm/upstreams for %s = %+v, want 1 request of >= 500 tokens in flight", dial, got)
+	}
+	if got := ups[dial].Routes; got == nil || *got == 0 {
+		t.Errorf("/llm/upstreams shows no learned routes for %s", dial)
+	}
+	close(hold)
+	<-done
+	waitInflightZero(t, a.dial, b.dial)
+
+	res, got := doRequest(t, http.MethodDelete, adminURL+"/llm/routes")
+	if res.StatusCode != http.StatusOK || !strings.Contains(got, `"routes": 0`) {
+		t.Errorf("DELETE /llm/routes = %d %s, want 200 with no routes left", res.StatusCode, got)
+	}
+	if res, _ := doRequest(t, http.MethodPost, adminURL+"/llm/upstreams"); res.StatusCode != http.StatusMethodNotAllowed {
+		t.Errorf("POST /llm/upstreams = %d, want 405", res.StatusCode)
+	}
+
+	_, metrics := doRequest(t, http.MethodGet, adminURL+"/metrics")
+	for _, want := range []string{
+		`caddy_llm_decisions_total{reason="`,
+		`caddy_llm_prompt_tokens_bucket`,
+		`caddy_llm_tokenize_seconds_bucket`,
+		fmt.Sprintf(`caddy_llm_upstream_inflight_tokens{upstream=%q} 0`, dial),
+		`caddy_llm_routes 0`,
+	} {
+		if !strings.Contains(metrics, want) {
+			t.Errorf("/metrics lacks %s", want)
+		}
+	}
+}
+
+func doRequest(t *testing.T, method, url string) (*http.Response, string) {
+	t.Helper()
+	req, _ := http.NewRequest(method, url, nil)
+	res, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer res.Body.Close()
+	body, _ := io.ReadAll(res.Body)
+	return res, string(body)
+}
+
+// TestRoutesSurviveReload: prefixes learned before a config reload (POST /load) send the same prompts to
+// the same upstreams after it.
+func TestRoutesSurviveReload(t *testing.T) {
+	sims := make(map[string]*vllmsim.Server)
+	var dials []string
+	for i := range 3 {
+		sim, dial := simBackend(t, vllmsim.Config{TimeScale: 1000, Seed: int64(i)})
+		sims[dial] = sim
+		dials = append(dials, dial)
+	}
+	config := func(mode string) string {
+		return globalOptions + fmt.Sprintf(`
+%s {
+	reverse_proxy %s {
+		lb_policy llm {
+			mode %s
+		}
+	}
+}
+`, site, strings.Join(dials, " "), mode)
+	}
+	tester := caddytest.NewTester(t)
+	tester.InitServer(config("prefix"), "caddyfile")
+
+	// Twelve conversations, each with its own long system prompt.
+	prompt := func(i, turn int) string {
+		system := fmt.Sprintf("conversation %d. %s", i, strings.Repeat(fmt.Sprintf("rule %d applies. ", i), 150))
+		return fmt.Sprintf(`{"model":"sim-model","max_tokens":4,"messages":[{"role":"system","content":%q},{"role":"user","content":"turn %d"}]}`, system, turn)
+	}
+	first := make([]string, 12)
+	for i := range first {
+		first[i] = sendCounting(t, tester.Client, prompt(i, 0), sims)
+	}
+	spread := map[string]bool{}
+	for _, d := range first {
+		spread[d] = true
+	}
+	if len(spread) < 2 {
+		t.Fatalf("12 new prefixes all went to one upstream: %v", first)
+	}
+
+	tester.InitServer(config("combined"), "caddyfile")
+	// The reload closed the old server's keep-alive connections; Go does not retry a POST on one.
+	tester.Client.Transport.(*http.Transport).CloseIdleConnections()
+	for i := range first {
+		if got := sendCounting(t, tester.Client, prompt(i, 1), sims); got != first[i] {
+			t.Errorf("conversation %d went to %s before the reload and %s after", i, first[i], got)
+		}
+	}
+}
+
+// TestSaturatedUpstreamIsAvoided: an upstream that answers 429 is retried elsewhere and then avoided for
+// the backoff, while its learned routes stay.
+func TestSaturatedUpstreamIsAvoided(t *testing.T) {
+	a, b := newBackend(t), newBackend(t)
+	// Saturation is process-global by dial address, and a port can be reused by a later test run.
+	for _, d := range []string{a.dial, b.dial} {
+		loads.saturate(d, time.Time{})
+	}
+	a.handle = func(w http.ResponseWriter, r *http.Request, _ []byte) {
+		http.Error(w, `{"error":{"message":"queue full"}}`, http.StatusTooManyRequests)
+	}
+	tester := caddytest.NewTester(t)
+	tester.InitServer(proxyConfig("llm {\n\t\t\tmode least_tokens\n\t\t\tsaturation_backoff 1m\n\t\t}",
+		"lb_retries 1\n\t\tlb_retry_match {\n\t\t\texpression `{rp.status_code} == 429`\n\t\t}", a, b), "caddyfile")
+
+	send := func(i int) {
+		res, got := post(t, tester.Client, "/v1/chat/completions", chatBody("m", 20+i, false))
+		if res.StatusCode != http.StatusOK {
+			t.Fatalf("request %d: status %d %s (the 429 was not retried on the other upstream)", i, res.StatusCode, got)
+		}
+	}
+	// Idle upstreams tie, and ties are broken at random: send until A has been tried once.
+	for i := 0; a.requests.Load() == 0; i++ {
+		if i == 60 {
+			t.Fatal("60 requests and none tried the first upstream")
+		}
+		send(i)
+	}
+	if !adminUpstreams(t)[a.dial].Saturated {
+		t.Errorf("/llm/upstreams does not show %s saturated after its 429", a.dial)
+	}
+	for i := range 20 {
+		send(100 + i)
+	}
+	if n := a.requests.Load(); n != 1 {
+		t.Errorf("the saturated upstream got %d requests, want only the first", n)
+	}
+	waitInflightZero(t, a.dial, b.dial)
+}
