@@ -96,14 +96,16 @@ func writeTable(out io.Writer, w WorkloadResult) {
 		fmt.Fprintln(tw, strings.Join(r, "\t")+"\t")
 	}
 	_ = tw.Flush()
-	var lags, spread []string
+	var lags, cpu, spread []string
 	for _, s := range w.Policies {
 		if s.Skipped == "" {
 			lags = append(lags, fmt.Sprintf("%s %.1f", s.Policy, s.LagP99))
+			cpu = append(cpu, fmt.Sprintf("%s %.0f%%", s.Policy, s.CPUPercent))
 			spread = append(spread, fmt.Sprintf("%s %v", s.Policy, s.BackendRequests))
 		}
 	}
 	fmt.Fprintf(out, "  scheduling lag p99 (wall ms): %s\n", strings.Join(lags, ", "))
+	fmt.Fprintf(out, "  process CPU (of one core): %s\n", strings.Join(cpu, ", "))
 	fmt.Fprintf(out, "  requests per backend: %s\n", strings.Join(spread, ", "))
 	for _, n := range w.Notes {
 		fmt.Fprintf(out, "  note: %s\n", n)

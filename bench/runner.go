@@ -231,9 +231,9 @@ func runPolicy(ctx context.Context, o options, w Workload, rate float64, p polic
 			runBypass(runCtx, o, w.Name, c.dials[0], client)
 		}()
 	}
-	start := time.Now()
+	start, cpuStart := time.Now(), processCPU()
 	results := d.run(ctx, w)
-	wall := time.Since(start)
+	wall, cpu := time.Since(start), processCPU()-cpuStart
 	cancel()
 	bypassDone.Wait()
 	after := c.states()
@@ -244,6 +244,7 @@ func runPolicy(ctx context.Context, o options, w Workload, rate float64, p polic
 
 	s := summarize(p.Name, results, o.sim.TimeScale)
 	s.WallSeconds = wall.Seconds()
+	s.CPUPercent = round3(100 * cpu.Seconds() / wall.Seconds())
 	mu.Lock()
 	from := measured
 	mu.Unlock()

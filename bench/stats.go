@@ -109,8 +109,11 @@ type Summary struct {
 	LagP99           float64 `json:"sched_lag_p99_wall_ms"`
 	LagMax           float64 `json:"sched_lag_max_wall_ms"`
 	WallSeconds      float64 `json:"wall_seconds"`
-	Skipped          string  `json:"skipped,omitempty"`
-	ttft             []float64
+	// CPUPercent is the CPU time of the whole benchmark process (Caddy, simulators and load
+	// generator) during the run, in percent of one core.
+	CPUPercent float64 `json:"cpu_percent_of_one_core"`
+	Skipped    string  `json:"skipped,omitempty"`
+	ttft       []float64
 }
 
 // summarize computes a policy's figures from its measured (non-warm-up) requests. scale converts
