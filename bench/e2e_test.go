@@ -3,9 +3,12 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"encoding/xml"
+	"io"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 )
 
@@ -44,6 +47,34 @@ func TestEndToEnd(t *testing.T) {
 	for _, f := range []string{"results.json", "report.md", "ttft.svg"} {
 		if st, err := os.Stat(filepath.Join(o.out, f)); err != nil || st.Size() == 0 {
 			t.Errorf("output %s missing or empty: %v", f, err)
+		}
+	}
+
+	svg, err := os.Open(filepath.Join(o.out, "ttft.svg"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer svg.Close()
+	polylines := 0
+	for dec := xml.NewDecoder(svg); ; {
+		tok, err := dec.Token()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			t.Fatalf("ttft.svg is not well-formed XML: %v", err)
+		}
+		if se, ok := tok.(xml.StartElement); ok && se.Name.Local == "polyline" {
+			polylines++
+		}
+	}
+	if polylines != 2 {
+		t.Errorf("ttft.svg has %d curves, want 2 (one per policy)", polylines)
+	}
+	md, _ := os.ReadFile(filepath.Join(o.out, "report.md"))
+	for _, want := range []string{"## shared-prefix", "| round_robin |", "| oracle |", "![TTFT distribution](ttft.svg)"} {
+		if !strings.Contains(string(md), want) {
+			t.Errorf("report.md lacks %q", want)
 		}
 	}
 
