@@ -75,11 +75,11 @@ func generateWorkload(name string, seed int64, size workloadSize) (Workload, err
 		}
 		return sharedPrefix(rng, groups, perGroup, 1500, 100, 64), nil
 	case "multi-turn":
-		convs := 40
+		convs := 64
 		if size.quick {
-			convs = 10
+			convs = 12
 		}
-		return multiTurn(rng, convs, 6, 10, 500, 80, 64), nil
+		return multiTurn(rng, convs, 6, 10, 500, 150, 64), nil
 	case "mixed":
 		n := 320
 		if size.quick {
