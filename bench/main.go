@@ -86,7 +86,7 @@ func parseOptions(args []string) (options, error) {
 	fs.IntVar(&o.backends, "backends", 4, "number of simulated backends")
 	fs.Float64Var(&o.load, "load", 0.75, "offered load as a fraction of the estimated cluster capacity")
 	fs.Int64Var(&o.seed, "seed", 1, "seed of the workloads, arrivals and simulators")
-	fs.StringVar(&o.out, "out", "bench/out", "output directory for results.json, report.md and ttft.svg")
+	fs.StringVar(&o.out, "out", "bench/out", "output directory for results.json, report.md and ttft.svg (out when run from inside bench/)")
 	fs.BoolVar(&o.overhead, "overhead", false, "measure Caddy's overhead instead: instant backends, round_robin vs llm, closed loop")
 	fs.Float64Var(&o.bypassRate, "bypass-rate", 0, "extra requests per simulated second sent straight to backend 0, not through Caddy (another client)")
 	fs.Float64Var(&o.sim.TimeScale, "timescale", defaultSim.TimeScale, "how many times faster than real time the simulators run")
@@ -107,6 +107,9 @@ func parseOptions(args []string) (options, error) {
 	}
 	if o.quick && !isSet(fs, "timescale") {
 		o.sim.TimeScale = 10
+	}
+	if st, err := os.Stat("bench"); !isSet(fs, "out") && (err != nil || !st.IsDir()) {
+		o.out = "out" // run from inside bench/
 	}
 	if o.quick && !isSet(fs, "reruns") {
 		o.maxReruns = 1
