@@ -25,6 +25,7 @@ import (
 //		route_ttl           <duration>
 //		guard_factor        <factor>
 //		guard_slack         <tokens>
+//		prefill_weight      <factor>
 //		capacity            <dial> <relative capacity>
 //		saturation_backoff  <duration>
 //		metrics {
@@ -130,6 +131,11 @@ func (s *LLMSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			s.GuardFactor, err = strconv.ParseFloat(val, 64)
 			if err != nil || s.GuardFactor <= 0 {
 				return d.Errf("guard_factor must be a positive number, got '%s'", val)
+			}
+		case "prefill_weight":
+			s.PrefillWeight, err = strconv.ParseFloat(val, 64)
+			if err != nil || s.PrefillWeight <= 0 {
+				return d.Errf("prefill_weight must be a positive number, got '%s'", val)
 			}
 		case "guard_slack":
 			var n int

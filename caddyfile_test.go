@@ -25,6 +25,7 @@ func TestUnmarshalPolicy(t *testing.T) {
 		route_ttl 2m
 		guard_factor 1.5
 		guard_slack 2048
+		prefill_weight 3
 		capacity 10.0.0.1:8000 2
 		capacity 10.0.0.2:8000 0.5
 		saturation_backoff 5s
@@ -51,7 +52,7 @@ func TestUnmarshalPolicy(t *testing.T) {
 		Mode: "prefix", Tokenizer: "approx", MaxBodyBytes: 8 << 20, MaxMessageBytes: 16 << 10,
 		MaxTokenizeBytes: 64 << 10, OutputTokens: 128, ConversationHeader: "X-Conversation-ID",
 		BlockSize: 32, RouteCapacity: 5000, RouteTTL: caddy.Duration(2 * time.Minute),
-		GuardFactor: 1.5, GuardSlack: 2048,
+		GuardFactor: 1.5, GuardSlack: 2048, PrefillWeight: 3,
 		Capacities:        map[string]float64{"10.0.0.1:8000": 2, "10.0.0.2:8000": 0.5},
 		SaturationBackoff: caddy.Duration(5 * time.Second),
 		Metrics: &MetricsConfig{Port: "9100", Path: "/prom", Interval: caddy.Duration(2 * time.Second),
@@ -75,6 +76,7 @@ func TestUnmarshalPolicyErrors(t *testing.T) {
 		`llm { block_size 0 }`:                   "block_size must be a positive whole number",
 		`llm { route_ttl soon }`:                 "route_ttl must be a positive duration",
 		`llm { guard_factor 0 }`:                 "guard_factor must be a positive number",
+		`llm { prefill_weight -1 }`:              "prefill_weight must be a positive number",
 		`llm { fallback }`:                       "wrong argument count",
 		`llm { capacity 10.0.0.1:80 }`:           "wrong argument count",
 		`llm { capacity 10.0.0.1:80 -2 }`:        "capacity must be a positive number",

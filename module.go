@@ -97,9 +97,14 @@ type LLMSelection struct {
 
 	// GuardFactor and GuardSlack form the hot-spot guard: an upstream whose load exceeds
 	// guard_factor x the median load + guard_slack tokens loses its cache and conversation claims.
-	// Defaults 2 and 4096.
+	// Defaults 2 and 2048.
 	GuardFactor float64 `json:"guard_factor,omitempty"`
 	GuardSlack  int64   `json:"guard_slack,omitempty"`
+
+	// PrefillWeight is what one prompt token an upstream would have to prefill costs against one token of
+	// load in "combined" mode: higher values favour cache hits over balance. Default 4 (tokens in flight
+	// are mostly decoding, which delays a new request's first token less than prefill does).
+	PrefillWeight float64 `json:"prefill_weight,omitempty"`
 
 	// Metrics, when set, scrapes each upstream's Prometheus metrics (vLLM or SGLang) and adds the load they
 	// show beyond this proxy's own requests - queues, other clients, KV-cache pressure - to the decision.
@@ -168,6 +173,9 @@ func (s *LLMSelection) Provision(ctx caddy.Context) error {
 	if s.GuardSlack == 0 {
 		s.GuardSlack = s.decide.GuardSlack
 	}
+	if s.PrefillWeight == 0 {
+		s.PrefillWeight = s.decide.PrefillWeight
+	}
 	if s.SaturationBackoff == 0 {
 		s.SaturationBackoff = caddy.Duration(defaultSaturationBackoff)
 	}
@@ -183,6 +191,7 @@ func (s *LLMSelection) Provision(ctx caddy.Context) error {
 	s.decide.Mode, _ = selection.ParseMode(s.Mode)
 	s.decide.GuardFactor = s.GuardFactor
 	s.decide.GuardSlack = s.GuardSlack
+	s.decide.PrefillWeight = s.PrefillWeight
 	s.tokOpts = tokenize.Options{
 		Encoding:        s.Tokenizer,
 		MaxMessageBytes: s.MaxMessageBytes,
@@ -240,6 +249,8 @@ func (s *LLMSelection) Validate() error {
 		return fmt.Errorf("guard_factor must be positive, got %g", s.GuardFactor)
 	case s.GuardSlack < 0:
 		return fmt.Errorf("guard_slack must be positive, got %d", s.GuardSlack)
+	case s.PrefillWeight < 0:
+		return fmt.Errorf("prefill_weight must be positive, got %g", s.PrefillWeight)
 	case s.SaturationBackoff < 0:
 		return fmt.Errorf("saturation_backoff must be positive, got %s", time.Duration(s.SaturationBackoff))
 	}
@@ -378,7 +389,9 @@ func (s *LLMSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, w
 			s.routes.Pin(req.Model, conversation, up.Dial)
 		}
 	}
-	weight := int64(req.PromptTokens + s.outputEstimate(req.MaxTokens))
+	// The work this request gives the upstream: the prompt tokens it must prefill (what its cache probably
+	// holds costs nothing) and the output it will generate.
+	weight := int64(req.PromptTokens - min(d.MatchedTokens, req.PromptTokens) + s.outputEstimate(req.MaxTokens))
 	s.hold(lr, up, weight)
 	lr.tried = append(lr.tried, up.Dial)
 

@@ -25,7 +25,8 @@ func withCached(cs []Candidate, cached ...int) []Candidate {
 }
 
 func TestChoose(t *testing.T) {
-	cfg := DefaultConfig()
+	// An explicit configuration, so the guard thresholds below do not move with the defaults.
+	cfg := Config{Mode: Combined, GuardFactor: 2, GuardSlack: 4096, TieTolerance: 0.05, PrefillWeight: 1}
 	leastTokens := cfg
 	leastTokens.Mode = LeastTokens
 	prefix := cfg
@@ -61,6 +62,12 @@ func TestChoose(t *testing.T) {
 			name:  "combined: cached prefix outweighs moderate load",
 			cands: withCached(cands(1500, 0), 2000, 0),
 			req:   Request{PromptTokens: 2100}, cfg: cfg,
+			want: 0, wantReason: ReasonAffinity,
+		},
+		{
+			name:  "combined: a heavier prefill weight lets the cache outweigh more load",
+			cands: withCached(cands(3000, 0), 1024, 0),
+			req:   Request{PromptTokens: 2100}, cfg: Config{Mode: Combined, GuardFactor: 2, GuardSlack: 4096, PrefillWeight: 4},
 			want: 0, wantReason: ReasonAffinity,
 		},
 		{
