@@ -2,6 +2,9 @@ package tokenize
 
 import (
 	"fmt"
+	"math"
+	"slices"
+	"strconv"
 	"strings"
 	"unsafe"
 
@@ -163,27 +166,73 @@ func (p *parser) optString(dst *span, has *bool, what string, idx, sub int) erro
 	}
 }
 
-// optInt reads a non-negative integer or null.
-func (p *parser) optInt(dst *int64, has *bool, what string) error {
-	switch c := p.s.peek(); {
-	case c == 'n':
-		*has = false
-		return p.s.literal("null")
+// The routing hints (stream, max_tokens, max_completion_tokens) are read as leniently as the servers
+// behind the proxy read them: vLLM and SGLang validate with pydantic in lax mode, which takes "true",
+// 1 or "yes" for a boolean and 100.0 or "100" for an integer. A value neither reads is left as absent
+// rather than refused: deciding that a request is invalid is the backend's job, and a proxy that refused
+// what its backend accepts would break clients that work without it.
+
+// laxTrue are the strings pydantic's lax mode reads as true (compared case-insensitively); its false
+// strings, like every other value, leave the hint false.
+var laxTrue = []string{"1", "on", "t", "true", "y", "yes"}
+
+// hintBool reads a boolean hint; any other valid JSON value leaves dst false.
+func (p *parser) hintBool(dst *bool) error {
+	s := &p.s
+	*dst = false
+	switch c := s.peek(); {
+	case c == 't':
+		*dst = true
+		return s.literal("true")
+	case c == 'f':
+		return s.literal("false")
+	case c == '"':
+		start, end, esc, err := s.str()
+		if err != nil || esc {
+			return err
+		}
+		v := strings.ToLower(string(s.b[start:end]))
+		*dst = slices.Contains(laxTrue, v)
+		return nil
 	case c == '-' || c >= '0' && c <= '9':
-		start, end, err := p.s.number()
+		start, end, err := s.number()
 		if err != nil {
 			return err
 		}
-		v, ok := integer(p.s.b[start:end], 1<<40)
-		if !ok {
-			p.s.i = start
-			return p.s.errorf("%s must be a non-negative integer", what)
-		}
-		*dst, *has = v, true
+		*dst = string(s.b[start:end]) == "1"
 		return nil
-	default:
-		return p.s.typeErr("%s must be an integer", what)
 	}
+	return s.skip(1)
+}
+
+// hintInt reads a non-negative integer hint: an integer, an integral number such as 100.0, or a string of
+// digits. null or anything else leaves it absent.
+func (p *parser) hintInt(dst *int64, has *bool) error {
+	s := &p.s
+	*has = false
+	var text []byte
+	switch c := s.peek(); {
+	case c == '"':
+		start, end, esc, err := s.str()
+		if err != nil || esc {
+			return err
+		}
+		text = s.b[start:end]
+	case c == '-' || c >= '0' && c <= '9':
+		start, end, err := s.number()
+		if err != nil {
+			return err
+		}
+		text = s.b[start:end]
+	default:
+		return s.skip(1)
+	}
+	if v, ok := integer(text, 1<<40); ok {
+		*dst, *has = v, true
+	} else if f, err := strconv.ParseFloat(string(text), 64); err == nil && f >= 0 && f <= 1<<40 && f == math.Trunc(f) {
+		*dst, *has = int64(f), true
+	}
+	return nil
 }
 
 func (p *parser) parseBody() error {
@@ -200,22 +249,11 @@ func (p *parser) parseBody() error {
 		case string(k) == "model":
 			return p.optString(&p.model, &p.hasModel, "model", 0, 0)
 		case string(k) == "stream":
-			switch s.peek() {
-			case 't':
-				p.stream = true
-				return s.literal("true")
-			case 'f':
-				p.stream = false
-				return s.literal("false")
-			case 'n':
-				p.stream = false
-				return s.literal("null")
-			}
-			return s.typeErr("stream must be a boolean")
+			return p.hintBool(&p.stream)
 		case string(k) == "max_tokens":
-			return p.optInt(&p.maxTokens, &p.hasMax, "max_tokens")
+			return p.hintInt(&p.maxTokens, &p.hasMax)
 		case string(k) == "max_completion_tokens":
-			return p.optInt(&p.maxCompl, &p.hasCompl, "max_completion_tokens")
+			return p.hintInt(&p.maxCompl, &p.hasCompl)
 		case p.api == APIChat && string(k) == "messages":
 			return p.parseMessages()
 		case p.api == APIChat && string(k) == "tools":

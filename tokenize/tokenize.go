@@ -163,8 +163,10 @@ type Message struct {
 // under 1000 levels, nothing but whitespace after it); chat needs a non-empty "messages" array of
 // objects with a string "role", "content" a string, null or an array of typed parts; completions
 // need "prompt" as a string, an array of strings, an array of token IDs or an array of non-empty
-// token-ID arrays; "model" (optional), "stream", "max_tokens" and "max_completion_tokens" must
-// have their JSON types (or be null). Unknown fields are ignored; a repeated key's last value wins.
+// token-ID arrays; "model" (optional) must be a string. "stream", "max_tokens" and
+// "max_completion_tokens" are only routing hints and are read as vLLM's pydantic models read them
+// (true, 1 or "yes"; 100, 100.0 or "100"); any other value leaves them absent, for the backend to judge.
+// Unknown fields are ignored; a repeated key's last value wins.
 // Errors for bodies that are not valid requests wrap ErrMalformed and say what is wrong and where
 // ("messages[1].content must be a string, an array of content parts, or null, not a number at
 // offset 57"); an unknown opts.Encoding or an encoder that cannot be built is another error.

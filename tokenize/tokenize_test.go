@@ -364,11 +364,6 @@ func TestParseMalformed(t *testing.T) {
 		{"tool_call_id a number", APIChat, `{"messages":[{"role":"tool","tool_call_id":3,"content":"x"}]}`, "messages[0].tool_call_id must be a string"},
 		{"tools an object", APIChat, `{"tools":{},"messages":[{"role":"user","content":"x"}]}`, "tools must be an array, not an object"},
 		{"model a number", APIChat, `{"model":5,"messages":[{"role":"user","content":"x"}]}`, "model must be a string, not a number"},
-		{"stream a string", APIChat, `{"stream":"yes","messages":[{"role":"user","content":"x"}]}`, "stream must be a boolean, not a string"},
-		{"max_tokens a string", APIChat, `{"max_tokens":"5","messages":[{"role":"user","content":"x"}]}`, "max_tokens must be an integer, not a string"},
-		{"max_tokens negative", APIChat, `{"max_tokens":-1,"messages":[{"role":"user","content":"x"}]}`, "max_tokens must be a non-negative integer"},
-		{"max_completion_tokens a fraction", APIChat, `{"max_completion_tokens":1.5,"messages":[{"role":"user","content":"x"}]}`, "max_completion_tokens must be a non-negative integer"},
-		{"max_tokens huge", APIChat, `{"max_tokens":99999999999999999999,"messages":[{"role":"user","content":"x"}]}`, "max_tokens must be a non-negative integer"},
 		{"prompt missing", APICompletions, `{"model":"m"}`, "prompt is required"},
 		{"prompt null", APICompletions, `{"prompt":null}`, "prompt is required"},
 		{"prompt a number", APICompletions, `{"prompt":5}`, "prompt must be a string, an array of strings, or an array of token IDs, not a number"},
@@ -689,4 +684,39 @@ func TestEncodersBuiltOnce(t *testing.T) {
 		t.Fatalf("encoderFor built twice or not at all")
 	}
 	var _ *tiktoken.Tiktoken = a.tk
+}
+
+// TestParseLaxHints pins that the routing hints are read as vLLM's and SGLang's pydantic models read them
+// (lax mode), and that values they would refuse are left absent rather than refused by the proxy.
+func TestParseLaxHints(t *testing.T) {
+	for _, tc := range []struct {
+		fields    string
+		stream    bool
+		maxTokens int
+	}{
+		{`"stream":true,"max_tokens":5`, true, 5},
+		{`"stream":"true","max_tokens":"5"`, true, 5},
+		{`"stream":"YES","max_tokens":100.0`, true, 100},
+		{`"stream":1,"max_completion_tokens":1e2`, true, 100},
+		{`"stream":"off","max_tokens":null`, false, 0},
+		{`"stream":0,"max_tokens":-1`, false, 0},
+		{`"stream":"maybe","max_tokens":1.5`, false, 0},
+		{`"stream":{},"max_tokens":[1]`, false, 0},
+		{`"stream":[true],"max_tokens":99999999999999999999`, false, 0},
+		{`"max_tokens":"many"`, false, 0},
+	} {
+		body := `{` + tc.fields + `,"messages":[{"role":"user","content":"x"}]}`
+		req, err := Parse([]byte(body), APIChat, Options{Encoding: "approx"})
+		if err != nil {
+			t.Errorf("Parse(%s): %v", body, err)
+			continue
+		}
+		if req.Stream != tc.stream || req.MaxTokens != tc.maxTokens {
+			t.Errorf("Parse(%s): stream %v, max tokens %d; want %v, %d", body, req.Stream, req.MaxTokens, tc.stream, tc.maxTokens)
+		}
+	}
+	// Still JSON: a hint that is not a valid JSON value is malformed.
+	if _, err := Parse([]byte(`{"stream":tru,"messages":[]}`), APIChat, Options{}); !errors.Is(err, ErrMalformed) {
+		t.Errorf("Parse with an invalid literal: %v, want ErrMalformed", err)
+	}
 }
