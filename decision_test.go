@@ -1,0 +1,127 @@
+package caddyllm
+
+import (
+	"encoding/json"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/tokenrouter/caddy-llm/affinity"
+	"github.com/tokenrouter/caddy-llm/selection"
+	"github.com/tokenrouter/caddy-llm/tokenize"
+)
+
+// TestDecisionPipeline runs the policy's decision without Caddy: real request parsing, the real route
+// table on an injected clock, and the real choice, over conversations as a client sends them.
+func TestDecisionPipeline(t *testing.T) {
+	now := time.Unix(1_700_000_000, 0)
+	routes := affinity.New(affinity.Config{Capacity: 1000, TTL: 10 * time.Minute, BlockSize: 16, Now: func() time.Time { return now }})
+	keys := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"}
+	cfg := selection.DefaultConfig()
+
+	type message struct {
+		Role    string `json:"role"`
+		Content string `json:"content"`
+	}
+	system := message{"system", "You are a support agent for a hardware shop. " + strings.Repeat("Answer politely and cite the manual. ", 60)}
+	parse := func(msgs ...message) *tokenize.Request {
+		body, _ := json.Marshal(map[string]any{"model": "m", "messages": msgs})
+		req, err := tokenize.Parse(body, tokenize.APIChat, tokenize.Options{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return req
+	}
+	// route decides among idle upstreams (loads given per upstream) and learns the choice, like Select.
+	route := func(req *tokenize.Request, loads ...int64) selection.Decision {
+		cands := make([]selection.Candidate, len(keys))
+		cached := make([]int, len(keys))
+		routes.Match("m", req.Boundaries, keys, cached)
+		for i := range keys {
+			cands[i] = selection.Candidate{Key: keys[i], CachedTokens: cached[i]}
+			if i < len(loads) {
+				cands[i].InflightTokens = loads[i]
+			}
+		}
+		d := selection.Choose(cands, selection.Request{PromptTokens: req.PromptTokens, PrefixHash: firstPrefixHash(req.Boundaries)}, cfg, func(int) int { return 0 }, nil)
+		routes.Learn("m", req.Boundaries, keys[d.Index])
+		return d
+	}
+
+	turn1 := []message{system, {"user", "My drill will not start."}}
+	first := route(parse(turn1...))
+	if first.Reason != selection.ReasonLoad || first.MatchedTokens != 0 {
+		t.Fatalf("a new conversation: %+v, want a load decision with nothing matched", first)
+	}
+	home := first.Index
+
+	// Continuing: the next turn resends the history and finds all of it where it was.
+	turn2 := append(append([]message{}, turn1...), message{"assistant", "Is the battery charged?"}, message{"user", "Yes, fully."})
+	req2 := parse(turn2...)
+	d := route(req2)
+	if d.Index != home || d.Reason != selection.ReasonAffinity {
+		t.Errorf("continuing conversation: %+v, want affinity to upstream %d", d, home)
+	}
+	if want := req2.Messages[1].End / 16 * 16; d.MatchedTokens < want {
+		t.Errorf("continuing conversation matched %d tokens, want at least turn 1's %d", d.MatchedTokens, want)
+	}
+
+	// Branching: another conversation behind the same system prompt matches the system prompt.
+	branch := parse(system, message{"user", "Where is my order 1234?"})
+	d = route(branch)
+	if d.Index != home || d.MatchedTokens == 0 || d.MatchedTokens > branch.Messages[0].End {
+		t.Errorf("branch from the system prompt: %+v, want upstream %d matching at most the system prompt (%d tokens)", d, home, branch.Messages[0].End)
+	}
+
+	// Resumed from its middle: a client that trims the history still lands where its prefix lives.
+	d = route(parse(turn1[0], turn1[1], message{"assistant", "Is the battery charged?"}))
+	if d.Index != home || d.MatchedTokens == 0 {
+		t.Errorf("resumed conversation: %+v, want upstream %d with a match", d, home)
+	}
+
+	// The guard: with the home upstream far above the median, the claim is dropped.
+	loads := make([]int64, len(keys))
+	loads[home] = 50_000
+	d = route(parse(append(turn2, message{"user", "Still nothing."})...), loads...)
+	if d.Index == home || d.Reason != selection.ReasonGuard {
+		t.Errorf("hot spot: %+v, want another upstream and reason guard", d)
+	}
+
+	// TTL: after the routes age out, the same prompt is decided by load again (rendezvous among equals).
+	now = now.Add(11 * time.Minute)
+	d = route(parse(system, message{"user", "A new question."}))
+	if d.MatchedTokens != 0 {
+		t.Errorf("after the TTL: %+v, want nothing matched", d)
+	}
+}
+
+// TestUnseenPrefixesAgreeAcrossInstances: two independent policies (separate route tables) send the same
+// new system prompt to the same upstream, so active-active proxies build one cache, not two.
+func TestUnseenPrefixesAgreeAcrossInstances(t *testing.T) {
+	keys := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"}
+	spread := make(map[int]int)
+	for g := range 40 {
+		body := fmt.Sprintf(`{"model":"m","messages":[{"role":"system","content":"tenant %d %s"},{"role":"user","content":"hi"}]}`, g, strings.Repeat("policy text ", 100))
+		var chosen [2]int
+		for instance := range chosen {
+			req, err := tokenize.Parse([]byte(body), tokenize.APIChat, tokenize.Options{Encoding: "approx"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			cands := make([]selection.Candidate, len(keys))
+			for i, k := range keys {
+				cands[i] = selection.Candidate{Key: k}
+			}
+			chosen[instance] = selection.Choose(cands, selection.Request{PromptTokens: req.PromptTokens, PrefixHash: firstPrefixHash(req.Boundaries)},
+				selection.DefaultConfig(), func(n int) int { return instance % n }, nil).Index
+		}
+		if chosen[0] != chosen[1] {
+			t.Errorf("tenant %d: instance 0 chose %d, instance 1 chose %d", g, chosen[0], chosen[1])
+		}
+		spread[chosen[0]]++
+	}
+	if len(spread) < len(keys) {
+		t.Errorf("40 new prefixes used only %d of %d upstreams: %v", len(spread), len(keys), spread)
+	}
+}
