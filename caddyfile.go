@@ -92,14 +92,10 @@ func (s *LLMSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			s.Capacities[args[0]] = c
 			continue
 		}
-		if !d.NextArg() {
-			return d.ArgErr()
+		val, err := oneArg(d)
+		if err != nil {
+			return err
 		}
-		val := d.Val()
-		if d.NextArg() {
-			return d.ArgErr()
-		}
-		var err error
 		switch option {
 		case "mode":
 			s.Mode = val
@@ -215,14 +211,10 @@ func (m *MatchLLM) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 func (m *MetricsConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		option := d.Val()
-		if !d.NextArg() {
-			return d.ArgErr()
+		val, err := oneArg(d)
+		if err != nil {
+			return err
 		}
-		val := d.Val()
-		if d.NextArg() {
-			return d.ArgErr()
-		}
-		var err error
 		switch option {
 		case "scheme":
 			m.Scheme = val
@@ -259,6 +251,18 @@ func (m *MetricsConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		}
 	}
 	return nil
+}
+
+// oneArg returns the single argument of the current option.
+func oneArg(d *caddyfile.Dispenser) (string, error) {
+	if !d.NextArg() {
+		return "", d.ArgErr()
+	}
+	val := d.Val()
+	if d.NextArg() {
+		return "", d.ArgErr()
+	}
+	return val, nil
 }
 
 // parseDuration parses a duration such as 10m or 1d.

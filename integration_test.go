@@ -350,13 +350,7 @@ func TestStreamingPassesThroughUnbuffered(t *testing.T) {
 	tester := caddytest.NewTester(t)
 	tester.InitServer(proxyConfig("llm", "", a), "caddyfile")
 
-	req, _ := http.NewRequest(http.MethodPost, proxyURL+"/v1/chat/completions", strings.NewReader(chatBody("m", 20, true)))
-	res, err := tester.Client.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer res.Body.Close()
-	events := readEvents(res.Body)
+	events := openStream(t, tester.Client, chatBody("m", 20, true))
 	for i := range 3 {
 		select {
 		case ev := <-events:
@@ -375,6 +369,19 @@ func TestStreamingPassesThroughUnbuffered(t *testing.T) {
 		t.Errorf("last event = %q", ev)
 	}
 	waitInflightZero(t, a.dial)
+}
+
+// openStream posts a streaming request through the proxy and returns its events; the stream is closed
+// when the test ends.
+func openStream(t *testing.T, client *http.Client, body string) <-chan string {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodPost, proxyURL+"/v1/chat/completions", strings.NewReader(body))
+	res, err := client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { res.Body.Close() })
+	return readEvents(res.Body)
 }
 
 // readEvents sends each non-empty line of an SSE stream.
@@ -426,13 +433,7 @@ func TestReloadWhileStreaming(t *testing.T) {
 	tester := caddytest.NewTester(t)
 	tester.InitServer(proxyConfig("llm", "", a), "caddyfile")
 
-	req, _ := http.NewRequest(http.MethodPost, proxyURL+"/v1/chat/completions", strings.NewReader(chatBody("m", 20, true)))
-	res, err := tester.Client.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer res.Body.Close()
-	events := readEvents(res.Body)
+	events := openStream(t, tester.Client, chatBody("m", 20, true))
 	<-events
 
 	tester.InitServer(proxyConfig("llm {\n\t\t\tmode least_tokens\n\t\t}", "", a), "caddyfile")

@@ -230,29 +230,25 @@ func (s *LLMSelection) Validate() error {
 	if !tokenize.ValidEncoding(s.Tokenizer) {
 		return fmt.Errorf("unknown tokenizer %q (want cl100k_base, o200k_base or approx)", s.Tokenizer)
 	}
-	switch {
-	case s.MaxBodyBytes < 0:
-		return fmt.Errorf("max_body_bytes must be positive, got %d", s.MaxBodyBytes)
-	case s.MaxMessageBytes < 0:
-		return fmt.Errorf("max_message_bytes must be positive, got %d", s.MaxMessageBytes)
-	case s.MaxTokenizeBytes < 0:
-		return fmt.Errorf("max_tokenize_bytes must be positive, got %d", s.MaxTokenizeBytes)
-	case s.OutputTokens < 0:
-		return fmt.Errorf("output_tokens must be positive, got %d", s.OutputTokens)
-	case s.BlockSize < 0:
-		return fmt.Errorf("block_size must be positive, got %d", s.BlockSize)
-	case s.RouteCapacity < 0:
-		return fmt.Errorf("route_capacity must be positive, got %d", s.RouteCapacity)
-	case s.RouteTTL < 0:
-		return fmt.Errorf("route_ttl must be positive, got %s", time.Duration(s.RouteTTL))
-	case s.GuardFactor < 0:
-		return fmt.Errorf("guard_factor must be positive, got %g", s.GuardFactor)
-	case s.GuardSlack < 0:
-		return fmt.Errorf("guard_slack must be positive, got %d", s.GuardSlack)
-	case s.PrefillWeight < 0:
-		return fmt.Errorf("prefill_weight must be positive, got %g", s.PrefillWeight)
-	case s.SaturationBackoff < 0:
-		return fmt.Errorf("saturation_backoff must be positive, got %s", time.Duration(s.SaturationBackoff))
+	for _, v := range []struct {
+		name  string
+		value float64
+	}{
+		{"max_body_bytes", float64(s.MaxBodyBytes)},
+		{"max_message_bytes", float64(s.MaxMessageBytes)},
+		{"max_tokenize_bytes", float64(s.MaxTokenizeBytes)},
+		{"output_tokens", float64(s.OutputTokens)},
+		{"block_size", float64(s.BlockSize)},
+		{"route_capacity", float64(s.RouteCapacity)},
+		{"route_ttl", time.Duration(s.RouteTTL).Seconds()},
+		{"guard_factor", s.GuardFactor},
+		{"guard_slack", float64(s.GuardSlack)},
+		{"prefill_weight", s.PrefillWeight},
+		{"saturation_backoff", time.Duration(s.SaturationBackoff).Seconds()},
+	} {
+		if v.value < 0 {
+			return fmt.Errorf("%s must be positive, got %g", v.name, v.value)
+		}
 	}
 	for dial, c := range s.Capacities {
 		if c <= 0 {
