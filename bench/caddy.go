@@ -31,6 +31,14 @@ var allPolicies = []policy{
 	{"oracle", `{"policy":"oracle"}`},
 }
 
+// extraPolicies can be named with -policies but are not part of "all": variants for one experiment.
+// llm-combined+metrics scrapes the simulators' /metrics every 200 ms of wall time (1 s simulated at
+// time scale 5), for runs with -bypass-rate where load the balancer does not route reaches a backend.
+var extraPolicies = []policy{
+	{"llm-combined+metrics", `{"policy":"llm","mode":"combined","metrics":{"interval":"200ms"}}`},
+	{"llm-prefix+metrics", `{"policy":"llm","mode":"prefix","metrics":{"interval":"200ms"}}`},
+}
+
 // baselinePolicy is the policy every figure is compared with.
 const baselinePolicy = "least_conn"
 

@@ -146,14 +146,14 @@ func isSet(fs *flag.FlagSet, name string) bool {
 
 func policyNames() []string {
 	var names []string
-	for _, p := range allPolicies {
+	for _, p := range append(allPolicies[:len(allPolicies):len(allPolicies)], extraPolicies...) {
 		names = append(names, p.Name)
 	}
 	return names
 }
 
 func findPolicy(name string) (policy, bool) {
-	for _, p := range allPolicies {
+	for _, p := range append(allPolicies[:len(allPolicies):len(allPolicies)], extraPolicies...) {
 		if p.Name == name {
 			return p, true
 		}
