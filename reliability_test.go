@@ -3,7 +3,9 @@ package caddyllm
 import (
 	"bufio"
 	"bytes"
+	"compress/gzip"
 	"context"
+	"crypto/sha256"
 	"errors"
 	"fmt"
 	"io"
@@ -642,4 +644,218 @@ func TestAccountingUnderChaos(t *testing.T) {
 	assertAllZero(t, dials)
 	n := assertNoGoroutineLeak(t, tester, withoutDoomed[0], client, baseline, servers...)
 	t.Logf("goroutines: baseline %d, after %d", baseline, n)
+}
+
+// TestZeroMutation: for random bodies - JSON and binary, sizes up to and over the policy's body cap,
+// with a length and chunked, plain and gzip-encoded - the upstream receives exactly the client's bytes
+// and the client exactly the upstream's, checked by SHA-256, including when the first upstream drops the
+// connection and the request is retried on the other.
+func TestZeroMutation(t *testing.T) {
+	const bodyCap = 64 << 10
+	a, b := newBackend(t), newBackend(t)
+	var seen sync.Map
+	echo := func(w http.ResponseWriter, r *http.Request, body []byte) {
+		if r.Header.Get("X-Drop-First") != "" {
+			if _, again := seen.LoadOrStore(r.Header.Get("X-Test-ID"), true); !again {
+				dropConnection(w)
+				return
+			}
+		}
+		w.Header().Set("X-Body-SHA256", fmt.Sprintf("%x", sha256.Sum256(body)))
+		w.Header().Set("Content-Type", "application/octet-stream")
+		// The response is the body reversed, so that it differs from the request.
+		out := slices.Clone(body)
+		slices.Reverse(out)
+		_, _ = w.Write(out)
+	}
+	a.handle, b.handle = echo, echo
+	tester := caddytest.NewTester(t)
+	tester.InitServer(proxyConfig("llm {\n\t\t\tmax_body_size 64KiB\n\t\t}", retryPOST, a, b), "caddyfile")
+	client := newLoadClient(true)
+	defer client.CloseIdleConnections()
+
+	rng := rand.New(rand.NewPCG(2, 2))
+	sizes := []int{0, 1, 700, bodyCap - 1, bodyCap, bodyCap + 1, 3 * bodyCap}
+	id, retriedOK := 0, 0
+	for _, size := range sizes {
+		for _, shape := range []string{"json", "binary", "gzip-json"} {
+			for _, chunked := range []bool{false, true} {
+				for _, retry := range []bool{false, true} {
+					id++
+					name := fmt.Sprintf("%d/%s/chunked=%t/retry=%t", size, shape, chunked, retry)
+					body := randomBody(rng, shape, size)
+					req, _ := http.NewRequest(http.MethodPost, proxyURL+"/v1/chat/completions", bytes.NewReader(body))
+					req.Header.Set("Content-Type", "application/json")
+					req.Header.Set("X-Test-ID", fmt.Sprint(id))
+					if shape == "gzip-json" {
+						req.Header.Set("Content-Encoding", "gzip")
+					}
+					if retry {
+						req.Header.Set("X-Drop-First", "1")
+					}
+					if chunked {
+						req.ContentLength = -1
+						req.Body = io.NopCloser(bytes.NewReader(body)) // no GetBody either
+						req.GetBody = nil
+					}
+					res, err := client.Do(req)
+					if err != nil {
+						t.Errorf("%s: %v", name, err)
+						continue
+					}
+					got, err := io.ReadAll(res.Body)
+					res.Body.Close()
+					want := slices.Clone(body)
+					slices.Reverse(want)
+					overCap := len(body) > bodyCap
+					switch {
+					case err != nil:
+						t.Errorf("%s: reading the response: %v", name, err)
+					case res.StatusCode != http.StatusOK && retry && overCap:
+						// Without request_buffers Caddy cannot replay a body it has streamed to the first
+						// upstream; a body over the cap is not held by the policy either. A clean error is
+						// the right answer; a mutated body would not be (the upstream would answer 200).
+						t.Logf("%s: status %d (a body over the cap is not replayed without request_buffers)", name, res.StatusCode)
+					case res.StatusCode != http.StatusOK:
+						t.Errorf("%s: status %d: %.200q", name, res.StatusCode, got)
+					case res.Header.Get("X-Body-SHA256") != fmt.Sprintf("%x", sha256.Sum256(body)):
+						t.Errorf("%s: the upstream received a different body (sha256 %s, sent %x, %d bytes)", name, res.Header.Get("X-Body-SHA256"), sha256.Sum256(body), len(body))
+					case sha256.Sum256(got) != sha256.Sum256(want):
+						t.Errorf("%s: the client received a different response (%d bytes, want %d)", name, len(got), len(want))
+					case retry:
+						retriedOK++
+					}
+				}
+			}
+		}
+	}
+	t.Logf("%d bodies sent, %d of them retried after a dropped connection and delivered intact", id, retriedOK)
+	waitInflightZero(t, a.dial, b.dial)
+}
+
+// randomBody returns a body of about size bytes: a chat request (padded to size), random binary, or a
+// gzipped chat request whose compressed size is about size.
+func randomBody(rng *rand.Rand, shape string, size int) []byte {
+	switch shape {
+	case "binary":
+		b := make([]byte, size)
+		for i := range b {
+			b[i] = byte(rng.UintN(256))
+		}
+		return b
+	case "gzip-json":
+		var buf bytes.Buffer
+		zw := gzip.NewWriter(&buf)
+		// Random words compress about 3:1; write until the compressed size reaches size.
+		zw.Write(fmt.Appendf(nil, `{"model":"m","messages":[{"role":"user","content":"`))
+		for buf.Len() < size {
+			fmt.Fprintf(zw, "w%d ", rng.IntN(1<<20))
+			if rng.IntN(64) == 0 {
+				zw.Flush()
+			}
+		}
+		zw.Write([]byte(`"}]}`))
+		zw.Close()
+		return buf.Bytes()
+	default:
+		head := fmt.Appendf(nil, `{"model":"m","messages":[{"role":"user","content":"`)
+		tailJSON := []byte(`"}]}`)
+		b := slices.Clone(head)
+		for len(b)+len(tailJSON) < size {
+			b = append(b, "abcdefghij klmnopqrst \u00e9\u4e16 "[rng.IntN(10)])
+		}
+		return append(b, tailJSON...)
+	}
+}
+
+// TestBackendKilled: one upstream is killed (its engine stopped, its server closed) while streams to it
+// are open. Those streams end with an error the client can see (never as a complete stream), the others
+// complete; new requests, with passive health checks and retries, all succeed on the survivors; and with
+// every upstream down the client gets 503.
+func TestBackendKilled(t *testing.T) {
+	plan := newFaultPlan()
+	ups := []*simUpstream{
+		newSimUpstream(t, plan, vllmsim.Config{Seed: 1, TimeScale: 50}),
+		newSimUpstream(t, plan, vllmsim.Config{Seed: 2, TimeScale: 50}),
+		newSimUpstream(t, plan, vllmsim.Config{Seed: 3, TimeScale: 50}),
+	}
+	health := "fail_duration 30s\n\t\tmax_fails 1\n\t\t" + retryPOST
+	tester := caddytest.NewTester(t)
+	tester.InitServer(simProxyConfig("llm", health, ups...), "caddyfile")
+	client := newLoadClient(true)
+	defer client.CloseIdleConnections()
+
+	// Open streams long enough to outlive the kill: 400 output tokens at 0.6ms each.
+	type stream struct {
+		events <-chan string
+		body   io.Closer
+	}
+	var streams []stream
+	for i := range 9 {
+		body := fmt.Sprintf(`{"model":"sim-model","stream":true,"max_tokens":400,"messages":[{"role":"user","content":"stream %d"}]}`, i)
+		req, _ := http.NewRequest(http.MethodPost, proxyURL+"/v1/chat/completions", strings.NewReader(body))
+		req.Header.Set("Content-Type", "application/json")
+		res, err := client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.StatusCode != http.StatusOK {
+			t.Fatalf("stream %d: status %d", i, res.StatusCode)
+		}
+		ev := readEvents(res.Body)
+		if first := <-ev; !strings.HasPrefix(first, "data: {") {
+			t.Fatalf("stream %d: first event %q", i, first)
+		}
+		streams = append(streams, stream{ev, res.Body})
+	}
+	victim := ups[0]
+	for _, u := range ups {
+		if _, n := loads.get(u.dial); n > 0 {
+			victim = u
+			break
+		}
+	}
+	_, open := loads.get(victim.dial)
+	victim.kill()
+
+	complete, broken := 0, 0
+	for _, s := range streams {
+		last, sawError := "", false
+		for ev := range s.events {
+			last = ev
+			sawError = sawError || strings.Contains(ev, `"error"`)
+		}
+		s.body.Close()
+		if last == "data: [DONE]" && !sawError {
+			complete++
+		} else {
+			broken++
+		}
+	}
+	if int64(broken) != open {
+		t.Errorf("%d streams ended broken, want the %d open on the killed upstream (the rest complete: %d)", broken, open, complete)
+	}
+	t.Logf("killed %s with %d streams open: %d streams ended with an error the client saw, %d completed", victim.dial, open, broken, complete)
+
+	for i := range 30 {
+		res, body := post(t, client, "/v1/chat/completions", fmt.Sprintf(`{"model":"sim-model","max_tokens":4,"messages":[{"role":"user","content":"after %d"}]}`, i))
+		if res.StatusCode != http.StatusOK {
+			t.Errorf("request %d after the kill: status %d: %s", i, res.StatusCode, body)
+		}
+	}
+	for _, u := range ups {
+		u.kill()
+	}
+	var statuses []int
+	for i := range 3 {
+		res, _ := post(t, client, "/v1/chat/completions", fmt.Sprintf(`{"model":"sim-model","max_tokens":4,"messages":[{"role":"user","content":"all down %d"}]}`, i))
+		statuses = append(statuses, res.StatusCode)
+	}
+	// The first request finds the upstreams still marked healthy: its attempts fail to dial (502) and
+	// mark them down; after that Select has nothing and Caddy answers 503.
+	if statuses[len(statuses)-1] != http.StatusServiceUnavailable {
+		t.Errorf("with every upstream down: statuses %v, want 503 once they are marked down", statuses)
+	}
+	t.Logf("every upstream down: statuses %v", statuses)
+	assertAllZero(t, simDials(ups...))
 }

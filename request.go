@@ -9,6 +9,7 @@ import (
 	"mime"
 	"net/http"
 	"strings"
+	"sync/atomic"
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 
@@ -41,6 +42,8 @@ type llmRequest struct {
 	bodyErr  error  // why the body cannot be parsed (encoding); nil when decoded is set
 
 	parses []parseResult // one per tokenizer configuration that asked
+
+	streamed *streamedBody // the body as the proxy reads it when it was not read whole; nil otherwise
 
 	acct  *reservationHolder // created by the first Select
 	tried []string           // dial addresses of the upstreams already selected for this request
@@ -84,11 +87,13 @@ func inspectRequest(r *http.Request, maxBody int64) *llmRequest {
 	case err != nil:
 		// What was read is lost to nobody: the client's body is broken, and the proxy will report it.
 		lr.readErr = err
-		r.Body = readCloser{io.MultiReader(bytes.NewReader(buf), r.Body), r.Body}
+		lr.streamed = newStreamedBody(buf, r.Body)
+		r.Body = lr.streamed
 		return lr
 	case int64(len(buf)) > maxBody:
 		lr.tooLarge = true
-		r.Body = readCloser{io.MultiReader(bytes.NewReader(buf), r.Body), r.Body}
+		lr.streamed = newStreamedBody(buf, r.Body)
+		r.Body = lr.streamed
 		return lr
 	}
 	_ = r.Body.Close()
@@ -118,8 +123,16 @@ func readBody(body io.Reader, length, max int64) ([]byte, error) {
 }
 
 // installBody puts the complete body back into r, as a fresh reader with a matching length and GetBody, so
-// that every attempt (retries included) sends all of it. It does nothing when the body was not read whole.
+// that every attempt (retries included) sends all of it. A body that was not read whole (over the cap)
+// is streamed once: once an attempt has read from it, later attempts get a body that fails, so that a
+// retry is an error rather than a request with an empty or partial body that the upstream would take
+// for the whole (with no Content-Length, nothing else tells it the body is incomplete).
 func (lr *llmRequest) installBody(r *http.Request) {
+	if lr.streamed != nil && lr.streamed.started.Load() {
+		r.Body = errBodySentOnce
+		r.GetBody = nil
+		return
+	}
 	if lr.body == nil {
 		return
 	}
@@ -190,9 +203,27 @@ func jsonContentType(ct string) bool {
 	return mediaType == "application/json" || strings.HasSuffix(mediaType, "+json")
 }
 
-// readCloser reads from one reader and closes another: the part of a body already read, followed by the
-// rest, closing the original body.
-type readCloser struct {
+// streamedBody is a body the policy did not read whole: the part it read, then the rest of the original,
+// closing the original. It records whether the proxy has started reading it, which the proxy may do on
+// its transport's goroutine.
+type streamedBody struct {
 	io.Reader
 	io.Closer
+	started atomic.Bool
 }
+
+func newStreamedBody(read []byte, rest io.ReadCloser) *streamedBody {
+	return &streamedBody{Reader: io.MultiReader(bytes.NewReader(read), rest), Closer: rest}
+}
+
+func (b *streamedBody) Read(p []byte) (int, error) {
+	b.started.Store(true)
+	return b.Reader.Read(p)
+}
+
+// errBodySentOnce is the body of a retry whose body was streamed to an earlier attempt and not kept.
+var errBodySentOnce = io.NopCloser(errReader{errors.New("request body over max_body_size was already sent to an upstream and cannot be sent again (buffer it with request_buffers to retry such requests)")})
+
+type errReader struct{ err error }
+
+func (e errReader) Read([]byte) (int, error) { return 0, e.err }
