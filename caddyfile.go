@@ -25,6 +25,7 @@ import (
 //		route_ttl           <duration>
 //		guard_factor        <factor>
 //		guard_slack         <tokens>
+//		guard_request_slack <requests>
 //		prefill_weight      <factor>
 //		capacity            <dial> <relative capacity>
 //		saturation_backoff  <duration>
@@ -137,6 +138,10 @@ func (s *LLMSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			var n int
 			n, err = parseCount(d, option, val)
 			s.GuardSlack = int64(n)
+		case "guard_request_slack":
+			var n int
+			n, err = parseCount(d, option, val)
+			s.GuardRequestSlack = int64(n)
 		default:
 			return d.Errf("unrecognized option '%s'", option)
 		}

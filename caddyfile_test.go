@@ -25,6 +25,7 @@ func TestUnmarshalPolicy(t *testing.T) {
 		route_ttl 2m
 		guard_factor 1.5
 		guard_slack 2048
+		guard_request_slack 5
 		prefill_weight 3
 		capacity 10.0.0.1:8000 2
 		capacity 10.0.0.2:8000 0.5
@@ -52,7 +53,7 @@ func TestUnmarshalPolicy(t *testing.T) {
 		Mode: "prefix", Tokenizer: "approx", MaxBodyBytes: 8 << 20, MaxMessageBytes: 16 << 10,
 		MaxTokenizeBytes: 64 << 10, OutputTokens: 128, ConversationHeader: "X-Conversation-ID",
 		BlockSize: 32, RouteCapacity: 5000, RouteTTL: caddy.Duration(2 * time.Minute),
-		GuardFactor: 1.5, GuardSlack: 2048, PrefillWeight: 3,
+		GuardFactor: 1.5, GuardSlack: 2048, GuardRequestSlack: 5, PrefillWeight: 3,
 		Capacities:        map[string]float64{"10.0.0.1:8000": 2, "10.0.0.2:8000": 0.5},
 		SaturationBackoff: caddy.Duration(5 * time.Second),
 		Metrics: &MetricsConfig{Port: "9100", Path: "/prom", Interval: caddy.Duration(2 * time.Second),

@@ -101,6 +101,11 @@ type LLMSelection struct {
 	GuardFactor float64 `json:"guard_factor,omitempty"`
 	GuardSlack  int64   `json:"guard_slack,omitempty"`
 
+	// GuardRequestSlack extends the guard to request counts: an upstream with more than guard_factor x
+	// the median in-flight requests + guard_request_slack loses its claims too, because requests behind
+	// a cached prefix weigh little in tokens yet fill the decode batch. Default 8.
+	GuardRequestSlack int64 `json:"guard_request_slack,omitempty"`
+
 	// PrefillWeight is what one prompt token an upstream would have to prefill costs against one token of
 	// load in "combined" mode: higher values favour cache hits over balance. Default 4 (tokens in flight
 	// are mostly decoding, which delays a new request's first token less than prefill does).
@@ -176,6 +181,9 @@ func (s *LLMSelection) Provision(ctx caddy.Context) error {
 	if s.PrefillWeight == 0 {
 		s.PrefillWeight = s.decide.PrefillWeight
 	}
+	if s.GuardRequestSlack == 0 {
+		s.GuardRequestSlack = s.decide.GuardRequestSlack
+	}
 	if s.SaturationBackoff == 0 {
 		s.SaturationBackoff = caddy.Duration(defaultSaturationBackoff)
 	}
@@ -192,6 +200,7 @@ func (s *LLMSelection) Provision(ctx caddy.Context) error {
 	s.decide.GuardFactor = s.GuardFactor
 	s.decide.GuardSlack = s.GuardSlack
 	s.decide.PrefillWeight = s.PrefillWeight
+	s.decide.GuardRequestSlack = s.GuardRequestSlack
 	s.tokOpts = tokenize.Options{
 		Encoding:        s.Tokenizer,
 		MaxMessageBytes: s.MaxMessageBytes,
@@ -243,6 +252,7 @@ func (s *LLMSelection) Validate() error {
 		{"route_ttl", time.Duration(s.RouteTTL).Seconds()},
 		{"guard_factor", s.GuardFactor},
 		{"guard_slack", float64(s.GuardSlack)},
+		{"guard_request_slack", float64(s.GuardRequestSlack)},
 		{"prefill_weight", s.PrefillWeight},
 		{"saturation_backoff", time.Duration(s.SaturationBackoff).Seconds()},
 	} {
@@ -373,6 +383,9 @@ func (s *LLMSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, w
 		}
 	}
 
+	if cap(sc.floats) < 3*len(sc.cands) {
+		sc.floats = make([]float64, 0, 3*len(sc.cands))
+	}
 	d := selection.Choose(sc.cands, selection.Request{
 		PromptTokens: req.PromptTokens,
 		PrefixHash:   firstPrefixHash(req.Boundaries),
@@ -509,7 +522,7 @@ func (sc *scratch) reset() {
 }
 
 var scratchPool = sync.Pool{New: func() any {
-	return &scratch{cached: make([]int, 0, 16), floats: make([]float64, 0, 32)}
+	return &scratch{cached: make([]int, 0, 16), floats: make([]float64, 0, 48)}
 }}
 
 // The learned route table is shared by every policy in the process and survives reloads: each Provision

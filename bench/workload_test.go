@@ -52,12 +52,12 @@ func TestSharedPrefixShape(t *testing.T) {
 			t.Errorf("system prompt has %d tokens, want ~1500", n)
 		}
 	}
-	if len(systems) != 32 {
-		t.Errorf("distinct system prompts = %d, want 32", len(systems))
+	if len(systems) != 64 {
+		t.Errorf("distinct system prompts = %d, want 64", len(systems))
 	}
 	for _, n := range systems {
-		if n != 10 {
-			t.Errorf("prompts per group = %d, want 10", n)
+		if n != 5 {
+			t.Errorf("prompts per group = %d, want 5", n)
 		}
 	}
 	// groups interleave: the first 32 requests are not all from one group

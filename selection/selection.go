@@ -105,9 +105,12 @@ type Request struct {
 type Config struct {
 	Mode Mode
 	// GuardFactor and GuardSlack define the hot-spot guard: a candidate whose load exceeds
-	// GuardFactor*median(load) + GuardSlack loses its cache and conversation claims.
-	GuardFactor float64
-	GuardSlack  int64
+	// GuardFactor*median(load) + GuardSlack loses its cache and conversation claims. So does one whose
+	// in-flight requests exceed GuardFactor*median(requests) + GuardRequestSlack: requests behind a
+	// cached prefix weigh little in tokens yet fill the decode batch, so a hot prefix shows in counts.
+	GuardFactor       float64
+	GuardSlack        int64
+	GuardRequestSlack int64
 	// TieTolerance is the fraction of the request's prompt tokens within which two costs count as equal;
 	// equal candidates are separated by rendezvous hashing of the prefix (or by Rand without one).
 	TieTolerance float64
@@ -115,16 +118,19 @@ type Config struct {
 	PrefillWeight float64
 }
 
-// DefaultConfig is the configuration the Caddy module starts from. PrefillWeight 4 and GuardSlack 2048
-// were chosen by a sweep of the benchmark harness (shared-prefix and hot-prefix, three seeds): a token
-// to prefill delays the first token more than a token already in flight, which is mostly decoding.
+// DefaultConfig is the configuration the Caddy module starts from. PrefillWeight 4, GuardSlack 2048 and
+// GuardRequestSlack 8 were chosen by sweeps of the benchmark harness (shared-prefix and hot-prefix,
+// several seeds): a token to prefill delays the first token more than a token already in flight, which
+// is mostly decoding; and without the request guard one hot prefix piled into one decode batch in half
+// the runs (hot-prefix TTFT p99 ~700 ms against least_conn's ~360).
 func DefaultConfig() Config {
 	return Config{
-		Mode:          Combined,
-		GuardFactor:   2,
-		GuardSlack:    2048,
-		TieTolerance:  0.05,
-		PrefillWeight: 4,
+		Mode:              Combined,
+		GuardFactor:       2,
+		GuardSlack:        2048,
+		GuardRequestSlack: 8,
+		TieTolerance:      0.05,
+		PrefillWeight:     4,
 	}
 }
 
@@ -139,7 +145,7 @@ type Decision struct {
 }
 
 // Choose picks a candidate for req. rnd(n) must return a number in [0, n); it breaks exact ties when the
-// request has no prefix hash. scratch, if it has capacity for 2*len(cands) values, avoids allocations.
+// request has no prefix hash. scratch, if it has capacity for 3*len(cands) values, avoids allocations.
 func Choose(cands []Candidate, req Request, cfg Config, rnd func(n int) int, scratch []float64) Decision {
 	switch len(cands) {
 	case 0:
@@ -156,8 +162,30 @@ func Choose(cands []Candidate, req Request, cfg Config, rnd func(n int) int, scr
 		return decide(cands, loads, req, cfg, rnd, func(i int) float64 { return loads[i] }, false)
 	}
 
-	threshold := guardThreshold(loads, cfg)
-	claims := func(i int) bool { return loads[i] <= threshold }
+	threshold := guardThreshold(loads, cfg, float64(cfg.GuardSlack))
+	requestThreshold := math.Inf(1)
+	if cfg.GuardRequestSlack > 0 {
+		requests := loads[len(loads):len(loads)]
+		for i := range cands {
+			requests = append(requests, float64(cands[i].InflightRequests))
+		}
+		requestThreshold = guardThreshold(requests, cfg, float64(cfg.GuardRequestSlack))
+	}
+	claims := func(i int) bool {
+		return loads[i] <= threshold && float64(cands[i].InflightRequests) <= requestThreshold
+	}
+	// A hot spot takes no new work while another candidate is under the thresholds (with a request
+	// guard it may have the least tokens in flight, so load alone would not keep it out).
+	anyClaims := false
+	for i := range cands {
+		anyClaims = anyClaims || claims(i)
+	}
+	loadCost := func(i int) float64 {
+		if anyClaims && !claims(i) {
+			return math.Inf(1)
+		}
+		return loads[i]
+	}
 
 	// A pinned conversation stays where it is unless that upstream is a hot spot.
 	for i := range cands {
@@ -184,7 +212,7 @@ func Choose(cands []Candidate, req Request, cfg Config, rnd func(n int) int, scr
 		}
 	}
 	// guarded only matters if the hot spot's claim was at least as good as the best remaining one.
-	guarded = guarded && hotSpotWins(cands, loads, threshold, best)
+	guarded = guarded && hotSpotWins(cands, claims, best)
 
 	var d Decision
 	switch cfg.Mode {
@@ -192,7 +220,7 @@ func Choose(cands []Candidate, req Request, cfg Config, rnd func(n int) int, scr
 		if best >= 0 {
 			d = Decision{Index: best, Reason: ReasonAffinity}
 		} else {
-			d = decide(cands, loads, req, cfg, rnd, func(i int) float64 { return loads[i] }, true)
+			d = decide(cands, loads, req, cfg, rnd, loadCost, true)
 		}
 	default: // Combined
 		prompt := float64(req.PromptTokens)
@@ -201,7 +229,7 @@ func Choose(cands []Candidate, req Request, cfg Config, rnd func(n int) int, scr
 			if claims(i) {
 				cached = min(cands[i].CachedTokens, req.PromptTokens)
 			}
-			return loads[i] + cfg.PrefillWeight*(prompt-float64(cached))
+			return loadCost(i) + cfg.PrefillWeight*(prompt-float64(cached))
 		}, true)
 		if d.Reason == ReasonLoad && cands[d.Index].CachedTokens > 0 && claims(d.Index) {
 			d.Reason = ReasonAffinity
@@ -225,7 +253,7 @@ func load(c *Candidate) float64 {
 
 // guardThreshold returns the load above which a candidate loses its affinity claims. It sorts a copy of
 // loads, kept after them in the same backing array when there is room (else it allocates).
-func guardThreshold(loads []float64, cfg Config) float64 {
+func guardThreshold(loads []float64, cfg Config, slack float64) float64 {
 	if cfg.GuardFactor <= 0 {
 		return math.Inf(1)
 	}
@@ -236,13 +264,13 @@ func guardThreshold(loads []float64, cfg Config) float64 {
 	if n%2 == 0 {
 		median = (sorted[n/2-1] + sorted[n/2]) / 2
 	}
-	return cfg.GuardFactor*median + float64(cfg.GuardSlack)
+	return cfg.GuardFactor*median + slack
 }
 
 // hotSpotWins reports whether some candidate over the threshold had a longer cache claim than best.
-func hotSpotWins(cands []Candidate, loads []float64, threshold float64, best int) bool {
+func hotSpotWins(cands []Candidate, claims func(int) bool, best int) bool {
 	for i := range cands {
-		if loads[i] > threshold && cands[i].CachedTokens > 0 &&
+		if !claims(i) && cands[i].CachedTokens > 0 &&
 			(best < 0 || cands[i].CachedTokens > cands[best].CachedTokens) {
 			return true
 		}

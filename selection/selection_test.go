@@ -115,6 +115,19 @@ func TestChoose(t *testing.T) {
 			want: 2, wantReason: ReasonAffinity,
 		},
 		{
+			// Requests behind a cached prefix weigh little in tokens but still fill the decode batch.
+			name:  "guard: too many requests lose the claim even when tokens are low",
+			cands: []Candidate{{Key: "a", InflightTokens: 1000, InflightRequests: 15, CachedTokens: 2000}, {Key: "b", InflightTokens: 1200, InflightRequests: 3}, {Key: "c", InflightTokens: 1200, InflightRequests: 3}},
+			req:   Request{PromptTokens: 2100}, cfg: Config{Mode: Prefix, GuardFactor: 2, GuardSlack: 4096, GuardRequestSlack: 8},
+			want: 1, wantReason: ReasonGuard,
+		},
+		{
+			name:  "guard: requests at the threshold keep the claim",
+			cands: []Candidate{{Key: "a", InflightTokens: 1000, InflightRequests: 14, CachedTokens: 2000}, {Key: "b", InflightTokens: 1200, InflightRequests: 3}, {Key: "c", InflightTokens: 1200, InflightRequests: 3}},
+			req:   Request{PromptTokens: 2100}, cfg: Config{Mode: Prefix, GuardFactor: 2, GuardSlack: 4096, GuardRequestSlack: 8},
+			want: 0, wantReason: ReasonAffinity,
+		},
+		{
 			name:  "guard off keeps the claim",
 			cands: withCached(cands(20000, 100, 100), 2000, 0, 0),
 			req:   Request{PromptTokens: 2100}, cfg: Config{Mode: Prefix},
@@ -159,7 +172,7 @@ func TestChoose(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			scratch := make([]float64, 0, 2*len(tt.cands))
+			scratch := make([]float64, 0, 3*len(tt.cands))
 			d := Choose(tt.cands, tt.req, tt.cfg, first, scratch)
 			if d.Index != tt.want || d.Reason != tt.wantReason {
 				t.Errorf("Choose() = %d (%s), want %d (%s)", d.Index, d.Reason, tt.want, tt.wantReason)
@@ -235,7 +248,7 @@ func TestModeNames(t *testing.T) {
 
 func TestChooseDoesNotAllocate(t *testing.T) {
 	cs := withCached(cands(100, 0, 2000, 50), 0, 512, 1024, 0)
-	scratch := make([]float64, 0, 2*len(cs))
+	scratch := make([]float64, 0, 3*len(cs))
 	allocs := testing.AllocsPerRun(100, func() {
 		Choose(cs, Request{PromptTokens: 2000, PrefixHash: 7}, DefaultConfig(), first, scratch)
 	})
@@ -246,7 +259,7 @@ func TestChooseDoesNotAllocate(t *testing.T) {
 
 func BenchmarkChoose(b *testing.B) {
 	cs := withCached(cands(100, 0, 2000, 50, 300, 0, 0, 10), 0, 512, 1024, 0, 0, 0, 64, 0)
-	scratch := make([]float64, 0, 2*len(cs))
+	scratch := make([]float64, 0, 3*len(cs))
 	b.ReportAllocs()
 	for b.Loop() {
 		Choose(cs, Request{PromptTokens: 2000, PrefixHash: 7}, DefaultConfig(), first, scratch)

