@@ -23,8 +23,8 @@ func policyColor(name string) string {
 
 // Chart geometry, in SVG user units.
 const (
-	panelW, panelH = 520, 330
-	plotL, plotR   = 60, 150 // margins left of and right of the plot (legend on the right)
+	panelW, panelH = 600, 330
+	plotL, plotR   = 60, 200 // margins left of and right of the plot (legend on the right)
 	plotT, plotB   = 36, 46
 	chartCols      = 2
 	maxCDFPoints   = 240
@@ -82,7 +82,8 @@ func writePanel(out io.Writer, wl WorkloadResult, x0, y0 int) {
 			fmt.Fprintf(out, `<text x="%.1f" y="%.0f" text-anchor="middle">%s</text>`+"\n", x, top+height+14, tickLabel(v))
 		}
 	}
-	for _, q := range []float64{0, 0.25, 0.5, 0.75, 0.9, 0.99, 1} {
+	// 1 is the frame's top edge, too close to 0.99 to label.
+	for _, q := range []float64{0, 0.25, 0.5, 0.75, 0.9, 0.99} {
 		y := yOf(q)
 		fmt.Fprintf(out, `<line x1="%.0f" y1="%.1f" x2="%.0f" y2="%.1f" stroke="#eee"/>`+"\n", left, y, left+width, y)
 		fmt.Fprintf(out, `<text x="%.0f" y="%.1f" text-anchor="end">%g</text>`+"\n", left-4, y+4, q)
