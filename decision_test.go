@@ -125,3 +125,36 @@ func TestUnseenPrefixesAgreeAcrossInstances(t *testing.T) {
 		t.Errorf("40 new prefixes used only %d of %d upstreams: %v", len(spread), len(keys), spread)
 	}
 }
+
+// TestRouteBoundariesBounded: a request of endless tiny messages learns a bounded number of routes (so
+// it cannot evict other conversations' routes) and keeps its first and longest prefixes.
+func TestRouteBoundariesBounded(t *testing.T) {
+	var b strings.Builder
+	b.WriteString(`{"model":"m","messages":[`)
+	for i := range 20_000 {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		fmt.Fprintf(&b, `{"role":"user","content":"message number %d with a few words"}`, i)
+	}
+	b.WriteString(`]}`)
+	req, err := tokenize.Parse([]byte(b.String()), tokenize.APIChat, tokenize.Options{Encoding: "approx"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	bounds := routeBoundaries(req.Boundaries)
+	if len(req.Boundaries) <= maxRouteBoundaries || len(bounds) != maxRouteBoundaries {
+		t.Fatalf("%d boundaries thinned to %d, want %d", len(req.Boundaries), len(bounds), maxRouteBoundaries)
+	}
+	if bounds[0] != req.Boundaries[0] || bounds[len(bounds)-1] != req.Boundaries[len(req.Boundaries)-1] {
+		t.Errorf("thinning lost the first or the longest prefix")
+	}
+	routes := affinity.New(affinity.Config{Capacity: 10_000})
+	routes.Learn("m", bounds, "10.0.0.1:8000")
+	if n := routes.Stats().Routes; n > maxRouteBoundaries {
+		t.Errorf("one request learned %d routes, want at most %d", n, maxRouteBoundaries)
+	}
+	if short := req.Boundaries[:10]; len(routeBoundaries(short)) != 10 {
+		t.Errorf("a short request's boundaries were thinned")
+	}
+}

@@ -134,6 +134,7 @@ type LLMSelection struct {
 	routes   *affinity.Table
 	scrapes  *scrapes
 	logger   *zap.Logger
+	cleaned  bool // Cleanup ran (only Cleanup reads it); Select may still run for requests in flight
 }
 
 // CaddyModule returns the Caddy module information.
@@ -273,15 +274,21 @@ func (s *LLMSelection) Validate() error {
 
 // Cleanup releases this config's hold on the shared route table; learned routes survive as long as any
 // config uses them, so a reload keeps them.
+//
+// Cleanup changes nothing Select reads: requests of this config may still be selecting (retries, or a
+// request that arrived as the reload happened). They keep using the route table they had and the
+// released scrape handles, which report nothing, so routing falls back to local counters.
 func (s *LLMSelection) Cleanup() error {
+	if s.cleaned {
+		return nil
+	}
+	s.cleaned = true
 	if s.scrapes != nil {
 		removeLiveScrapes(s.scrapes)
 		s.scrapes.release()
-		s.scrapes = nil
 	}
 	if s.routes != nil {
 		releaseRoutes()
-		s.routes = nil
 	}
 	return nil
 }
@@ -368,9 +375,10 @@ func (s *LLMSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, w
 	if s.ConversationHeader != "" {
 		conversation = r.Header.Get(s.ConversationHeader)
 	}
+	bounds := routeBoundaries(req.Boundaries)
 	if useRoutes {
 		sc.cached = sc.cached[:len(sc.keys)]
-		s.routes.Match(req.Model, req.Boundaries, sc.keys, sc.cached)
+		s.routes.Match(req.Model, bounds, sc.keys, sc.cached)
 		for i := range sc.cands {
 			sc.cands[i].CachedTokens = sc.cached[i]
 		}
@@ -393,7 +401,7 @@ func (s *LLMSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, w
 	up := sc.upstreams[d.Index]
 
 	if useRoutes {
-		s.routes.Learn(req.Model, req.Boundaries, up.Dial)
+		s.routes.Learn(req.Model, bounds, up.Dial)
 		if conversation != "" {
 			s.routes.Pin(req.Model, conversation, up.Dial)
 		}
@@ -475,6 +483,25 @@ func (s *LLMSelection) hold(lr *llmRequest, up *reverseproxy.Upstream, weight in
 		return
 	}
 	lr.acct.swap(loads.reserve(up.Dial, weight))
+}
+
+// maxRouteBoundaries bounds the prefixes one request matches and learns, so that a request of endless
+// tiny messages can neither cost much route-table work nor evict other conversations' routes.
+const (
+	maxRouteBoundaries  = 256
+	keepFirstBoundaries = 64 // system prompts and the start of a conversation
+)
+
+// routeBoundaries returns at most maxRouteBoundaries of bounds: the first ones (shared system prompts)
+// and the last ones (the longest prefixes: where a continuing conversation matches). It allocates only
+// for requests over the limit.
+func routeBoundaries(bounds []tokenize.Boundary) []tokenize.Boundary {
+	if len(bounds) <= maxRouteBoundaries {
+		return bounds
+	}
+	out := make([]tokenize.Boundary, 0, maxRouteBoundaries)
+	out = append(out, bounds[:keepFirstBoundaries]...)
+	return append(out, bounds[len(bounds)-(maxRouteBoundaries-keepFirstBoundaries):]...)
 }
 
 // firstPrefixHash identifies the request's leading prefix (its first boundary, usually the system prompt)

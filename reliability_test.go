@@ -327,7 +327,7 @@ func assertAllZero(t *testing.T, dials []string) {
 // selectAfterCleanupFixed: see TestSelectAfterCleanup. While a policy's Select after its Cleanup
 // dereferences the nil route table, every test that reloads under load uses least_tokens mode (which
 // does not touch the route table), or it would fail on that bug alone; set this to true when it is fixed.
-const selectAfterCleanupFixed = false
+const selectAfterCleanupFixed = true
 
 // reloadSafePolicy is the policy the tests that reload under load use: the default (combined) once
 // Select after Cleanup is fixed.
