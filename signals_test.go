@@ -297,3 +297,55 @@ func TestSaturatedUpstreamIsAvoided(t *testing.T) {
 	}
 	waitInflightZero(t, a.dial, b.dial)
 }
+
+// TestHangingMetricsDoNotBlockRouting: a backend whose /metrics never answers does not hold up routing.
+// The scrape's timeout (30 s) outlasts the test, so every request below is routed while the first
+// scrape of that backend is still pending: Select reads the last snapshot and never waits for I/O.
+func TestHangingMetricsDoNotBlockRouting(t *testing.T) {
+	release := make(chan struct{})
+	hanging := newBackend(t)
+	hanging.handle = nil
+	metricsServer := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/metrics" {
+			select {
+			case <-release:
+			case <-r.Context().Done():
+			}
+			return
+		}
+		hanging.serve(w, r)
+	}))
+	defer metricsServer.Close()
+	defer close(release) // before Close, which waits for the hanging scrape
+	dial := strings.TrimPrefix(metricsServer.URL, "http://")
+	other := newBackend(t)
+
+	tester := caddytest.NewTester(t)
+	tester.InitServer(globalOptions+fmt.Sprintf(`
+%s {
+	reverse_proxy %s %s {
+		lb_policy llm {
+			metrics {
+				interval 30s
+				timeout 30s
+			}
+		}
+	}
+}
+`, site, dial, other.dial), "caddyfile")
+
+	for i := range 20 {
+		res, got := post(t, tester.Client, "/v1/chat/completions", chatBody("m", 10+i, false))
+		if res.StatusCode != http.StatusOK {
+			t.Fatalf("request %d: status %d %s", i, res.StatusCode, got)
+		}
+	}
+	if hanging.requests.Load() == 0 {
+		t.Errorf("no request reached the backend whose metrics hang: it should be routed by local counters")
+	}
+	m := adminUpstreams(t)[dial].Metrics
+	if m == nil || m.AgeSeconds != -1 || m.Errors != 0 {
+		t.Errorf("metrics of the hanging backend = %+v, want a scrape still pending (no good scrape, no error yet)", m)
+	}
+	tester.Client.Transport.(*http.Transport).CloseIdleConnections()
+}
