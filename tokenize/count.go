@@ -36,8 +36,18 @@ type budget struct {
 	lookups          int
 }
 
-// count computes token counts, message hashes and boundaries of a parsed body.
-func (p *parser) count(enc *encoder, opts Options) *Request {
+// Requests of more than keepFirstMessages+keepLastMessages messages keep Message entries and
+// boundaries only for their first keepFirstMessages and last keepLastMessages messages (see
+// Request.Messages). Routing uses at most the first 64 and the last 192 boundaries anyway.
+const (
+	keepFirstMessages = 64
+	keepLastMessages  = 192
+)
+
+// count computes token counts, message hashes and boundaries of a parsed body. Unless keepAll,
+// messages in the middle of a huge request are counted and chained into the hash but get no
+// Message entry and no boundaries (and their steps are not hashed, only counted against maxSteps).
+func (p *parser) count(enc *encoder, opts Options, keepAll bool) *Request {
 	b := budget{perMessage: opts.MaxMessageBytes, left: opts.MaxTotalBytes, lookups: maxCacheLookups}
 	if b.perMessage <= 0 {
 		b.perMessage = DefaultMaxMessageBytes
@@ -56,6 +66,13 @@ func (p *parser) count(enc *encoder, opts Options) *Request {
 		r.MaxTokens = int(p.maxTokens)
 	}
 
+	// Messages [midStart, midEnd) are the aggregated middle (an empty range when all are kept).
+	nmsg := len(p.msgs)
+	midStart, midEnd := nmsg, nmsg
+	if !keepAll && nmsg > keepFirstMessages+keepLastMessages {
+		midStart, midEnd = keepFirstMessages, nmsg-keepLastMessages
+	}
+	kept := nmsg - (midEnd - midStart)
 	textBytes := 0
 	for i := range p.segs {
 		if p.segs[i].kind.counted() {
@@ -64,9 +81,9 @@ func (p *parser) count(enc *encoder, opts Options) *Request {
 			textBytes += p.segs[i].sp.len() * (StepBytes / tokenIDBlock)
 		}
 	}
-	r.Messages = make([]Message, len(p.msgs))
+	r.Messages = make([]Message, kept)
 	p.stepsLeft = maxSteps
-	r.Boundaries = make([]Boundary, 0, len(p.msgs)+2+min(textBytes/StepBytes, maxSteps))
+	r.Boundaries = make([]Boundary, 0, kept+2+min(textBytes/StepBytes, maxSteps))
 
 	h := chain(boundaryHashStart, uint64(p.api))
 	pos := 0
@@ -101,11 +118,21 @@ func (p *parser) count(enc *encoder, opts Options) *Request {
 		}
 		hits, misses = tally(hits, misses, enc, hit)
 		r.Estimated = r.Estimated || !exact
+		if i >= midStart && i < midEnd {
+			p.skipSteps(m)
+			pos += n
+			h = chain(h, mh)
+			continue
+		}
 		r.Boundaries = p.steps(r.Boundaries, m, h, pos, n)
 		pos += n
 		h = chain(h, mh)
 		r.Boundaries = appendBoundary(r.Boundaries, pos, h)
-		r.Messages[i] = Message{Tokens: n, End: pos, Hash: mh}
+		j := i
+		if i >= midEnd {
+			j -= midEnd - midStart
+		}
+		r.Messages[j] = Message{Tokens: n, End: pos, Hash: mh}
 	}
 	r.PromptTokens = pos
 	if hits > 0 {
@@ -368,6 +395,29 @@ func (p *parser) steps(bs []Boundary, m *msg, h uint64, start, n int) []Boundary
 		}
 	}
 	return bs
+}
+
+// skipSteps charges against stepsLeft the step boundaries steps would add inside m, without
+// hashing them, so that the boundaries of later messages are those of a full count.
+func (p *parser) skipSteps(m *msg) {
+	if p.stepsLeft <= 0 {
+		return
+	}
+	total, tokenSteps := 0, 0
+	for _, sg := range p.segs[m.segStart:m.segEnd] {
+		switch {
+		case sg.dead:
+		case sg.kind.counted():
+			total += sg.sp.len()
+		case sg.kind == segTokens:
+			tokenSteps += max(sg.sp.len()-1, 0) / tokenIDBlock
+		}
+	}
+	n := tokenSteps
+	if tokenSteps == 0 && total > StepBytes {
+		n = (total - 1) / StepBytes
+	}
+	p.stepsLeft -= min(n, p.stepsLeft)
 }
 
 // tokenSteps appends a boundary every tokenIDBlock tokens of a token-ID prompt; positions are exact.

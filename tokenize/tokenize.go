@@ -30,7 +30,8 @@
 // (Request.Estimated says so; estimated counts are not cached). Each tokenizer call is charged at
 // least 256 bytes against that budget, so 100k tiny messages cannot make 100k calls. A request
 // makes at most 4096 cache lookups and adds at most 4096 step boundaries; JSON nesting is limited
-// to 1000 levels. Parse's CPU cost is therefore linear in the body (about 1 ns per byte for large
+// to 1000 levels. A request of more than 256 messages lists only its first 64 and last 192 in
+// Request.Messages and Request.Boundaries. Parse's CPU cost is therefore linear in the body (about 1 ns per byte for large
 // strings, about 200 ns per message) plus at most about MaxTotalBytes / 5 MB/s of tokenizing (about
 // 25 ms for the default 128 KiB of never-seen text, paid only on cache misses).
 //
@@ -134,12 +135,16 @@ type Request struct {
 	// are counted as a pseudo-message before the first message (so Messages[0].End includes them).
 	ToolsTokens int
 	// Messages has one entry per chat message; for completions, one per prompt string or token
-	// array.
+	// array. A request of more than 256 messages keeps only the entries of its first 64 and its
+	// last 192 messages (in order; Σ Tokens is then less than PromptTokens): the messages between
+	// are counted and hashed into every later boundary but not listed.
 	Messages []Message
 	// Boundaries are the points where a cached prefix may end, in strictly increasing Tokens
 	// order: the end of the tools pseudo-message and of every message, plus a step every
 	// StepBytes bytes inside long messages (token position interpolated proportionally). A point
-	// that would not advance Tokens is left out.
+	// that would not advance Tokens is left out. When Messages is capped, so are the Boundaries:
+	// those inside or at the end of an unlisted message are left out (later ones have the hashes
+	// of a full list).
 	Boundaries []Boundary
 	// Estimated is true if any part of the count was estimated instead of tokenized.
 	Estimated bool
@@ -191,13 +196,19 @@ func Parse(body []byte, api API, opts Options) (*Request, error) {
 	if !utf8.Valid(body) {
 		return nil, fmt.Errorf("%w: body is not valid UTF-8 (at offset %d)", ErrMalformed, invalidUTF8At(body))
 	}
+	return parse(body, api, enc, opts, false)
+}
+
+// parse is Parse after the checks of its arguments; keepAll disables the cap on Messages and
+// Boundaries (for tests that compare a capped parse with a full one).
+func parse(body []byte, api API, enc *encoder, opts Options, keepAll bool) (*Request, error) {
 	p := parserPool.Get().(*parser)
 	defer p.release()
 	p.reset(body, api)
 	if err := p.parseBody(); err != nil {
 		return nil, err
 	}
-	return p.count(enc, opts), nil
+	return p.count(enc, opts, keepAll), nil
 }
 
 func invalidUTF8At(b []byte) int {
