@@ -142,19 +142,28 @@ func TestRouteBoundariesBounded(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Whichever layer bounds it (tokenize may cap boundaries itself), one request learns few routes.
 	bounds := routeBoundaries(req.Boundaries)
-	if len(req.Boundaries) <= maxRouteBoundaries || len(bounds) != maxRouteBoundaries {
-		t.Fatalf("%d boundaries thinned to %d, want %d", len(req.Boundaries), len(bounds), maxRouteBoundaries)
-	}
-	if bounds[0] != req.Boundaries[0] || bounds[len(bounds)-1] != req.Boundaries[len(req.Boundaries)-1] {
-		t.Errorf("thinning lost the first or the longest prefix")
-	}
 	routes := affinity.New(affinity.Config{Capacity: 10_000})
 	routes.Learn("m", bounds, "10.0.0.1:8000")
 	if n := routes.Stats().Routes; n > maxRouteBoundaries {
 		t.Errorf("one request learned %d routes, want at most %d", n, maxRouteBoundaries)
 	}
-	if short := req.Boundaries[:10]; len(routeBoundaries(short)) != 10 {
+	if bounds[len(bounds)-1] != req.Boundaries[len(req.Boundaries)-1] {
+		t.Errorf("the longest prefix was lost")
+	}
+
+	// routeBoundaries itself: the first 64 and the last 192 of a long list, short lists untouched.
+	long := make([]tokenize.Boundary, 1000)
+	for i := range long {
+		long[i] = tokenize.Boundary{Tokens: 16 * (i + 1), Hash: uint64(i + 1)}
+	}
+	thin := routeBoundaries(long)
+	if len(thin) != maxRouteBoundaries || thin[0] != long[0] || thin[keepFirstBoundaries-1] != long[keepFirstBoundaries-1] ||
+		thin[keepFirstBoundaries] != long[1000-(maxRouteBoundaries-keepFirstBoundaries)] || thin[len(thin)-1] != long[999] {
+		t.Errorf("routeBoundaries kept the wrong %d boundaries", len(thin))
+	}
+	if short := long[:10]; len(routeBoundaries(short)) != 10 {
 		t.Errorf("a short request's boundaries were thinned")
 	}
 }
