@@ -155,3 +155,41 @@ func TestCapKeepsEnds(t *testing.T) {
 		t.Errorf("%d messages: %d entries, last End %d, PromptTokens %d", len(tiny)+1, len(r.Messages), r.Messages[len(r.Messages)-1].End, r.PromptTokens)
 	}
 }
+
+// TestHashesAreStable pins the message and boundary hashes of varied requests to the values of
+// the unoptimized parser: they are shared between proxies (and versions of them during a rolling
+// update), so a faster way to compute them must not change them.
+func TestHashesAreStable(t *testing.T) {
+	ids := make([]string, 300)
+	for i := range ids {
+		ids[i] = fmt.Sprint(i * 331)
+	}
+	bodies := []struct {
+		api  API
+		body string
+	}{
+		{APIChat, hugeChat(300, "stable")},
+		{APIChat, chatJSON("sys", strings.Repeat("All work and no play makes Jack a dull boy. ", 100))},
+		{APICompletions, `{"prompt":["a b c","",` + fmt.Sprintf("%q", strings.Repeat("q ", 400)) + `]}`},
+		{APICompletions, `{"prompt":[` + strings.Join(ids, ",") + `]}`},
+		{APICompletions, `{"prompt":[[1,2,3],[` + strings.Join(ids, ",") + `]]}`},
+	}
+	var all []uint64
+	for _, b := range bodies {
+		r := mustParse(t, b.body, b.api, Options{Encoding: "approx"})
+		for _, m := range r.Messages {
+			all = append(all, m.Hash)
+		}
+		for _, x := range r.Boundaries {
+			all = append(all, x.Hash, uint64(x.Tokens))
+		}
+	}
+	h := uint64(0)
+	for _, v := range all {
+		h = chain(h, v)
+	}
+	const want = 0xdaf23e878ae2f896
+	if h != want {
+		t.Errorf("hashes digest to %#x over %d values, want %#x", h, len(all), uint64(want))
+	}
+}

@@ -199,8 +199,8 @@ func (p *parser) countChat(enc *encoder, m *msg, b *budget) (int, bool) {
 	role := p.bytes(m.role)
 	var roleTokens int
 	var roleKnown bool
-	if enc.tk != nil {
-		roleTokens, roleKnown = enc.roles[string(role)]
+	if i := roleIndex(role); i >= 0 && enc.tk != nil {
+		roleTokens, roleKnown = enc.roleTokens[i], true
 	}
 	// Decide once per message whether it is tokenized, so that a message's count is either exact
 	// (and cacheable) or estimated as a whole.
@@ -286,37 +286,81 @@ func writePiece(d *xxhash.Digest, tag byte, b []byte) {
 	d.Write(b)
 }
 
-// hashMessage returns the fixed-seed hash of a message's canonical content.
-func (p *parser) hashMessage(m *msg) uint64 {
-	d := &p.d
-	d.ResetWithSeed(messageHashSeed)
-	if p.api == APIChat {
-		writePiece(d, 'r', p.bytes(m.role))
-		if m.hasName {
-			writePiece(d, 'n', p.bytes(m.name))
-		}
-		if m.hasCallID {
-			writePiece(d, 'i', p.bytes(m.callID))
+// pieceBuf collects the pieces of one message hash. A message whose pieces fit in buf (most
+// messages) is hashed in one call of xxSum64Seed; a larger one spills into the digest. Either way
+// the hash is that of writePiece calls on a digest reset with messageHashSeed.
+type pieceBuf struct {
+	n       int
+	spilled bool // the digest holds the bytes before buf[:n]
+	buf     [256]byte
+}
+
+// piece is writePiece through the buffer.
+func (w *pieceBuf) piece(d *xxhash.Digest, tag byte, b []byte) {
+	if w.n+9+len(b) > len(w.buf) {
+		w.spill(d)
+		if 9+len(b) > len(w.buf) {
+			writePiece(d, tag, b)
+			return
 		}
 	}
-	// Content first, then tool calls, whatever the key order in the JSON.
+	w.buf[w.n] = tag
+	binary.LittleEndian.PutUint64(w.buf[w.n+1:], uint64(len(b)))
+	w.n += 9 + copy(w.buf[w.n+9:], b)
+}
+
+// spill moves the buffered bytes into the digest, which it resets first if it is not in use yet.
+func (w *pieceBuf) spill(d *xxhash.Digest) {
+	if !w.spilled {
+		d.ResetWithSeed(messageHashSeed)
+		w.spilled = true
+	}
+	d.Write(w.buf[:w.n])
+	w.n = 0
+}
+
+func (w *pieceBuf) sum(d *xxhash.Digest) uint64 {
+	if !w.spilled {
+		return xxSum64Seed(messageHashSeed, w.buf[:w.n])
+	}
+	w.spill(d)
+	return d.Sum64()
+}
+
+// hashMessage returns the fixed-seed hash of a message's canonical content.
+func (p *parser) hashMessage(m *msg) uint64 {
+	d, w := &p.d, &p.pb
+	w.n, w.spilled = 0, false
+	if p.api == APIChat {
+		w.piece(d, 'r', p.bytes(m.role))
+		if m.hasName {
+			w.piece(d, 'n', p.bytes(m.name))
+		}
+		if m.hasCallID {
+			w.piece(d, 'i', p.bytes(m.callID))
+		}
+	}
+	// Content first, then tool calls, whatever the key order in the JSON. (Completions segments
+	// have field 0.)
+	segs := p.segs[m.segStart:m.segEnd]
 	for _, field := range [...]uint8{0, fieldContent, fieldToolCalls} {
-		for _, sg := range p.segs[m.segStart:m.segEnd] {
+		for _, sg := range segs {
 			if sg.field != field {
 				continue
 			}
 			switch {
 			case sg.dead:
 			case sg.absent:
-				writePiece(d, '0'+byte(sg.kind), nil)
+				w.piece(d, '0'+byte(sg.kind), nil)
 			case sg.kind == segTokens:
+				w.spill(d)
 				p.hashIDs(d, p.ids[sg.sp.off:sg.sp.end])
 			default:
-				writePiece(d, 'a'+byte(sg.kind), p.bytes(sg.sp))
+				w.piece(d, 'a'+byte(sg.kind), p.bytes(sg.sp))
 			}
 		}
 	}
-	return d.Sum64()
+	return w.sum(d)
 }
 
 func (p *parser) hashIDs(d *xxhash.Digest, ids []uint32) {

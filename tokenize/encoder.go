@@ -23,10 +23,10 @@ type encoder struct {
 	id   uint8 // part of the message cache key
 	name string
 
-	once  sync.Once
-	tk    *tiktoken.Tiktoken
-	roles map[string]int // token counts of the usual roles, so they are never tokenized per request
-	err   error
+	once       sync.Once
+	tk         *tiktoken.Tiktoken
+	roleTokens [len(roles)]int // token counts of the usual roles, so they are never tokenized per request
+	err        error
 }
 
 var (
@@ -81,10 +81,30 @@ func (e *encoder) build() {
 		return
 	}
 	e.tk = tk
-	e.roles = make(map[string]int)
-	for _, r := range []string{"system", "user", "assistant", "tool", "developer", "function"} {
-		e.roles[r] = len(tk.EncodeOrdinary(r))
+	for i, r := range roles {
+		e.roleTokens[i] = len(tk.EncodeOrdinary(r))
 	}
+}
+
+// roles are the usual roles, whose token counts each encoder knows; roleIndex finds one.
+var roles = [...]string{"system", "user", "assistant", "tool", "developer", "function"}
+
+func roleIndex(role []byte) int {
+	switch string(role) {
+	case "system":
+		return 0
+	case "user":
+		return 1
+	case "assistant":
+		return 2
+	case "tool":
+		return 3
+	case "developer":
+		return 4
+	case "function":
+		return 5
+	}
+	return -1
 }
 
 // Chunking bounds what one BPE call sees (see the package doc).

@@ -76,7 +76,8 @@ type parser struct {
 	tools                 span // raw JSON of the tools array
 	stepsLeft             int  // step boundaries this request may still add
 
-	d xxhash.Digest
+	d  xxhash.Digest
+	pb pieceBuf
 }
 
 // maxPooledBytes keeps a huge request from pinning its scratch memory in the pool (which the
