@@ -101,6 +101,8 @@ func BenchmarkParseHostile(b *testing.B) {
 		{"128KB_unique_prose_budget", APIChat, chatJSON(prose[:30000], prose[1:30001], prose[2:30002], prose[3:30003], prose[4:30004])},
 		{"deep_nesting_100k", APIChat, `{"messages":[{"role":"user","content":` + strings.Repeat("[", 100000) + `}]}`},
 		{"special_tokens", APIChat, chatJSON(strings.Repeat("<|endoftext|>", 1000))},
+		{"500k_token_ids", APICompletions, `{"prompt":[` + strings.Repeat("100257,", 500000-1) + `100257]}`},
+		{"1000_token_arrays_of_500", APICompletions, `{"prompt":[` + strings.Repeat("["+strings.Repeat("1234,", 499)+"9],", 999) + `[1]]}`},
 	}
 	for _, c := range cases {
 		b.Run(c.name, func(b *testing.B) {

@@ -193,3 +193,32 @@ func TestHashesAreStable(t *testing.T) {
 		t.Errorf("hashes digest to %#x over %d values, want %#x", h, len(all), uint64(want))
 	}
 }
+
+// TestTokenIDRunMatchesSlowPath: the fast path of token-ID arrays accepts, counts, hashes and
+// rejects (with the same message) exactly what the element-by-element path does.
+func TestTokenIDRunMatchesSlowPath(t *testing.T) {
+	prompts := []string{
+		`[1,2,3]`, `[0]`, `[0,0, 0 ,0]`, "[ 1 ,\n2\t,\r3 ]", `[4294967295,4294967294]`, `[100257,9,10,99]`,
+		`[1234567890,123456789,12345678]`, `[[1,2],[3],[4294967295, 0]]`,
+		`[4294967296]`, `[1,4294967296]`, `[12345678901]`, `[01]`, `[1,01]`, `[1,-1]`, `[-0]`, `[1,1.0]`, `[1,1.5]`,
+		`[1,1e3]`, `[1,1E3]`, `[1,]`, `[1 2]`, `[1,"a"]`, `[1,[2]]`, `[1,null]`, `[1,true]`, `[1`, `[1,`, `[1,2`,
+		`[[1,2,],[3]]`, `[[1,01]]`, `[[1],[2,1.0]]`, `[[]]`, `[1,2]x`, `[1,2] `, `[1,+2]`, `[1,0x1]`,
+	}
+	defer func() { fastTokenIDs = true }()
+	for _, prompt := range prompts {
+		body := []byte(`{"prompt":` + prompt + `}`)
+		var got [2]string
+		for k, fast := range []bool{false, true} {
+			fastTokenIDs = fast
+			r, err := Parse(body, APICompletions, Options{Encoding: "approx"})
+			if err != nil {
+				got[k] = "error: " + err.Error()
+			} else {
+				got[k] = fmt.Sprintf("%+v", *r)
+			}
+		}
+		if got[0] != got[1] {
+			t.Errorf("prompt %s:\n slow %s\n fast %s", prompt, got[0], got[1])
+		}
+	}
+}

@@ -532,14 +532,18 @@ func (p *parser) parsePrompt() error {
 		case 's':
 			return p.promptString()
 		case 'i':
-			if err := p.tokenID(); err != nil {
+			// A run of plain integers is read here at once; whatever else is next, the array
+			// callback sees as usual.
+			if k := p.tokenIDRun(); k > 0 {
+				n += k - 1
+			} else if err := p.tokenID(); err != nil {
 				return err
 			}
 			p.segs[len(p.segs)-1].sp.end = int32(len(p.ids))
 			return nil
 		default:
 			first := len(p.ids)
-			if err := s.array(2, p.tokenID); err != nil {
+			if err := s.array(2, p.tokenIDs); err != nil {
 				return err
 			}
 			if len(p.ids) == first {
@@ -589,4 +593,63 @@ func (p *parser) tokenID() error {
 	}
 	p.ids = append(p.ids, uint32(v))
 	return nil
+}
+
+// fastTokenIDs enables tokenIDRun; tests turn it off to compare with the element-by-element path.
+var fastTokenIDs = true
+
+// tokenIDs reads one or more token IDs of a token array: a run of plain integers, or else one
+// element by tokenID (which reports what is wrong with it).
+func (p *parser) tokenIDs() error {
+	if p.tokenIDRun() > 0 {
+		return nil
+	}
+	return p.tokenID()
+}
+
+// tokenIDRun is the fast path of token-ID arrays, which can hold a million elements: from the
+// scanner's position, it appends the IDs of a run "12, 345, 6" of plain non-negative integers
+// (the values tokenID accepts) and returns how many it read. It stops after the last integer
+// it read, before a ',' that is not followed by one and before anything else (a ']', a
+// fraction, an exponent, a sign, a leading zero, a value over 2^32-1, ...), which the array
+// loop or tokenID then handles as if the fast path did not exist.
+func (p *parser) tokenIDRun() int {
+	if !fastTokenIDs {
+		return 0
+	}
+	b, i, ids := p.s.b, p.s.i, p.ids // i: the start of the next element
+	end, start := i, len(ids)        // end: just after the last integer read
+	for {
+		j := i
+		var v uint64
+		if j < len(b) && b[j] == '0' {
+			j++
+		} else {
+			for j < len(b) && j-i < 10 && b[j]-'0' < 10 {
+				v = v*10 + uint64(b[j]-'0')
+				j++
+			}
+		}
+		if j == i || v > 1<<32-1 || j < len(b) && (b[j]-'0' < 10 || b[j] == '.' || b[j] == 'e' || b[j] == 'E') {
+			break
+		}
+		ids = append(ids, uint32(v))
+		end = j
+		for j < len(b) && (b[j] == ' ' || b[j] == '\n' || b[j] == '\t' || b[j] == '\r') {
+			j++
+		}
+		if j >= len(b) || b[j] != ',' {
+			break
+		}
+		j++
+		for j < len(b) && (b[j] == ' ' || b[j] == '\n' || b[j] == '\t' || b[j] == '\r') {
+			j++
+		}
+		if j >= len(b) || b[j]-'0' >= 10 {
+			break
+		}
+		i = j
+	}
+	p.s.i, p.ids = end, ids
+	return len(ids) - start
 }
