@@ -108,7 +108,10 @@ func (p *parser) count(enc *encoder, opts Options, keepAll bool) *Request {
 	}
 	for i := range p.msgs {
 		m := &p.msgs[i]
-		mh := p.hashMessage(m)
+		mh := m.hash
+		if !m.hashed {
+			mh = p.hashMessage(m)
+		}
 		var n int
 		var exact, hit bool
 		if p.api == APIChat {
@@ -217,9 +220,13 @@ func (p *parser) countChat(enc *encoder, m *msg, b *budget) (int, bool) {
 	if m.hasName {
 		addCharge(m.name.len())
 	}
-	for _, sg := range p.segs[m.segStart:m.segEnd] {
-		if !sg.dead && sg.kind.counted() {
-			addCharge(sg.sp.len())
+	if m.hashed {
+		textBytes, charge = textBytes+m.text, charge+m.charge
+	} else {
+		for _, sg := range p.segs[m.segStart:m.segEnd] {
+			if !sg.dead && sg.kind.counted() {
+				addCharge(sg.sp.len())
+			}
 		}
 	}
 	exact := enc.tk != nil && textBytes <= b.perMessage && charge <= b.left
@@ -331,6 +338,7 @@ func (w *pieceBuf) sum(d *xxhash.Digest) uint64 {
 func (p *parser) hashMessage(m *msg) uint64 {
 	d, w := &p.d, &p.pb
 	w.n, w.spilled = 0, false
+	m.text, m.charge = 0, 0
 	if p.api == APIChat {
 		w.piece(d, 'r', p.bytes(m.role))
 		if m.hasName {
@@ -357,6 +365,10 @@ func (p *parser) hashMessage(m *msg) uint64 {
 				p.hashIDs(d, p.ids[sg.sp.off:sg.sp.end])
 			default:
 				w.piece(d, 'a'+byte(sg.kind), p.bytes(sg.sp))
+				if n := sg.sp.len(); n > 0 && sg.kind.counted() {
+					m.text += n
+					m.charge += max(n, minChargeBytes)
+				}
 			}
 		}
 	}
@@ -445,6 +457,12 @@ func (p *parser) steps(bs []Boundary, m *msg, h uint64, start, n int) []Boundary
 // hashing them, so that the boundaries of later messages are those of a full count.
 func (p *parser) skipSteps(m *msg) {
 	if p.stepsLeft <= 0 {
+		return
+	}
+	if m.hashed { // a chat message: text segments only
+		if m.text > StepBytes {
+			p.stepsLeft -= min((m.text-1)/StepBytes, p.stepsLeft)
+		}
 		return
 	}
 	total, tokenSteps := 0, 0

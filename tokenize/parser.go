@@ -53,7 +53,10 @@ type seg struct {
 type msg struct {
 	role, name, callID          span
 	hasRole, hasName, hasCallID bool
-	segStart, segEnd            int32 // range of parser.segs
+	hashed                      bool   // hash is set
+	segStart, segEnd            int32  // range of parser.segs
+	hash                        uint64 // hashMessage, computed while the message is hot in cache
+	text, charge                int    // with hashed: bytes and budget charge of the counted segments
 }
 
 // parser holds the per-call scratch state; parsers are pooled so that a warm Parse allocates
@@ -346,6 +349,7 @@ func (p *parser) parseMessage(idx int) error {
 		return s.errorf("messages[%d] must have a string role", idx)
 	}
 	m.segEnd = int32(len(p.segs))
+	m.hash, m.hashed = p.hashMessage(&m), true
 	p.msgs = append(p.msgs, m)
 	return nil
 }
