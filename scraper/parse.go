@@ -135,24 +135,22 @@ func extractSGLang(families map[string]*dto.MetricFamily, model string, s *Snaps
 
 // sum adds the values of every matching series of the first family in names that has one.
 func sum(families map[string]*dto.MetricFamily, names []string, model string) (float64, bool) {
-	for _, name := range names {
-		var total float64
-		var n int
-		for _, m := range families[name].GetMetric() {
-			if v, ok := sampleValue(m, model); ok {
-				total += v
-				n++
-			}
-		}
-		if n > 0 {
-			return total, true
-		}
-	}
-	return 0, false
+	total, n := total(families, names, model)
+	return total, n > 0
 }
 
 // mean averages the values of every matching series of the first family in names that has one.
 func mean(families map[string]*dto.MetricFamily, names []string, model string) (float64, bool) {
+	total, n := total(families, names, model)
+	if n == 0 {
+		return 0, false
+	}
+	return total / float64(n), true
+}
+
+// total adds the values of every matching series of the first family in names that has one, and says
+// how many there were (0: none of the families had a matching series).
+func total(families map[string]*dto.MetricFamily, names []string, model string) (float64, int) {
 	for _, name := range names {
 		var total float64
 		var n int
@@ -163,10 +161,10 @@ func mean(families map[string]*dto.MetricFamily, names []string, model string) (
 			}
 		}
 		if n > 0 {
-			return total / float64(n), true
+			return total, n
 		}
 	}
-	return 0, false
+	return 0, 0
 }
 
 func maxValue(mf *dto.MetricFamily, model string) (float64, bool) {
