@@ -118,6 +118,46 @@ func TestMatcherRoutes(t *testing.T) {
 	}
 }
 
+// TestMatcherSniffsUndeclaredJSON: curl -d sends JSON as application/x-www-form-urlencoded; such a body
+// is matched as the LLM request it is, while a multipart body on the same path is never read.
+func TestMatcherSniffsUndeclaredJSON(t *testing.T) {
+	llama, rest := newBackend(t), newBackend(t)
+	tester := caddytest.NewTester(t)
+	tester.InitServer(globalOptions+fmt.Sprintf(`
+%s {
+	@llama llm {
+		model llama*
+	}
+	route {
+		reverse_proxy @llama %s
+		reverse_proxy %s
+	}
+}
+`, site, llama.dial, rest.dial), "caddyfile")
+	for _, tc := range []struct {
+		contentType, body string
+		want              *backend
+	}{
+		{"application/x-www-form-urlencoded", chatBody("llama3", 10, false), llama},
+		{"text/plain", chatBody("llama3", 10, false), llama},
+		{"multipart/form-data; boundary=x", chatBody("llama3", 10, false), rest},
+		{"application/x-www-form-urlencoded", `{"model":"llama3","messages":"not a list"}`, rest},
+	} {
+		before := tc.want.requests.Load()
+		req, _ := http.NewRequest(http.MethodPost, proxyURL+"/v1/chat/completions", strings.NewReader(tc.body))
+		req.Header.Set("Content-Type", tc.contentType)
+		res, err := tester.Client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := readAll(res)
+		res.Body.Close()
+		if res.StatusCode != http.StatusOK || tc.want.requests.Load() != before+1 {
+			t.Errorf("%s %.40s: status %d %s, want it at %s", tc.contentType, tc.body, res.StatusCode, got, tc.want.dial)
+		}
+	}
+}
+
 func readAll(res *http.Response) string {
 	var b strings.Builder
 	buf := make([]byte, 4096)

@@ -311,6 +311,11 @@ func (s *LLMSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, w
 
 	start := time.Now()
 	req, err := lr.parse(s.tokOpts)
+	if err != nil && lr.api == tokenize.APIUnknown {
+		// A body without a JSON content type that turned out not to be an OpenAI request.
+		lr.acct.swap(nil)
+		return s.fallback.Select(pool, r, w)
+	}
 	if err != nil {
 		// Route it anyway: by the fallback, weighted by its size so a huge prompt is not counted as nothing.
 		up := s.fallback.Select(pool, r, w)
@@ -694,6 +699,9 @@ func (m MatchLLM) MatchWithError(r *http.Request) (bool, error) {
 	}
 	req, err := lr.parse(opts)
 	if err != nil {
+		if lr.api == tokenize.APIUnknown {
+			return false, nil // it did not declare JSON, and it is not an OpenAI request
+		}
 		return false, httpError(err)
 	}
 	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)

@@ -33,7 +33,8 @@ var errUnsupportedEncoding = errors.New("unsupported content encoding")
 // used only on the request's goroutine (Caddy's variable table is not locked); the accounting it points to
 // is the part another goroutine may touch, and it has its own lock.
 type llmRequest struct {
-	api tokenize.API // APIUnknown: not an LLM request; nothing else is set
+	api     tokenize.API // APIUnknown: not an LLM request
+	sniffed bool         // the body did not declare JSON; it is an LLM request only if it parses as one
 
 	body     []byte // the body exactly as received (complete unless tooLarge)
 	tooLarge bool   // reading stopped at the cap; the rest of the body is still in r.Body
@@ -66,7 +67,11 @@ func inspectRequest(r *http.Request, maxBody int64) *llmRequest {
 	}
 	lr := new(llmRequest)
 	caddyhttp.SetVar(r.Context(), varKey, lr)
-	if r.Method != http.MethodPost || !jsonContentType(r.Header.Get("Content-Type")) {
+	if r.Method != http.MethodPost {
+		return lr
+	}
+	declared, sniff := contentType(r.Header.Get("Content-Type"))
+	if !declared && !sniff {
 		return lr
 	}
 	api, ok := tokenize.APIForPath(r.URL.Path)
@@ -74,6 +79,13 @@ func inspectRequest(r *http.Request, maxBody int64) *llmRequest {
 		return lr
 	}
 	lr.api = api
+	lr.sniffed = !declared
+	defer func() {
+		// A body that did not declare JSON counts as an LLM request only if it reads as one.
+		if lr.sniffed && (lr.tooLarge || lr.readErr != nil || lr.bodyErr != nil || !startsLikeObject(lr.decoded)) {
+			lr.api = tokenize.APIUnknown
+		}
+	}()
 	if r.Body == nil || r.Body == http.NoBody {
 		lr.decoded = []byte{}
 		return lr
@@ -162,6 +174,10 @@ func (lr *llmRequest) parse(opts tokenize.Options) (*tokenize.Request, error) {
 		err = lr.bodyErr
 	default:
 		req, err = tokenize.Parse(lr.decoded, lr.api, opts)
+		if err != nil && lr.sniffed {
+			// It looked like JSON but is no OpenAI request: not ours to refuse.
+			lr.api = tokenize.APIUnknown
+		}
 	}
 	lr.parses = append(lr.parses, parseResult{opts: opts, req: req, err: err})
 	return req, err
@@ -190,17 +206,34 @@ func decodeBody(body []byte, encoding string, max int64) ([]byte, error) {
 	}
 }
 
-// jsonContentType reports whether a Content-Type may hold an OpenAI request. An absent type counts: many
-// clients omit it, and the OpenAI servers accept that.
-func jsonContentType(ct string) bool {
+// contentType reports whether a Content-Type declares JSON (an absent type counts: many clients omit it),
+// or else whether the body is worth sniffing: curl -d sends application/x-www-form-urlencoded, and a
+// plugin that ignored those requests would quietly route them by its fallback. Multipart bodies are
+// never read.
+func contentType(ct string) (declared, sniff bool) {
 	if ct == "" {
-		return true
+		return true, false
 	}
 	mediaType, _, err := mime.ParseMediaType(ct)
 	if err != nil {
-		return false
+		return false, false
 	}
-	return mediaType == "application/json" || strings.HasSuffix(mediaType, "+json")
+	if mediaType == "application/json" || strings.HasSuffix(mediaType, "+json") {
+		return true, false
+	}
+	return false, !strings.HasPrefix(mediaType, "multipart/")
+}
+
+// startsLikeObject reports whether body's first non-space byte opens a JSON object.
+func startsLikeObject(body []byte) bool {
+	for _, c := range body {
+		switch c {
+		case ' ', '\t', '\r', '\n':
+			continue
+		}
+		return c == '{'
+	}
+	return false
 }
 
 // streamedBody is a body the policy did not read whole: the part it read, then the rest of the original,
