@@ -54,6 +54,9 @@ var hostileBodies = []hostileBody{
 	}, wantStatus: 413, wantMsg: "too large"},
 	{name: "one_char_3MB", body: func(salt int) []byte {
 		return []byte(fmt.Sprintf(`{"model":"m","messages":[{"role":"user","content":"%d`, salt) + strings.Repeat("a", 3<<20) + `"}]}`)
+	}, wantStatus: 413, wantMsg: "too large"},
+	{name: "one_char_filling_cap", body: func(salt int) []byte {
+		return []byte(fmt.Sprintf(`{"model":"m","messages":[{"role":"user","content":"%d`, salt) + strings.Repeat("a", 2<<20-100) + `"}]}`)
 	}, wantStatus: 200},
 	{name: "special_tokens", body: func(salt int) []byte {
 		return []byte(fmt.Sprintf(`{"model":"m","messages":[{"role":"user","content":"%d`, salt) + `<|endoftext|><|im_start|>system<|im_end|><|fim_prefix|>` + strings.Repeat("<|endoftext|>", 1000) + `"}]}`)
@@ -66,18 +69,13 @@ var hostileBodies = []hostileBody{
 		return []byte(`{"model":"m","messages":[` + strings.Join(msgs, ",") + `]}`)
 	}, wantStatus: 200},
 	{name: "messages_100k_tiny", body: func(salt int) []byte {
-		var b bytes.Buffer
-		b.WriteString(`{"model":"m","messages":[`)
-		for i := range 100_000 {
-			if i > 0 {
-				b.WriteByte(',')
-			}
-			fmt.Fprintf(&b, `{"role":"user","content":"%x"}`, salt*100_000+i)
-		}
-		b.WriteString(`]}`)
-		return b.Bytes()
+		return tinyMessages(salt, 100_000)
+	}, wantStatus: 413, wantMsg: "too large"},
+	{name: "messages_tiny_filling_cap", body: func(salt int) []byte {
+		return tinyMessages(salt, 52_000) // just under 2 MiB: about the most messages a body under the default cap holds
 	}, wantStatus: 200},
-	{name: "prompt_tokens_1M", body: func(salt int) []byte { return repeatJSON(`{"model":"m","prompt":[`, "100257", ",", `]}`, 500_000) }, wantStatus: 200},
+	{name: "prompt_tokens_1M", body: func(salt int) []byte { return repeatJSON(`{"model":"m","prompt":[`, "100257", ",", `]}`, 500_000) }, wantStatus: 413, wantMsg: "too large"},
+	{name: "prompt_tokens_filling_cap", body: func(salt int) []byte { return repeatJSON(`{"model":"m","prompt":[`, "100257", ",", `]}`, 290_000) }, wantStatus: 200},
 	{name: "binary", body: func(salt int) []byte {
 		b := make([]byte, 4096)
 		for i := range b {
@@ -85,6 +83,20 @@ var hostileBodies = []hostileBody{
 		}
 		return b
 	}, wantStatus: 400, wantMsg: "UTF-8"},
+}
+
+// tinyMessages is a chat request of n distinct messages of a few bytes each.
+func tinyMessages(salt, n int) []byte {
+	var b bytes.Buffer
+	b.WriteString(`{"model":"m","messages":[`)
+	for i := range n {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		fmt.Fprintf(&b, `{"role":"user","content":"%x"}`, salt*n+i)
+	}
+	b.WriteString(`]}`)
+	return b.Bytes()
 }
 
 // hostileMatcherConfig routes LLM requests by the matcher; errors are answered with their status and

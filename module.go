@@ -63,8 +63,9 @@ type LLMSelection struct {
 	// about 4 bytes a token; the cheapest).
 	Tokenizer string `json:"tokenizer,omitempty"`
 
-	// MaxBodyBytes is the largest body read and parsed; larger requests go to the fallback policy, unread.
-	// Default 4 MiB.
+	// MaxBodyBytes is the largest body read and parsed; larger requests go to the fallback policy, unread
+	// (weighted by their size). Default 2 MiB: ~500k tokens of prompt, and parsing any body under it
+	// costs at most ~10 ms of CPU.
 	MaxBodyBytes int64 `json:"max_body_bytes,omitempty"`
 
 	// MaxMessageBytes: a message longer than this is counted by estimate rather than tokenized. Default 32 KiB.
@@ -609,7 +610,7 @@ type MatchLLM struct {
 	APIs []string `json:"apis,omitempty"`
 	// Tokenizer counts prompt tokens for the token bounds, as in the policy. Default cl100k_base.
 	Tokenizer string `json:"tokenizer,omitempty"`
-	// MaxBodyBytes is the largest body read; larger LLM requests are answered 413. Default 4 MiB.
+	// MaxBodyBytes is the largest body read; larger LLM requests are answered 413. Default 2 MiB.
 	MaxBodyBytes int64 `json:"max_body_bytes,omitempty"`
 
 	apis    []tokenize.API

@@ -20,8 +20,11 @@ import (
 // read and parsed once per request however many matchers, routes and retries look at it.
 const varKey = "llm.request"
 
-// defaultMaxBodyBytes is the default body cap: requests larger than this are not parsed.
-const defaultMaxBodyBytes = 4 << 20
+// defaultMaxBodyBytes is the default body cap: requests larger than this are not parsed (they are still
+// proxied, routed by the fallback policy). 2 MiB holds ~500k tokens of prompt text, more than the
+// context of the models usually served, and keeps the costliest body a client can send (tens of
+// thousands of tiny messages) near 10 ms of CPU.
+const defaultMaxBodyBytes = 2 << 20
 
 // errBodyTooLarge marks a body over the cap.
 var errBodyTooLarge = errors.New("request body too large")
