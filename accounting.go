@@ -95,10 +95,19 @@ func (t *loadTable) saturate(dial string, until time.Time) {
 
 // saturated reports whether dial is marked saturated at now.
 func (t *loadTable) saturated(dial string, now int64) bool {
+	_, _, saturated := t.state(dial, now)
+	return saturated
+}
+
+// state returns dial's in-flight tokens and requests and whether it is saturated at now, in one lookup.
+func (t *loadTable) state(dial string, now int64) (tokens, requests int64, saturated bool) {
 	t.mu.RLock()
 	l := t.m[dial]
 	t.mu.RUnlock()
-	return l != nil && l.saturatedUntil.Load() > now
+	if l == nil {
+		return 0, 0, false
+	}
+	return l.tokens.Load(), l.requests.Load(), l.saturatedUntil.Load() > now
 }
 
 // snapshot returns every known upstream's load, sorted by dial address.

@@ -336,26 +336,11 @@ func (s *LLMSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, w
 	sc := scratchPool.Get().(*scratch)
 	defer scratchPool.Put(sc)
 	sc.reset()
-	now := start.UnixNano()
-	// A retry goes to an upstream this request has not tried yet, and an upstream in its 429 backoff is
-	// used only when there is nothing else.
-	skipTried := len(lr.tried) > 0 && anyEligible(pool, func(u *reverseproxy.Upstream) bool { return !slices.Contains(lr.tried, u.Dial) })
-	skipSaturated := anyEligible(pool, func(u *reverseproxy.Upstream) bool {
-		return !loads.saturated(u.Dial, now) && !(skipTried && slices.Contains(lr.tried, u.Dial))
-	})
+	sc.gather(pool, lr.tried, start.UnixNano(), s.Capacities)
 	var ownTokens, ownRequests int64
-	for _, u := range pool {
-		if !u.Available() || skipTried && slices.Contains(lr.tried, u.Dial) || skipSaturated && loads.saturated(u.Dial, now) {
-			continue
-		}
-		tokens, requests := loads.get(u.Dial)
-		ownTokens += tokens
-		ownRequests += requests
-		sc.upstreams = append(sc.upstreams, u)
-		sc.keys = append(sc.keys, u.Dial)
-		sc.cands = append(sc.cands, selection.Candidate{
-			Key: u.Dial, InflightTokens: tokens, InflightRequests: requests, Capacity: s.Capacities[u.Dial],
-		})
+	for _, c := range sc.cands {
+		ownTokens += c.InflightTokens
+		ownRequests += c.InflightRequests
 	}
 	if len(sc.cands) == 0 {
 		lr.acct.swap(nil)
@@ -519,16 +504,6 @@ func firstPrefixHash(bounds []tokenize.Boundary) uint64 {
 	return bounds[0].Hash
 }
 
-// anyEligible reports whether pool has an available upstream for which ok holds.
-func anyEligible(pool reverseproxy.UpstreamPool, ok func(*reverseproxy.Upstream) bool) bool {
-	for _, u := range pool {
-		if u.Available() && ok(u) {
-			return true
-		}
-	}
-	return false
-}
-
 func dialOf(u *reverseproxy.Upstream) string {
 	if u == nil {
 		return ""
@@ -541,6 +516,7 @@ type scratch struct {
 	upstreams []*reverseproxy.Upstream
 	keys      []string
 	cands     []selection.Candidate
+	avoid     []uint8 // per candidate while gathering: avoidTried, avoidSaturated
 	cached    []int
 	floats    []float64
 }
@@ -550,8 +526,63 @@ func (sc *scratch) reset() {
 	sc.upstreams = sc.upstreams[:0]
 	sc.keys = sc.keys[:0]
 	sc.cands = sc.cands[:0]
+	sc.avoid = sc.avoid[:0]
 	sc.cached = sc.cached[:0]
 	sc.floats = sc.floats[:0]
+}
+
+const (
+	avoidTried     uint8 = 1 << iota // this request already tried it
+	avoidSaturated                   // in its 429 backoff
+)
+
+// gather fills sc with the candidates for a request: the available upstreams, each with its load looked
+// up once. A retry goes to an upstream the request has not tried yet, and an upstream in its 429 backoff
+// is used only when there is nothing else; when every available upstream is to be avoided for a reason,
+// that reason is dropped.
+func (sc *scratch) gather(pool reverseproxy.UpstreamPool, tried []string, now int64, capacities map[string]float64) {
+	anyUntried := false
+	for _, u := range pool {
+		if !u.Available() {
+			continue
+		}
+		tokens, requests, saturated := loads.state(u.Dial, now)
+		var avoid uint8
+		if slices.Contains(tried, u.Dial) {
+			avoid |= avoidTried
+		} else {
+			anyUntried = true
+		}
+		if saturated {
+			avoid |= avoidSaturated
+		}
+		sc.upstreams = append(sc.upstreams, u)
+		sc.keys = append(sc.keys, u.Dial)
+		sc.avoid = append(sc.avoid, avoid)
+		sc.cands = append(sc.cands, selection.Candidate{
+			Key: u.Dial, InflightTokens: tokens, InflightRequests: requests, Capacity: capacities[u.Dial],
+		})
+	}
+	var skip uint8
+	if anyUntried {
+		skip = avoidTried
+	}
+	for _, a := range sc.avoid {
+		if a&skip == 0 && a&avoidSaturated == 0 {
+			skip |= avoidSaturated // a candidate neither skipped nor saturated exists
+			break
+		}
+	}
+	kept := 0
+	for i, a := range sc.avoid {
+		if a&skip != 0 {
+			continue
+		}
+		sc.upstreams[kept], sc.keys[kept], sc.cands[kept] = sc.upstreams[i], sc.keys[i], sc.cands[i]
+		kept++
+	}
+	clear(sc.upstreams[kept:])
+	sc.upstreams, sc.keys, sc.cands = sc.upstreams[:kept], sc.keys[:kept], sc.cands[:kept]
 }
 
 var scratchPool = sync.Pool{New: func() any {
