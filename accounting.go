@@ -2,7 +2,6 @@ package caddyllm
 
 import (
 	"context"
-	"sort"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -110,15 +109,14 @@ func (t *loadTable) state(dial string, now int64) (tokens, requests int64, satur
 	return l.tokens.Load(), l.requests.Load(), l.saturatedUntil.Load() > now
 }
 
-// snapshot returns every known upstream's load, sorted by dial address.
+// snapshot returns every known upstream's load, in no particular order.
 func (t *loadTable) snapshot() []upstreamInflight {
 	t.mu.RLock()
+	defer t.mu.RUnlock()
 	out := make([]upstreamInflight, 0, len(t.m))
 	for dial, l := range t.m {
 		out = append(out, upstreamInflight{Dial: dial, Tokens: l.tokens.Load(), Requests: l.requests.Load()})
 	}
-	t.mu.RUnlock()
-	sort.Slice(out, func(i, j int) bool { return out[i].Dial < out[j].Dial })
 	return out
 }
 

@@ -3,6 +3,7 @@ package caddyllm
 import (
 	"errors"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -212,15 +213,7 @@ func upstreamReport(withRoutes bool) []upstreamStatus {
 			out[i].Routes = &n
 		}
 	}
-	slices.SortFunc(out, func(a, b upstreamStatus) int {
-		switch {
-		case a.Upstream < b.Upstream:
-			return -1
-		case a.Upstream > b.Upstream:
-			return 1
-		}
-		return 0
-	})
+	slices.SortFunc(out, func(a, b upstreamStatus) int { return strings.Compare(a.Upstream, b.Upstream) })
 	return out
 }
 
