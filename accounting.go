@@ -73,13 +73,8 @@ func (t *loadTable) reserve(dial string, tokens int64) *reservation {
 
 // get returns dial's in-flight tokens and requests; zero for an upstream never used.
 func (t *loadTable) get(dial string) (tokens, requests int64) {
-	t.mu.RLock()
-	l := t.m[dial]
-	t.mu.RUnlock()
-	if l == nil {
-		return 0, 0
-	}
-	return l.tokens.Load(), l.requests.Load()
+	tokens, requests, _ = t.state(dial, 0)
+	return tokens, requests
 }
 
 // saturate marks dial saturated until the given time.
