@@ -1,15 +1,16 @@
-// Package selection chooses an upstream for an LLM request from signals about each candidate: the tokens
-// it has in flight, the prompt tokens it probably has cached, a conversation pin, and what its own metrics
-// say about its queue and KV cache. It imports nothing from Caddy; the Caddy module converts its upstream
-// pool into Candidates, so every decision can be tested with exact, injected signals.
+// Package selection chooses an upstream for an LLM request by one cost in seconds: the predicted time to
+// the request's first token on each candidate (the wait for a slot or for the prefill queued there, then
+// its own uncached prefill) plus the delay its prefill imposes on requests arriving behind it. Each
+// candidate's speed is its own Service, learned online by a ServiceModel, so no constant is tied to one
+// backend. It imports nothing from Caddy; the Caddy module converts its upstream pool into Candidates, so
+// every decision can be tested with exact, injected signals.
 //
-// Choose is deterministic for a given input and tie-break source, runs in O(n log n) for n candidates
-// (a median), and does not allocate when the caller passes a scratch buffer.
+// Choose is deterministic for a given input and tie-break source, runs in O(n) for n candidates, and does
+// not allocate when the caller passes a scratch buffer.
 package selection
 
 import (
 	"math"
-	"slices"
 
 	"github.com/cespare/xxhash/v2"
 )
@@ -18,12 +19,12 @@ import (
 type Mode uint8
 
 const (
-	// Combined weighs each candidate's load against the prefill work its cache would save (the default).
+	// Combined weighs each candidate's wait against the prefill its cache would save (the default).
 	Combined Mode = iota
-	// LeastTokens chooses by load alone: the fewest in-flight tokens.
+	// LeastTokens chooses by load alone: the least wait plus a full prefill, ignoring caches.
 	LeastTokens
-	// Prefix chooses the longest predicted cache hit, subject to the hot-spot guard, and falls back to
-	// load for prefixes no candidate has seen.
+	// Prefix chooses the longest predicted cache hit unless waiting there costs more than prefilling the
+	// whole prompt elsewhere, and falls back to Combined for prefixes no candidate has seen.
 	Prefix
 )
 
@@ -59,7 +60,8 @@ const (
 	ReasonAffinity
 	// ReasonConversation: chosen because the conversation is pinned to it.
 	ReasonConversation
-	// ReasonGuard: the candidate with the best cache claim was over the hot-spot threshold, so another was chosen.
+	// ReasonGuard: the candidate with the longest cache claim was predicted slower than another (its wait
+	// exceeded what the cache saves), so another was chosen: the prefix is being replicated.
 	ReasonGuard
 )
 
@@ -77,19 +79,18 @@ type Candidate struct {
 	// Key identifies the upstream (its dial address); rendezvous hashing of new prefixes uses it, so it must
 	// be the same string on every proxy instance.
 	Key string
-	// InflightTokens is the weight of the requests this proxy has in flight to it.
-	InflightTokens int64
-	// InflightRequests is the number of those requests.
-	InflightRequests int64
+	// Service is the upstream's estimated speed.
+	Service Service
+	// Requests is the number of requests the upstream has in flight: this proxy's, plus others' that its
+	// metrics show.
+	Requests float64
+	// Queued is how many seconds of prefill the upstream has queued ahead of a new request: the uncached
+	// prompt tokens of requests still waiting for their first token, in its own time.
+	Queued float64
 	// CachedTokens is how many of this request's prompt tokens it probably holds in its KV cache.
 	CachedTokens int
 	// Pinned is true when the request's conversation is pinned to this candidate.
 	Pinned bool
-	// ExtraLoad is load this proxy cannot see itself, in tokens (e.g. derived from the backend's scraped
-	// queue and KV usage); 0 when unknown.
-	ExtraLoad int64
-	// Capacity, when positive, normalises load across unequal backends: load is divided by Capacity.
-	Capacity float64
 }
 
 // Request is what the decision needs to know about the request being routed.
@@ -99,39 +100,26 @@ type Request struct {
 	// PrefixHash identifies the request's prefix for rendezvous hashing among near-equal candidates, so that
 	// independent proxies send the same new prefix to the same upstream. 0 disables it.
 	PrefixHash uint64
+	// ArrivalRate is how many requests a second each upstream receives on average (the proxy's whole
+	// rate divided by the upstreams); it prices the delay a long prefill imposes on the requests that
+	// arrive behind it. 0 ignores that delay.
+	ArrivalRate float64
 }
 
-// Config tunes the decision. The zero value is not useful; start from DefaultConfig.
+// Config tunes the decision.
 type Config struct {
 	Mode Mode
-	// GuardFactor and GuardSlack define the hot-spot guard: a candidate whose load exceeds
-	// GuardFactor*median(load) + GuardSlack loses its cache and conversation claims. So does one whose
-	// in-flight requests exceed GuardFactor*median(requests) + GuardRequestSlack: requests behind a
-	// cached prefix weigh little in tokens yet fill the decode batch, so a hot prefix shows in counts.
-	GuardFactor       float64
-	GuardSlack        int64
-	GuardRequestSlack int64
-	// TieTolerance is the fraction of the request's prompt tokens within which two costs count as equal;
-	// equal candidates are separated by rendezvous hashing of the prefix (or by Rand without one).
+	// TieTolerance is the fraction of the least cost within which two costs count as equal (plus
+	// MinTie seconds); equal candidates are separated by fewer requests in flight per slot, then by
+	// rendezvous hashing of the prefix (or by Rand without one).
 	TieTolerance float64
-	// PrefillWeight scales the prompt tokens a candidate would have to prefill against its load.
-	PrefillWeight float64
+	MinTie       float64
 }
 
-// DefaultConfig is the configuration the Caddy module starts from. PrefillWeight 4, GuardSlack 2048 and
-// GuardRequestSlack 8 were chosen by sweeps of the benchmark harness (shared-prefix and hot-prefix,
-// several seeds): a token to prefill delays the first token more than a token already in flight, which
-// is mostly decoding; and without the request guard one hot prefix piled into one decode batch in half
-// the runs (hot-prefix TTFT p99 ~700 ms against least_conn's ~360).
+// DefaultConfig is the configuration the Caddy module starts from. Nothing in it is tied to one backend:
+// every cost is in seconds of the candidate's own estimated service.
 func DefaultConfig() Config {
-	return Config{
-		Mode:              Combined,
-		GuardFactor:       2,
-		GuardSlack:        2048,
-		GuardRequestSlack: 8,
-		TieTolerance:      0.05,
-		PrefillWeight:     4,
-	}
+	return Config{Mode: Combined, TieTolerance: 0.02, MinTie: 0.002}
 }
 
 // Decision is the outcome of Choose.
@@ -142,166 +130,135 @@ type Decision struct {
 	Reason Reason
 	// MatchedTokens is the chosen candidate's predicted cached prompt tokens.
 	MatchedTokens int
+	// Wait is the chosen candidate's predicted queueing before this request's prefill starts, and TTFT
+	// its predicted time to first token (both in seconds).
+	Wait, TTFT float64
+}
+
+// Cost is what sending the request to c costs, in seconds: the predicted time until its first token
+// (the wait for a slot or for the prefill queued ahead, then its own uncached prefill) plus the delay
+// its prefill imposes on the requests arriving behind it.
+//
+// A cache hit shortens the request's own prefill, so affinity wins while the upstream that holds the
+// prefix is not much busier than another; once the wait there exceeds what the cache saves, another
+// upstream is cheaper, learns the prefix, and a hot prefix ends up replicated on as many upstreams as
+// its load needs, then balanced among them.
+func Cost(c *Candidate, req Request, cached int) (cost, wait, ttft float64) {
+	wait = Wait(c)
+	uncached := req.PromptTokens - min(cached, req.PromptTokens)
+	prefill := float64(uncached) * c.Service.PrefillSecondsPerToken
+	ttft = wait + c.Service.Overhead + prefill
+	// Requests arriving at rate r during a prefill of p seconds wait p/2 on average: r*p*p/2.
+	return ttft + req.ArrivalRate*prefill*prefill/2, wait, ttft
+}
+
+// Wait is how long a new request waits on c before its prefill starts: behind the prefill queued
+// there, or for a free slot when every slot is taken (a slot frees every MeanDuration/Slots seconds).
+func Wait(c *Candidate) float64 {
+	wait := c.Queued
+	if s := c.Service.Slots; s > 0 && c.Requests >= s {
+		wait = max(wait, (c.Requests-s+1)*c.Service.MeanDuration/s)
+	}
+	return wait
 }
 
 // Choose picks a candidate for req. rnd(n) must return a number in [0, n); it breaks exact ties when the
-// request has no prefix hash. scratch, if it has capacity for 3*len(cands) values, avoids allocations.
+// request has no prefix hash. scratch, if it has capacity for 2*len(cands) values, avoids allocations.
 func Choose(cands []Candidate, req Request, cfg Config, rnd func(n int) int, scratch []float64) Decision {
 	switch len(cands) {
 	case 0:
 		return Decision{Index: -1, Reason: ReasonNone}
-	case 1:
-		return Decision{Index: 0, Reason: ReasonLoad, MatchedTokens: cands[0].CachedTokens}
 	}
-
-	loads := scratch[:0]
+	useCache := cfg.Mode != LeastTokens
+	costs := scratch[:0]
 	for i := range cands {
-		loads = append(loads, load(&cands[i]))
+		cached := 0
+		if useCache {
+			cached = cands[i].CachedTokens
+		}
+		c, _, _ := Cost(&cands[i], req, cached)
+		costs = append(costs, c)
 	}
-	if cfg.Mode == LeastTokens {
-		return decide(cands, loads, req, cfg, rnd, func(i int) float64 { return loads[i] }, false)
+	decision := func(i int, reason Reason) Decision {
+		_, wait, ttft := Cost(&cands[i], req, cands[i].CachedTokens)
+		return Decision{Index: i, Reason: reason, MatchedTokens: cands[i].CachedTokens, Wait: wait, TTFT: ttft}
+	}
+	if len(cands) == 1 {
+		return decision(0, ReasonLoad)
 	}
 
-	threshold := guardThreshold(loads, cfg, float64(cfg.GuardSlack))
-	requestThreshold := math.Inf(1)
-	if cfg.GuardRequestSlack > 0 {
-		requests := loads[len(loads):len(loads)]
-		for i := range cands {
-			requests = append(requests, float64(cands[i].InflightRequests))
-		}
-		requestThreshold = guardThreshold(requests, cfg, float64(cfg.GuardRequestSlack))
-	}
-	claims := func(i int) bool {
-		return loads[i] <= threshold && float64(cands[i].InflightRequests) <= requestThreshold
-	}
-	// A hot spot takes no new work while another candidate is under the thresholds (with a request
-	// guard it may have the least tokens in flight, so load alone would not keep it out).
-	anyClaims := false
-	for i := range cands {
-		anyClaims = anyClaims || claims(i)
-	}
-	loadCost := func(i int) float64 {
-		if anyClaims && !claims(i) {
-			return math.Inf(1)
-		}
-		return loads[i]
+	best := leastCost(cands, costs, req, cfg, rnd)
+	if !useCache {
+		return decision(best, ReasonLoad)
 	}
 
-	// A pinned conversation stays where it is unless that upstream is a hot spot.
+	// A pinned conversation stays where it is unless another upstream is predicted faster even after
+	// prefilling what the pinned one has cached.
 	for i := range cands {
 		if cands[i].Pinned {
-			if claims(i) {
-				return Decision{Index: i, Reason: ReasonConversation, MatchedTokens: cands[i].CachedTokens}
+			if costs[i] <= costs[best]+tolerance(costs[best], cfg) {
+				return decision(i, ReasonConversation)
 			}
 			break
 		}
 	}
 
-	best, guarded := -1, false
+	// longest is the candidate with the longest cache claim (-1: none); a claim it lost to its queue
+	// is reported as the guard's doing.
+	longest := -1
 	for i := range cands {
-		if cands[i].CachedTokens <= 0 {
-			continue
-		}
-		if !claims(i) {
-			guarded = true
-			continue
-		}
-		if best < 0 || cands[i].CachedTokens > cands[best].CachedTokens ||
-			cands[i].CachedTokens == cands[best].CachedTokens && loads[i] < loads[best] {
-			best = i
+		if cands[i].CachedTokens > 0 && (longest < 0 || cands[i].CachedTokens > cands[longest].CachedTokens) {
+			longest = i
 		}
 	}
-	// guarded only matters if the hot spot's claim was at least as good as the best remaining one.
-	guarded = guarded && hotSpotWins(cands, claims, best)
-
-	var d Decision
-	switch cfg.Mode {
-	case Prefix:
-		if best >= 0 {
-			d = Decision{Index: best, Reason: ReasonAffinity}
-		} else {
-			d = decide(cands, loads, req, cfg, rnd, loadCost, true)
-		}
-	default: // Combined
-		prompt := float64(req.PromptTokens)
-		d = decide(cands, loads, req, cfg, rnd, func(i int) float64 {
-			cached := 0
-			if claims(i) {
-				cached = min(cands[i].CachedTokens, req.PromptTokens)
-			}
-			return loadCost(i) + cfg.PrefillWeight*(prompt-float64(cached))
-		}, true)
-		if d.Reason == ReasonLoad && cands[d.Index].CachedTokens > 0 && claims(d.Index) {
-			d.Reason = ReasonAffinity
+	if cfg.Mode == Prefix && longest >= 0 && longest != best {
+		// Prefix mode: the longest cached prefix, unless waiting there costs more than prefilling the
+		// whole prompt on the cheapest upstream.
+		full := float64(req.PromptTokens) * cands[best].Service.PrefillSecondsPerToken
+		if costs[longest] <= costs[best]+full {
+			return decision(longest, ReasonAffinity)
 		}
 	}
-	if guarded && d.Reason == ReasonLoad {
-		d.Reason = ReasonGuard
+	switch {
+	case cands[best].CachedTokens > 0:
+		return decision(best, ReasonAffinity)
+	case longest >= 0 && cands[longest].CachedTokens > cands[best].CachedTokens:
+		return decision(best, ReasonGuard)
 	}
-	d.MatchedTokens = cands[d.Index].CachedTokens
-	return d
+	return decision(best, ReasonLoad)
 }
 
-// load is a candidate's load in tokens, normalised by its capacity when it has one.
-func load(c *Candidate) float64 {
-	l := float64(c.InflightTokens + c.ExtraLoad)
-	if c.Capacity > 0 {
-		l /= c.Capacity
-	}
-	return l
+func tolerance(least float64, cfg Config) float64 {
+	return cfg.TieTolerance*least + cfg.MinTie
 }
 
-// guardThreshold returns the load above which a candidate loses its affinity claims. It sorts a copy of
-// loads, kept after them in the same backing array when there is room (else it allocates).
-func guardThreshold(loads []float64, cfg Config, slack float64) float64 {
-	if cfg.GuardFactor <= 0 {
-		return math.Inf(1)
-	}
-	sorted := append(loads[len(loads):len(loads)], loads...)
-	slices.Sort(sorted)
-	n := len(sorted)
-	median := sorted[n/2]
-	if n%2 == 0 {
-		median = (sorted[n/2-1] + sorted[n/2]) / 2
-	}
-	return cfg.GuardFactor*median + slack
-}
-
-// hotSpotWins reports whether some candidate over the threshold had a longer cache claim than best.
-func hotSpotWins(cands []Candidate, claims func(int) bool, best int) bool {
-	for i := range cands {
-		if !claims(i) && cands[i].CachedTokens > 0 &&
-			(best < 0 || cands[i].CachedTokens > cands[best].CachedTokens) {
-			return true
-		}
-	}
-	return false
-}
-
-// decide returns the candidate with the least cost. Costs within the tie tolerance of the least are
-// separated, when useHash is set, by rendezvous hashing of the request's prefix (so that independent
-// proxies agree on where a new prefix goes); otherwise by fewer in-flight requests, then by rnd.
-func decide(cands []Candidate, loads []float64, req Request, cfg Config, rnd func(int) int, cost func(int) float64, useHash bool) Decision {
+// leastCost returns the candidate with the least cost. Costs within the tie tolerance of the least are
+// separated by fewer requests in flight per slot (balance), then by rendezvous hashing of the request's
+// prefix (so that independent proxies agree on where a new prefix goes), else by rnd.
+func leastCost(cands []Candidate, costs []float64, req Request, cfg Config, rnd func(int) int) int {
 	least := math.Inf(1)
-	for i := range cands {
-		least = min(least, cost(i))
+	for _, c := range costs {
+		least = min(least, c)
 	}
-	tolerance := cfg.TieTolerance * float64(max(req.PromptTokens, 1))
+	limit := least + tolerance(least, cfg)
 	chosen, ties := -1, 0
 	var bestScore uint64
+	var bestOccupancy float64
 	for i := range cands {
-		if cost(i) > least+tolerance {
+		if costs[i] > limit {
 			continue
 		}
+		occupancy := cands[i].Requests / max(cands[i].Service.Slots, 1)
 		switch {
-		case useHash && req.PrefixHash != 0:
-			score := rendezvous(req.PrefixHash, cands[i].Key)
-			if chosen < 0 || score > bestScore {
+		case chosen < 0 || occupancy < bestOccupancy:
+			chosen, ties, bestOccupancy = i, 1, occupancy
+			bestScore = rendezvous(req.PrefixHash, cands[i].Key)
+		case occupancy > bestOccupancy:
+		case req.PrefixHash != 0:
+			if score := rendezvous(req.PrefixHash, cands[i].Key); score > bestScore {
 				chosen, bestScore = i, score
 			}
-		case chosen < 0 || cands[i].InflightRequests < cands[chosen].InflightRequests:
-			chosen, ties = i, 1
-		case cands[i].InflightRequests == cands[chosen].InflightRequests:
+		default:
 			// reservoir sampling among exact ties, so equal backends share load
 			ties++
 			if rnd(ties) == 0 {
@@ -309,7 +266,7 @@ func decide(cands []Candidate, loads []float64, req Request, cfg Config, rnd fun
 			}
 		}
 	}
-	return Decision{Index: chosen, Reason: ReasonLoad}
+	return chosen
 }
 
 // rendezvous is the highest-random-weight score of key for a prefix.

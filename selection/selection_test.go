@@ -9,10 +9,15 @@ import (
 // first always breaks exact ties towards the earliest candidate seen, so tables are deterministic.
 func first(int) int { return 1 }
 
-func cands(loads ...int64) []Candidate {
-	out := make([]Candidate, len(loads))
-	for i, l := range loads {
-		out[i] = Candidate{Key: fmt.Sprintf("10.0.0.%d:8000", i+1), InflightTokens: l}
+// svc is a backend with 10k prefill tokens/s, 10 ms overhead, 8 slots and 1 s requests: round numbers
+// for the tables below.
+var svc = Service{Overhead: 0.010, PrefillSecondsPerToken: 1e-4, TokenSeconds: 0.02, Slots: 8, MeanDuration: 1}
+
+// cands returns candidates with the given seconds of queued prefill.
+func cands(queued ...float64) []Candidate {
+	out := make([]Candidate, len(queued))
+	for i, q := range queued {
+		out[i] = Candidate{Key: fmt.Sprintf("10.0.0.%d:8000", i+1), Service: svc, Queued: q}
 	}
 	return out
 }
@@ -24,13 +29,21 @@ func withCached(cs []Candidate, cached ...int) []Candidate {
 	return cs
 }
 
+func withRequests(cs []Candidate, requests ...float64) []Candidate {
+	for i, r := range requests {
+		cs[i].Requests = r
+	}
+	return cs
+}
+
 func TestChoose(t *testing.T) {
-	// An explicit configuration, so the guard thresholds below do not move with the defaults.
-	cfg := Config{Mode: Combined, GuardFactor: 2, GuardSlack: 4096, TieTolerance: 0.05, PrefillWeight: 1}
+	cfg := DefaultConfig()
 	leastTokens := cfg
 	leastTokens.Mode = LeastTokens
 	prefix := cfg
 	prefix.Mode = Prefix
+	slow := cands(0, 0)
+	slow[0].Service.PrefillSecondsPerToken *= 3 // 3x slower prefill
 
 	tests := []struct {
 		name       string
@@ -40,145 +53,91 @@ func TestChoose(t *testing.T) {
 		want       int
 		wantReason Reason
 	}{
+		{name: "no candidates", cfg: cfg, want: -1, wantReason: ReasonNone},
 		{
-			name:  "no candidates",
-			cfg:   cfg,
-			want:  -1,
-			cands: nil, wantReason: ReasonNone,
-		},
-		{
-			name:  "least in-flight tokens wins, not least requests",
-			cands: []Candidate{{Key: "a", InflightTokens: 4000, InflightRequests: 1}, {Key: "b", InflightTokens: 100, InflightRequests: 9}},
-			req:   Request{PromptTokens: 10}, cfg: leastTokens,
+			// 2000 tokens to prefill: 0.2 s on either; 0.15 s queued on the first.
+			name:  "least queued prefill wins",
+			cands: cands(0.15, 0.01), req: Request{PromptTokens: 2000}, cfg: leastTokens,
 			want: 1, wantReason: ReasonLoad,
 		},
 		{
 			name:  "least_tokens ignores cache predictions",
-			cands: withCached(cands(500, 0), 2000, 0),
-			req:   Request{PromptTokens: 2100}, cfg: leastTokens,
+			cands: withCached(cands(0.05, 0), 2000, 0), req: Request{PromptTokens: 2100}, cfg: leastTokens,
 			want: 1, wantReason: ReasonLoad,
 		},
 		{
-			name:  "combined: cached prefix outweighs moderate load",
-			cands: withCached(cands(1500, 0), 2000, 0),
-			req:   Request{PromptTokens: 2100}, cfg: cfg,
+			// cached: 0.1 s queue + 0.01 s prefill; elsewhere 0.21 s of prefill.
+			name:  "combined: a cached prefix outweighs a shorter queue",
+			cands: withCached(cands(0.1, 0), 2000, 0), req: Request{PromptTokens: 2100}, cfg: cfg,
 			want: 0, wantReason: ReasonAffinity,
 		},
 		{
-			name:  "combined: a heavier prefill weight lets the cache outweigh more load",
-			cands: withCached(cands(3000, 0), 1024, 0),
-			req:   Request{PromptTokens: 2100}, cfg: Config{Mode: Combined, GuardFactor: 2, GuardSlack: 4096, PrefillWeight: 4},
-			want: 0, wantReason: ReasonAffinity,
+			// cached: 0.3 s queue, more than the 0.2 s the cache saves: the prefix is replicated.
+			name:  "combined: a queue longer than the saving moves the request (replication)",
+			cands: withCached(cands(0.3, 0), 2000, 0), req: Request{PromptTokens: 2100}, cfg: cfg,
+			want: 1, wantReason: ReasonGuard,
 		},
 		{
-			name:  "combined: load outweighs a small cached prefix",
-			cands: withCached(cands(3000, 0), 256, 0),
-			req:   Request{PromptTokens: 2100}, cfg: cfg,
-			want: 1, wantReason: ReasonLoad,
-		},
-		{
-			name:  "combined: the longer match wins at equal load",
-			cands: withCached(cands(0, 0, 0), 512, 1024, 0),
-			req:   Request{PromptTokens: 2000}, cfg: cfg,
+			name:  "combined: the longer match wins at equal queue",
+			cands: withCached(cands(0, 0), 512, 1024), req: Request{PromptTokens: 2000}, cfg: cfg,
 			want: 1, wantReason: ReasonAffinity,
 		},
 		{
-			name:  "prefix: longest match wins even against load",
-			cands: withCached(cands(3000, 0, 0), 256, 0, 0),
-			req:   Request{PromptTokens: 2100}, cfg: prefix,
-			want: 0, wantReason: ReasonAffinity,
-		},
-		{
-			// median 0, threshold 2*0+4096: 4096 keeps the claim...
-			name:  "guard: at the threshold the claim holds",
-			cands: withCached(cands(4096, 0, 0), 2000, 0, 0),
-			req:   Request{PromptTokens: 2100}, cfg: prefix,
-			want: 0, wantReason: ReasonAffinity,
-		},
-		{
-			// ...4097 loses it, and the reason says why.
-			name:  "guard: above the threshold the claim is lost",
-			cands: withCached(cands(4097, 0, 0), 2000, 0, 0),
-			req:   Request{PromptTokens: 2100}, cfg: prefix,
+			// 10 requests on 8 slots of 1 s: (10-8+1)/8 s = 0.375 s of slot wait, more than the saving.
+			name:  "full slots are a wait too",
+			cands: withRequests(withCached(cands(0, 0), 2000, 0), 10, 2), req: Request{PromptTokens: 2100}, cfg: cfg,
 			want: 1, wantReason: ReasonGuard,
 		},
 		{
-			name:  "guard: combined mode diverts too",
-			cands: withCached(cands(20000, 100, 100), 2000, 0, 0),
-			req:   Request{PromptTokens: 2100}, cfg: cfg,
-			want: 1, wantReason: ReasonGuard,
-		},
-		{
-			name:  "guard: the next-best claim is used when the best is a hot spot",
-			cands: withCached(cands(20000, 100, 100), 2000, 0, 1000),
-			req:   Request{PromptTokens: 2100}, cfg: prefix,
-			want: 2, wantReason: ReasonAffinity,
-		},
-		{
-			// Requests behind a cached prefix weigh little in tokens but still fill the decode batch.
-			name:  "guard: too many requests lose the claim even when tokens are low",
-			cands: []Candidate{{Key: "a", InflightTokens: 1000, InflightRequests: 15, CachedTokens: 2000}, {Key: "b", InflightTokens: 1200, InflightRequests: 3}, {Key: "c", InflightTokens: 1200, InflightRequests: 3}},
-			req:   Request{PromptTokens: 2100}, cfg: Config{Mode: Prefix, GuardFactor: 2, GuardSlack: 4096, GuardRequestSlack: 8},
-			want: 1, wantReason: ReasonGuard,
-		},
-		{
-			name:  "guard: requests at the threshold keep the claim",
-			cands: []Candidate{{Key: "a", InflightTokens: 1000, InflightRequests: 14, CachedTokens: 2000}, {Key: "b", InflightTokens: 1200, InflightRequests: 3}, {Key: "c", InflightTokens: 1200, InflightRequests: 3}},
-			req:   Request{PromptTokens: 2100}, cfg: Config{Mode: Prefix, GuardFactor: 2, GuardSlack: 4096, GuardRequestSlack: 8},
+			name:  "requests below the slot count cost no wait",
+			cands: withRequests(withCached(cands(0, 0), 2000, 0), 7, 0), req: Request{PromptTokens: 2100}, cfg: cfg,
 			want: 0, wantReason: ReasonAffinity,
 		},
 		{
-			name:  "guard off keeps the claim",
-			cands: withCached(cands(20000, 100, 100), 2000, 0, 0),
-			req:   Request{PromptTokens: 2100}, cfg: Config{Mode: Prefix},
+			name:  "prefix: the longest match wins while its queue is below a full prefill",
+			cands: withCached(cands(0.3, 0), 2000, 0), req: Request{PromptTokens: 2100}, cfg: prefix,
 			want: 0, wantReason: ReasonAffinity,
 		},
 		{
-			name:  "pinned conversation stays, even where the cache claims elsewhere",
-			cands: []Candidate{{Key: "a", CachedTokens: 1000}, {Key: "b", Pinned: true}},
-			req:   Request{PromptTokens: 1100}, cfg: cfg,
+			name:  "prefix: a queue beyond a full prefill still moves it",
+			cands: withCached(cands(0.6, 0), 2000, 0), req: Request{PromptTokens: 2100}, cfg: prefix,
+			want: 1, wantReason: ReasonGuard,
+		},
+		{
+			name:  "pinned conversation stays while nothing is faster",
+			cands: func() []Candidate { c := withCached(cands(0, 0), 1000, 1000); c[1].Pinned = true; return c }(),
+			req:   Request{PromptTokens: 1200}, cfg: cfg,
 			want: 1, wantReason: ReasonConversation,
 		},
 		{
-			name:  "a pin holds while another upstream is the hot spot",
-			cands: []Candidate{{Key: "a", InflightTokens: 10, Pinned: true, InflightRequests: 5}, {Key: "b", InflightTokens: 10}, {Key: "c", InflightTokens: 50000}},
-			req:   Request{PromptTokens: 100}, cfg: Config{Mode: Combined, GuardFactor: 2, GuardSlack: 0, PrefillWeight: 1},
-			want: 0, wantReason: ReasonConversation,
+			name:  "pinned conversation moves when re-prefilling elsewhere is faster",
+			cands: func() []Candidate { c := withCached(cands(0, 2), 0, 1000); c[1].Pinned = true; return c }(),
+			req:   Request{PromptTokens: 1200}, cfg: cfg,
+			want: 0, wantReason: ReasonGuard,
 		},
 		{
-			name:  "a pinned hot spot loses its pin, over the threshold",
-			cands: []Candidate{{Key: "a", InflightTokens: 50000, Pinned: true}, {Key: "b", InflightTokens: 10}, {Key: "c", InflightTokens: 10}},
-			req:   Request{PromptTokens: 100}, cfg: Config{Mode: Combined, GuardFactor: 2, GuardSlack: 0, PrefillWeight: 1},
+			name:  "a slower backend costs more for the same prompt",
+			cands: slow, req: Request{PromptTokens: 2000}, cfg: cfg,
 			want: 1, wantReason: ReasonLoad,
 		},
 		{
-			name:  "capacity normalises load across unequal backends",
-			cands: []Candidate{{Key: "big", InflightTokens: 3000, Capacity: 4}, {Key: "small", InflightTokens: 1000, Capacity: 1}},
-			req:   Request{PromptTokens: 10}, cfg: leastTokens,
-			want: 0, wantReason: ReasonLoad,
-		},
-		{
-			name:  "extra load from scraped metrics counts",
-			cands: []Candidate{{Key: "a", ExtraLoad: 8000}, {Key: "b", InflightTokens: 1000}},
-			req:   Request{PromptTokens: 10}, cfg: leastTokens,
+			name:  "ties go to fewer requests per slot",
+			cands: withRequests(cands(0, 0, 0), 5, 2, 4), req: Request{PromptTokens: 100, PrefixHash: 9}, cfg: cfg,
 			want: 1, wantReason: ReasonLoad,
 		},
 		{
-			name:  "ties on tokens go to fewer requests",
-			cands: []Candidate{{Key: "a", InflightRequests: 3}, {Key: "b", InflightRequests: 1}, {Key: "c", InflightRequests: 2}},
-			req:   Request{PromptTokens: 10}, cfg: leastTokens,
-			want: 1, wantReason: ReasonLoad,
+			// 1 req/s arriving behind a prefill of 0.5 s: 0.125 s of their waiting; the cached one
+			// prefills 0.05 s.
+			name:  "the delay a long prefill imposes on later arrivals counts",
+			cands: withCached(cands(0.55, 0), 4500, 0), req: Request{PromptTokens: 5000, ArrivalRate: 1}, cfg: cfg,
+			want: 0, wantReason: ReasonAffinity,
 		},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			scratch := make([]float64, 0, 3*len(tt.cands))
-			d := Choose(tt.cands, tt.req, tt.cfg, first, scratch)
+			d := Choose(tt.cands, tt.req, tt.cfg, first, nil)
 			if d.Index != tt.want || d.Reason != tt.wantReason {
 				t.Errorf("Choose() = %d (%s), want %d (%s)", d.Index, d.Reason, tt.want, tt.wantReason)
-			}
-			if d.Index >= 0 && d.MatchedTokens != tt.cands[d.Index].CachedTokens {
-				t.Errorf("MatchedTokens = %d, want %d", d.MatchedTokens, tt.cands[d.Index].CachedTokens)
 			}
 		})
 	}
@@ -227,8 +186,8 @@ func TestChooseUnseenPrefixes(t *testing.T) {
 		t.Errorf("prefix went to %s, then to %s when reordered", cs[d.Index].Key, reversed[d2.Index].Key)
 	}
 	// A clearly less loaded candidate still wins over the hash.
-	loaded := cands(5000, 5000, 5000)
-	loaded[1].InflightTokens = 0
+	loaded := cands(0.5, 0.5, 0.5)
+	loaded[1].Queued = 0
 	if d := Choose(loaded, req, DefaultConfig(), first, nil); d.Index != 1 {
 		t.Errorf("Choose() = %d, want the idle candidate 1", d.Index)
 	}
@@ -247,8 +206,8 @@ func TestModeNames(t *testing.T) {
 }
 
 func TestChooseDoesNotAllocate(t *testing.T) {
-	cs := withCached(cands(100, 0, 2000, 50), 0, 512, 1024, 0)
-	scratch := make([]float64, 0, 3*len(cs))
+	cs := withCached(cands(0.1, 0, 0.2, 0.05), 0, 512, 1024, 0)
+	scratch := make([]float64, 0, len(cs))
 	allocs := testing.AllocsPerRun(100, func() {
 		Choose(cs, Request{PromptTokens: 2000, PrefixHash: 7}, DefaultConfig(), first, scratch)
 	})
@@ -258,8 +217,8 @@ func TestChooseDoesNotAllocate(t *testing.T) {
 }
 
 func BenchmarkChoose(b *testing.B) {
-	cs := withCached(cands(100, 0, 2000, 50, 300, 0, 0, 10), 0, 512, 1024, 0, 0, 0, 64, 0)
-	scratch := make([]float64, 0, 3*len(cs))
+	cs := withCached(cands(0.1, 0, 0.2, 0.05, 0.3, 0, 0, 0.01), 0, 512, 1024, 0, 0, 0, 64, 0)
+	scratch := make([]float64, 0, len(cs))
 	b.ReportAllocs()
 	for b.Loop() {
 		Choose(cs, Request{PromptTokens: 2000, PrefixHash: 7}, DefaultConfig(), first, scratch)

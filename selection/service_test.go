@@ -1,0 +1,152 @@
+package selection
+
+import (
+	"math"
+	"math/rand/v2"
+	"testing"
+	"time"
+)
+
+// backend is a synthetic upstream: first token after overhead + uncached/rate, then output tokens at
+// tokenSeconds each, with 5% noise.
+type backend struct {
+	overhead, perToken, tokenSeconds float64
+}
+
+func (b backend) ttft(uncached int, rng *rand.Rand) float64 {
+	return (b.overhead + float64(uncached)*b.perToken) * (0.95 + 0.1*rng.Float64())
+}
+
+func (b backend) duration(uncached, output int, rng *rand.Rand) float64 {
+	return b.ttft(uncached, rng) + float64(output)*b.tokenSeconds*(0.95+0.1*rng.Float64())
+}
+
+func within(got, want, frac float64) bool { return math.Abs(got-want) <= frac*want }
+
+// TestServiceModelConvergesFromDurations: with only request durations (no observed first tokens), a
+// backend 2.5x slower than the prior at prefill and 2x faster at decoding is learned within a few dozen
+// requests, well enough to predict a request's duration within 15%.
+func TestServiceModelConvergesFromDurations(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 1))
+	b := backend{overhead: 0.02, perToken: 1 / 3200.0, tokenSeconds: 0.015}
+	m := NewServiceModel(Prior)
+	for range 60 {
+		uncached, output := 100+rng.IntN(4000), 32+rng.IntN(200)
+		m.ObserveEnd(uncached, output, 0, b.duration(uncached, output, rng))
+	}
+	s := m.Service()
+	for _, c := range []struct{ uncached, output int }{{3000, 64}, {200, 200}, {1500, 128}} {
+		want := b.duration(c.uncached, c.output, rand.New(rand.NewPCG(0, 0)))
+		got := s.TTFT(c.uncached) + float64(c.output)*s.TokenSeconds
+		if !within(got, want, 0.15) {
+			t.Errorf("predicted duration of %d uncached + %d output = %.3fs, want %.3fs (service %+v)", c.uncached, c.output, got, want, s)
+		}
+	}
+	if !within(1/s.PrefillSecondsPerToken, 3200, 0.3) {
+		t.Errorf("prefill rate %.0f tokens/s, want about 3200", 1/s.PrefillSecondsPerToken)
+	}
+}
+
+// TestServiceModelConvergesFromFirstTokens: observed first tokens pin the prefill rate and overhead,
+// the queue ahead of each request taken out.
+func TestServiceModelConvergesFromFirstTokens(t *testing.T) {
+	rng := rand.New(rand.NewPCG(2, 2))
+	b := backend{overhead: 0.05, perToken: 1 / 20000.0, tokenSeconds: 0.03}
+	m := NewServiceModel(Prior)
+	for range 40 {
+		uncached := 50 + rng.IntN(6000)
+		queued := rng.Float64() * 0.5
+		m.ObserveFirstToken(uncached, queued, queued+b.ttft(uncached, rng))
+	}
+	s := m.Service()
+	if !within(1/s.PrefillSecondsPerToken, 20000, 0.15) || !within(s.Overhead, 0.05, 0.3) {
+		t.Errorf("learned %.0f tokens/s and %.0f ms overhead, want 20000 and 50", 1/s.PrefillSecondsPerToken, 1000*s.Overhead)
+	}
+}
+
+// TestServiceModelAdaptsToSlowdown: a backend that becomes 3x slower (a throttled GPU, a noisy neighbour)
+// is seen as such within a few dozen requests, and the estimate follows it back when it recovers.
+func TestServiceModelAdaptsToSlowdown(t *testing.T) {
+	rng := rand.New(rand.NewPCG(3, 3))
+	fast := backend{overhead: 0.03, perToken: 1 / 8000.0, tokenSeconds: 0.03}
+	slow := backend{overhead: 0.09, perToken: 3 / 8000.0, tokenSeconds: 0.09}
+	m := NewServiceModel(Prior)
+	predict := func() float64 { s := m.Service(); return s.TTFT(2000) + 100*s.TokenSeconds }
+	feed := func(b backend, n int) {
+		for range n {
+			uncached, output := 100+rng.IntN(4000), 50+rng.IntN(150)
+			m.ObserveEnd(uncached, output, 0, b.duration(uncached, output, rng))
+		}
+	}
+	feed(fast, 100)
+	before := predict()
+	feed(slow, 60)
+	after := predict()
+	want := slow.duration(2000, 100, rand.New(rand.NewPCG(0, 0)))
+	if !within(after, want, 0.2) || after < 2*before {
+		t.Errorf("after a 3x slowdown predicted %.2fs (was %.2fs), want about %.2fs", after, before, want)
+	}
+	feed(fast, 60)
+	if back := predict(); !within(back, before, 0.2) {
+		t.Errorf("after recovery predicted %.2fs, want about %.2fs", back, before)
+	}
+}
+
+// TestServiceModelSlots: the running count while requests wait is the slot count; a backend that runs
+// more later (its KV cache had been the limit) raises it.
+func TestServiceModelSlots(t *testing.T) {
+	m := NewServiceModel(Prior)
+	now := time.Unix(0, 0)
+	m.ObserveQueue(5, 0, now)
+	if s := m.Service().Slots; s != 0 {
+		t.Errorf("slots %v before any queue, want 0 (unknown)", s)
+	}
+	for range 10 {
+		m.ObserveQueue(8, 3, now)
+	}
+	if s := m.Service().Slots; !within(s, 8, 0.01) {
+		t.Errorf("slots %v, want 8", s)
+	}
+	m.ObserveQueue(12, 0, now)
+	if s := m.Service().Slots; s != 12 {
+		t.Errorf("slots %v after running 12, want 12", s)
+	}
+}
+
+// TestServiceModelIgnoresOutliers: one stalled request does not teach a 10x slowdown.
+func TestServiceModelIgnoresOutliers(t *testing.T) {
+	rng := rand.New(rand.NewPCG(4, 4))
+	b := backend{overhead: 0.03, perToken: 1 / 8000.0, tokenSeconds: 0.03}
+	m := NewServiceModel(Prior)
+	for range 50 {
+		uncached, output := 100+rng.IntN(4000), 50+rng.IntN(150)
+		m.ObserveEnd(uncached, output, 0, b.duration(uncached, output, rng))
+	}
+	before := m.Service()
+	m.ObserveEnd(1000, 100, 0, 600)
+	after := m.Service()
+	if after.TokenSeconds > 3*before.TokenSeconds || after.PrefillSecondsPerToken > 3*before.PrefillSecondsPerToken {
+		t.Errorf("one 600 s request moved the service from %+v to %+v", before, after)
+	}
+}
+
+// TestFleetBlend: an unmeasured upstream takes the measured ones' estimate, a well-measured one keeps its
+// own, and one in between mixes them.
+func TestFleetBlend(t *testing.T) {
+	measured := Service{Overhead: 0.01, PrefillSecondsPerToken: 1e-4, TokenSeconds: 0.01, MeanDuration: 1, Samples: 40}
+	var f Fleet
+	f.Add(measured)
+	f.Add(Prior) // the prior has no samples: it does not count
+	if got := f.Blend(Prior); got.PrefillSecondsPerToken != measured.PrefillSecondsPerToken || got.TokenSeconds != measured.TokenSeconds {
+		t.Errorf("unmeasured upstream blended to %+v, want the fleet's %+v", got, measured)
+	}
+	own := Service{Overhead: 0.05, PrefillSecondsPerToken: 5e-4, TokenSeconds: 0.05, MeanDuration: 5, Samples: trustedSamples}
+	if got := f.Blend(own); got != own {
+		t.Errorf("measured upstream blended to %+v, want its own %+v", got, own)
+	}
+	half := own
+	half.Samples = trustedSamples / 2
+	if got := f.Blend(half); !within(got.PrefillSecondsPerToken, 3e-4, 1e-9) {
+		t.Errorf("half-measured upstream: prefill %g s/token, want the mean 3e-4", got.PrefillSecondsPerToken)
+	}
+}
