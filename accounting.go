@@ -5,26 +5,55 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/tokenrouter/caddy-llm/scraper"
+	"github.com/tokenrouter/caddy-llm/selection"
 )
 
-// upstreamLoad is the work this process has in flight to one upstream. It is process-global, keyed by the
-// upstream's dial address, so it survives config reloads: a request that started under an old config
-// releases into the same counters the new config reads.
+// upstreamLoad is the work this process has in flight to one upstream, split by phase, and the service
+// model learned from it. It is process-global, keyed by the upstream's dial address, so it survives config
+// reloads: a request that started under an old config releases into the same counters the new config reads.
+//
+// A request is prefilling until its first token and decoding after. The first token is observed when the
+// response is (the llm_resume handler sees it); otherwise it is predicted: each upstream keeps a virtual
+// prefill queue, prefillUntil, the time at which the prefill this proxy sent there is predicted done in the
+// upstream's own estimated time. A request sent now starts its prefill when that queue drains and moves
+// the queue on by its own uncached prompt; a request that ends or is observed early takes its remaining
+// share back out.
 type upstreamLoad struct {
-	tokens   atomic.Int64
+	model *selection.ServiceModel
+
+	tokens   atomic.Int64 // uncached prompt + expected output of the requests in flight (for reports)
 	requests atomic.Int64
 	lastUsed atomic.Int64 // unix nanoseconds of the last reserve or release
+
+	// prefillUntil (unix nanoseconds) is when this proxy's queued prefill there is predicted done.
+	prefillUntil atomic.Int64
 
 	// saturatedUntil (unix nanoseconds) is set when the upstream answers 429 (vLLM's queue is full): until
 	// then it is chosen only if nothing else is available. Its learned routes are kept.
 	saturatedUntil atomic.Int64
+
+	mu       sync.Mutex
+	inflight []*reservation // this proxy's requests in flight, in no order
+	ended    [endRing]int64 // start times of recently ended requests, by end time (ring), for scrapes
+	endedAt  [endRing]int64
+	endNext  int
+	// foreign is the requests its last scrape showed beyond this proxy's own, computed once per scrape.
+	foreignAt      int64
+	foreign        float64
+	foreignWaiting float64
+	meanPrefill    float64 // seconds of prefill of this proxy's recent requests there (EWMA)
 }
+
+// endRing is how many recent ends an upstream remembers to tell its scraped counts from this proxy's.
+const endRing = 64
 
 // loadTable maps dial addresses to their loads. Entries are created on first use and removed only when
 // idle (nothing in flight) for idleAfter once the table holds more than sweepAbove of them, so memory is
 // bounded by the number of upstreams in recent use however many dynamic upstreams come and go.
 //
-// Reserving holds the read lock while it increments, and sweeping holds the write lock while it checks and
+// Reserving holds the read lock while it adds, and sweeping holds the write lock while it checks and
 // deletes, so an entry is never deleted between being looked up and being reserved.
 type loadTable struct {
 	mu sync.RWMutex
@@ -38,107 +67,279 @@ const (
 
 var loads = &loadTable{m: make(map[string]*upstreamLoad)}
 
-// reservation is weight reserved on one upstream, released exactly once.
+// reservation is one request's work on one upstream, released exactly once.
 type reservation struct {
-	load   *upstreamLoad
-	tokens int64
-	dial   string
+	load     *upstreamLoad
+	dial     string
+	uncached int   // prompt tokens to prefill
+	output   int   // expected output tokens
+	start    int64 // unix nanoseconds, when it was sent
+	waited   float64
+	// prefill is its own prefill in seconds, and prefillDone when it is predicted (or was observed) to
+	// end; firstToken is set when the first token was observed.
+	prefill     float64
+	prefillDone int64
+	firstToken  bool
+	index       int // in load.inflight; -1 once released
+	// outputSeen counts the output tokens observed in the response (0 when it is not observed).
+	outputSeen atomic.Int64
 }
 
-// reserve adds one request of the given weight to dial's load.
-func (t *loadTable) reserve(dial string, tokens int64) *reservation {
-	now := time.Now().UnixNano()
+// work describes a request about to be reserved on an upstream.
+type work struct {
+	uncached, output int
+	waited           float64 // predicted seconds before its prefill can start (from the decision)
+}
+
+// entry returns dial's load, creating it.
+func (t *loadTable) entry(dial string, now int64) *upstreamLoad {
 	t.mu.RLock()
 	l := t.m[dial]
-	if l != nil {
-		l.add(tokens, 1, now)
-		t.mu.RUnlock()
-		return &reservation{load: l, tokens: tokens, dial: dial}
-	}
 	t.mu.RUnlock()
-
+	if l != nil {
+		return l
+	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	l = t.m[dial]
-	if l == nil {
+	if l = t.m[dial]; l == nil {
 		if len(t.m) >= sweepAbove {
 			t.sweepLocked(now)
 		}
-		l = new(upstreamLoad)
+		l = &upstreamLoad{model: selection.NewServiceModel(selection.Prior)}
+		l.lastUsed.Store(now)
 		t.m[dial] = l
 	}
-	l.add(tokens, 1, now)
-	return &reservation{load: l, tokens: tokens, dial: dial}
+	return l
 }
 
-// get returns dial's in-flight tokens and requests; zero for an upstream never used.
-func (t *loadTable) get(dial string) (tokens, requests int64) {
-	tokens, requests, _ = t.state(dial, 0)
-	return tokens, requests
+// lookup returns dial's load, or nil for an upstream never used.
+func (t *loadTable) lookup(dial string) *upstreamLoad {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	return t.m[dial]
+}
+
+// reserve adds one request to dial's load. The read lock is held while adding, so a sweep cannot delete
+// the entry in between.
+func (t *loadTable) reserve(dial string, w work, now int64) *reservation {
+	for {
+		l := t.entry(dial, now)
+		t.mu.RLock()
+		if t.m[dial] != l { // swept between entry and here: look it up again
+			t.mu.RUnlock()
+			continue
+		}
+		r := l.add(dial, w, now)
+		t.mu.RUnlock()
+		return r
+	}
+}
+
+// add records r as in flight and queues its prefill.
+func (l *upstreamLoad) add(dial string, w work, now int64) *reservation {
+	svc := l.model.Service()
+	r := &reservation{load: l, dial: dial, uncached: w.uncached, output: w.output, start: now, waited: w.waited}
+	r.prefill = svc.PrefillSecondsPerToken * float64(w.uncached)
+	l.mu.Lock()
+	begin := max(now+seconds(w.waited), l.prefillUntil.Load())
+	l.prefillUntil.Store(begin + seconds(r.prefill))
+	r.prefillDone = begin + seconds(r.prefill+svc.Overhead)
+	r.index = len(l.inflight)
+	l.inflight = append(l.inflight, r)
+	l.meanPrefill += 0.05 * (r.prefill + svc.Overhead - l.meanPrefill)
+	l.mu.Unlock()
+	l.tokens.Add(int64(w.uncached + w.output))
+	l.requests.Add(1)
+	l.lastUsed.Store(now)
+	return r
+}
+
+// firstToken records r's first token at now: its prefill is done. It teaches the service model the
+// first-token delay and moves the virtual queue by the prediction's error. Only the first call counts.
+func (r *reservation) noteFirstToken(now int64) {
+	l := r.load
+	l.mu.Lock()
+	if r.firstToken || r.index < 0 {
+		l.mu.Unlock()
+		return
+	}
+	r.firstToken = true
+	early := r.prefillDone - now // > 0: done sooner than predicted; the queue behind it moves up
+	r.prefillDone = now
+	if until := l.prefillUntil.Load(); early != 0 {
+		l.prefillUntil.Store(max(until-early, now))
+	}
+	l.mu.Unlock()
+	l.model.ObserveFirstToken(r.uncached, r.waited, float64(now-r.start)/1e9)
+}
+
+// release ends r: it leaves the in-flight set and, if it was still predicted to be prefilling, takes its
+// remaining prefill out of the queue. completed says the request ran to its end (a whole answer): only
+// those teach the service model.
+func (r *reservation) release(now int64, completed bool) {
+	l := r.load
+	l.mu.Lock()
+	if r.index < 0 {
+		l.mu.Unlock()
+		return
+	}
+	last := len(l.inflight) - 1
+	l.inflight[r.index] = l.inflight[last]
+	l.inflight[r.index].index = r.index
+	l.inflight[last] = nil
+	l.inflight = l.inflight[:last]
+	r.index = -1
+	if r.prefillDone > now {
+		remaining := min(r.prefillDone-now, seconds(r.prefill))
+		l.prefillUntil.Store(max(l.prefillUntil.Load()-remaining, now))
+	}
+	l.ended[l.endNext], l.endedAt[l.endNext] = r.start, now
+	l.endNext = (l.endNext + 1) % endRing
+	l.mu.Unlock()
+	l.tokens.Add(-int64(r.uncached + r.output))
+	l.requests.Add(-1)
+	l.lastUsed.Store(now)
+	if completed {
+		output := r.output
+		if seen := r.outputSeen.Load(); seen > 0 {
+			output = int(seen)
+		}
+		l.model.ObserveEnd(r.uncached, output, r.waited, float64(now-r.start)/1e9)
+	}
+}
+
+func seconds(s float64) int64 { return int64(s * 1e9) }
+
+// upstreamView is what the decision reads of one upstream at one moment.
+type upstreamView struct {
+	service   selection.Service
+	requests  float64 // this proxy's in flight, plus foreign ones its metrics show
+	queued    float64 // seconds of prefill queued ahead of a new request
+	saturated bool
+}
+
+// view returns dial's state at now for the decision. With a fresh scrape, the requests the backend has
+// beyond this proxy's own are added, counted once per scrape: this proxy's own changes since the scrape
+// are already in its counters, so a burst is never sent to an upstream because it looked idle.
+func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstreamView {
+	l := t.lookup(dial)
+	if l == nil {
+		if snap == nil {
+			return upstreamView{service: selection.Prior}
+		}
+		l = t.entry(dial, now)
+	}
+	v := upstreamView{
+		service:   l.model.Service(),
+		requests:  float64(l.requests.Load()),
+		queued:    max(float64(l.prefillUntil.Load()-now)/1e9, 0),
+		saturated: l.saturatedUntil.Load() > now,
+	}
+	if snap != nil {
+		foreign, waiting, meanPrefill := l.foreignFrom(snap)
+		v.requests += foreign
+		v.queued += waiting * meanPrefill
+	}
+	return v
+}
+
+// foreignFrom returns the requests snap shows beyond this proxy's own at the time of the scrape, how
+// many of them wait, and the mean prefill of a request there. It is computed once per scrape: the first
+// call for a new snapshot also tells the service model the backend's queue.
+func (l *upstreamLoad) foreignFrom(snap *scraper.Snapshot) (foreign, waiting, meanPrefill float64) {
+	at := snap.At.UnixNano()
+	l.mu.Lock()
+	if l.foreignAt == at {
+		foreign, waiting, meanPrefill = l.foreign, l.foreignWaiting, l.meanPrefill
+		l.mu.Unlock()
+		return foreign, waiting, meanPrefill
+	}
+	// Ours at the time of the scrape: those in flight that had started, and those ended since.
+	ours := 0
+	for _, r := range l.inflight {
+		if r.start <= at {
+			ours++
+		}
+	}
+	for i, end := range l.endedAt {
+		if end > at && l.ended[i] <= at {
+			ours++
+		}
+	}
+	foreign = max(snap.Running+snap.Waiting-float64(ours), 0)
+	waiting = min(snap.Waiting, foreign)
+	l.foreignAt, l.foreign, l.foreignWaiting = at, foreign, waiting
+	meanPrefill = l.meanPrefill
+	l.mu.Unlock()
+	l.model.ObserveQueue(snap.Running, snap.Waiting, snap.At)
+	return foreign, waiting, meanPrefill
 }
 
 // saturate marks dial saturated until the given time.
 func (t *loadTable) saturate(dial string, until time.Time) {
-	t.mu.RLock()
-	l := t.m[dial]
-	t.mu.RUnlock()
-	if l != nil {
+	if l := t.lookup(dial); l != nil {
 		l.saturatedUntil.Store(until.UnixNano())
 	}
 }
 
 // saturated reports whether dial is marked saturated at now.
 func (t *loadTable) saturated(dial string, now int64) bool {
-	_, _, saturated := t.state(dial, now)
-	return saturated
+	l := t.lookup(dial)
+	return l != nil && l.saturatedUntil.Load() > now
 }
 
-// state returns dial's in-flight tokens and requests and whether it is saturated at now, in one lookup.
-func (t *loadTable) state(dial string, now int64) (tokens, requests int64, saturated bool) {
-	t.mu.RLock()
-	l := t.m[dial]
-	t.mu.RUnlock()
+// get returns dial's in-flight tokens and requests; zero for an upstream never used.
+func (t *loadTable) get(dial string) (tokens, requests int64) {
+	l := t.lookup(dial)
 	if l == nil {
-		return 0, 0, false
+		return 0, 0
 	}
-	return l.tokens.Load(), l.requests.Load(), l.saturatedUntil.Load() > now
+	return l.tokens.Load(), l.requests.Load()
 }
 
-// snapshot returns every known upstream's load, in no particular order.
-func (t *loadTable) snapshot() []upstreamInflight {
+// snapshot returns every known upstream's load and phases at now, in no particular order.
+func (t *loadTable) snapshot(now int64) []upstreamInflight {
 	t.mu.RLock()
-	defer t.mu.RUnlock()
 	out := make([]upstreamInflight, 0, len(t.m))
+	ls := make([]*upstreamLoad, 0, len(t.m))
 	for dial, l := range t.m {
-		out = append(out, upstreamInflight{Dial: dial, Tokens: l.tokens.Load(), Requests: l.requests.Load()})
+		out = append(out, upstreamInflight{Dial: dial})
+		ls = append(ls, l)
+	}
+	t.mu.RUnlock()
+	for i, l := range ls {
+		out[i].Tokens, out[i].Requests = l.tokens.Load(), l.requests.Load()
+		out[i].Service = l.model.Service()
+		out[i].QueuedSeconds = max(float64(l.prefillUntil.Load()-now)/1e9, 0)
+		l.mu.Lock()
+		for _, r := range l.inflight {
+			if r.prefillDone > now {
+				out[i].Prefilling++
+				out[i].PrefillTokens += int64(r.uncached)
+			}
+		}
+		l.mu.Unlock()
+		out[i].Decoding = out[i].Requests - out[i].Prefilling
 	}
 	return out
 }
 
 type upstreamInflight struct {
-	Dial     string
-	Tokens   int64
-	Requests int64
+	Dial                 string
+	Tokens, Requests     int64
+	Prefilling, Decoding int64
+	PrefillTokens        int64
+	QueuedSeconds        float64
+	Service              selection.Service
 }
 
 // sweepLocked deletes idle entries. The caller holds the write lock.
 func (t *loadTable) sweepLocked(now int64) {
 	for dial, l := range t.m {
-		if l.requests.Load() == 0 && l.tokens.Load() == 0 && now-l.lastUsed.Load() > int64(idleAfter) &&
-			l.saturatedUntil.Load() < now {
+		if l.requests.Load() == 0 && now-l.lastUsed.Load() > int64(idleAfter) && l.saturatedUntil.Load() < now {
 			delete(t.m, dial)
 		}
 	}
-}
-
-func (l *upstreamLoad) add(tokens, requests, now int64) {
-	l.tokens.Add(tokens)
-	l.requests.Add(requests)
-	l.lastUsed.Store(now)
-}
-
-func (r *reservation) release() {
-	r.load.add(-r.tokens, -1, time.Now().UnixNano())
 }
 
 // reservationHolder owns the one reservation a request holds at a time. Each Select swaps in the new
@@ -149,12 +350,14 @@ type reservationHolder struct {
 	mu      sync.Mutex
 	current *reservation
 	done    bool
-	onEnd   func(dial string) // called once at the end with the last reservation's upstream, if any
+	// onEnd is called once at the end with the last reservation's upstream, if any, before it is
+	// released; it reports whether the request completed (only completed requests teach the model).
+	onEnd func(dial string) (completed bool)
 }
 
-// newReservationHolder returns a holder that releases its reservation when ctx is done, then calls onEnd
+// newReservationHolder returns a holder that releases its reservation when ctx is done, calling onEnd
 // (if not nil) with the upstream that reservation was on.
-func newReservationHolder(ctx context.Context, onEnd func(dial string)) *reservationHolder {
+func newReservationHolder(ctx context.Context, onEnd func(dial string) bool) *reservationHolder {
 	h := &reservationHolder{onEnd: onEnd}
 	context.AfterFunc(ctx, h.finish)
 	return h
@@ -171,11 +374,26 @@ func (h *reservationHolder) swap(next *reservation) {
 	}
 	done := h.done
 	h.mu.Unlock()
+	now := time.Now().UnixNano()
 	if prev != nil {
-		prev.release()
+		prev.release(now, false) // an attempt that was retried did not complete
 	}
 	if done && next != nil {
-		next.release()
+		next.release(now, false)
+	}
+}
+
+// tokens records output tokens of the current attempt's response as they are relayed; the first call
+// marks its first token (the end of its prefill).
+func (h *reservationHolder) tokens(n int) {
+	h.mu.Lock()
+	r := h.current
+	h.mu.Unlock()
+	if r == nil {
+		return
+	}
+	if r.outputSeen.Add(int64(n)) == int64(n) {
+		r.noteFirstToken(time.Now().UnixNano())
 	}
 }
 
@@ -186,10 +404,12 @@ func (h *reservationHolder) finish() {
 	h.current = nil
 	h.done = true
 	h.mu.Unlock()
-	if prev != nil {
-		prev.release()
-		if h.onEnd != nil {
-			h.onEnd(prev.dial)
-		}
+	if prev == nil {
+		return
 	}
+	completed := false
+	if h.onEnd != nil {
+		completed = h.onEnd(prev.dial)
+	}
+	prev.release(time.Now().UnixNano(), completed)
 }

@@ -45,13 +45,19 @@ type routesReport struct {
 	Provisioned bool   `json:"provisioned"` // false when no loaded config uses lb_policy llm
 }
 
+// currentRoutesReport adds up every route table in use (one per distinct table configuration).
 func currentRoutesReport() routesReport {
-	t := currentRoutes()
-	if t == nil {
-		return routesReport{}
+	var rep routesReport
+	for _, t := range allRoutes() {
+		st := t.Stats()
+		rep.Routes += st.Routes
+		rep.Pins += st.Pins
+		rep.Evictions += st.Evictions
+		rep.Expired += st.Expired
+		rep.Upstreams = max(rep.Upstreams, st.Upstreams)
+		rep.Provisioned = true
 	}
-	st := t.Stats()
-	return routesReport{Routes: st.Routes, Pins: st.Pins, Evictions: st.Evictions, Expired: st.Expired, Upstreams: st.Upstreams, Provisioned: true}
+	return rep
 }
 
 func (adminAPI) upstreams(w http.ResponseWriter, r *http.Request) error {
@@ -68,7 +74,7 @@ func (adminAPI) routes(w http.ResponseWriter, r *http.Request) error {
 	switch r.Method {
 	case http.MethodGet:
 	case http.MethodDelete:
-		if t := currentRoutes(); t != nil {
+		for _, t := range allRoutes() {
 			t.Clear()
 		}
 	default:

@@ -23,12 +23,9 @@ import (
 //		block_size          <tokens>
 //		route_capacity      <n>
 //		route_ttl           <duration>
-//		guard_factor        <factor>
-//		guard_slack         <tokens>
-//		guard_request_slack <requests>
-//		prefill_weight      <factor>
-//		capacity            <dial> <relative capacity>
+//		capacity            <dial> <relative speed>
 //		saturation_backoff  <duration>
+//		metrics off
 //		metrics {
 //			scheme         <http|https>
 //			port           <port>
@@ -37,14 +34,14 @@ import (
 //			timeout        <duration>
 //			stale_after    <duration>
 //			model          <model_name>
-//			request_tokens <tokens>
-//			kv_threshold   <0-1>
-//			kv_weight      <tokens>
 //		}
 //		fallback            <policy> [<args...>] [{ ... }]
 //	}
 //
-// capacity may be repeated, once per upstream; metrics may be given with no block for all defaults.
+// capacity may be repeated, once per upstream. Metrics are scraped by default (every upstream's /metrics
+// on its own port); "metrics off" turns that off. The old options guard_factor, guard_slack,
+// guard_request_slack, prefill_weight and the metrics block's request_tokens, kv_threshold and kv_weight
+// are still accepted and ignored.
 func (s *LLMSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // consume policy name
 	if d.NextArg() {
@@ -70,10 +67,14 @@ func (s *LLMSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if s.Metrics != nil {
 				return d.Err("metrics already specified")
 			}
-			if d.NextArg() {
-				return d.ArgErr()
-			}
 			s.Metrics = new(MetricsConfig)
+			if d.NextArg() {
+				if d.Val() != "off" || d.NextArg() {
+					return d.Errf("metrics takes no argument but 'off', got '%s'", d.Val())
+				}
+				s.Metrics.Off = true
+				continue
+			}
 			if err := s.Metrics.unmarshalCaddyfile(d); err != nil {
 				return err
 			}

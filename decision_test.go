@@ -18,7 +18,8 @@ func TestDecisionPipeline(t *testing.T) {
 	now := time.Unix(1_700_000_000, 0)
 	routes := affinity.New(affinity.Config{Capacity: 1000, TTL: 10 * time.Minute, BlockSize: 16, Now: func() time.Time { return now }})
 	keys := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"}
-	cfg := selection.DefaultConfig()
+	lt := &loadTable{m: make(map[string]*upstreamLoad)}
+	dec := newDecider(selection.DefaultConfig(), routes, lt, 256, nil)
 
 	type message struct {
 		Role    string `json:"role"`
@@ -33,19 +34,12 @@ func TestDecisionPipeline(t *testing.T) {
 		}
 		return req
 	}
-	// route decides among idle upstreams (loads given per upstream) and learns the choice, like Select.
-	route := func(req *tokenize.Request, loads ...int64) selection.Decision {
+	// route decides among the upstreams as Select does, commits, and ends the request at once.
+	route := func(req *tokenize.Request) selection.Decision {
+		q := &query{req: req, now: now.UnixNano()}
 		cands := make([]selection.Candidate, len(keys))
-		cached := make([]int, len(keys))
-		routes.Match("m", req.Boundaries, keys, cached)
-		for i := range keys {
-			cands[i] = selection.Candidate{Key: keys[i], CachedTokens: cached[i]}
-			if i < len(loads) {
-				cands[i].InflightTokens = loads[i]
-			}
-		}
-		d := selection.Choose(cands, selection.Request{PromptTokens: req.PromptTokens, PrefixHash: firstPrefixHash(req.Boundaries)}, cfg, func(int) int { return 0 }, nil)
-		routes.Learn("m", req.Boundaries, keys[d.Index])
+		d := dec.choose(q, keys, cands, nil)
+		dec.commit(q, keys[d.Index], d).release(now.UnixNano(), false)
 		return d
 	}
 
@@ -80,10 +74,12 @@ func TestDecisionPipeline(t *testing.T) {
 		t.Errorf("resumed conversation: %+v, want upstream %d with a match", d, home)
 	}
 
-	// The guard: with the home upstream far above the median, the claim is dropped.
-	loads := make([]int64, len(keys))
-	loads[home] = 50_000
-	d = route(parse(append(turn2, message{"user", "Still nothing."})...), loads...)
+	// A queue at home longer than re-prefilling the conversation elsewhere moves it: 20 requests of
+	// 8000 tokens queued there, about 20 s at the prior's 8k tokens/s.
+	for range 20 {
+		lt.reserve(keys[home], work{uncached: 8000}, now.UnixNano())
+	}
+	d = route(parse(append(turn2, message{"user", "Still nothing."})...))
 	if d.Index == home || d.Reason != selection.ReasonGuard {
 		t.Errorf("hot spot: %+v, want another upstream and reason guard", d)
 	}
@@ -109,12 +105,8 @@ func TestUnseenPrefixesAgreeAcrossInstances(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			cands := make([]selection.Candidate, len(keys))
-			for i, k := range keys {
-				cands[i] = selection.Candidate{Key: k}
-			}
-			chosen[instance] = selection.Choose(cands, selection.Request{PromptTokens: req.PromptTokens, PrefixHash: firstPrefixHash(req.Boundaries)},
-				selection.DefaultConfig(), func(n int) int { return instance % n }, nil).Index
+			dec := newDecider(selection.DefaultConfig(), affinity.New(affinity.Config{Capacity: 100}), &loadTable{m: make(map[string]*upstreamLoad)}, 256, nil)
+			chosen[instance] = dec.choose(&query{req: req, now: 1}, keys, make([]selection.Candidate, len(keys)), nil).Index
 		}
 		if chosen[0] != chosen[1] {
 			t.Errorf("tenant %d: instance 0 chose %d, instance 1 chose %d", g, chosen[0], chosen[1])

@@ -92,6 +92,12 @@ func newBackend(t *testing.T) *backend {
 }
 
 func (b *backend) serve(w http.ResponseWriter, r *http.Request) {
+	if r.URL.Path == "/metrics" {
+		// An OpenAI-compatible server without metrics: the policy scrapes by default, finds nothing
+		// usable, and routes it on its own signals. Scrapes are not requests the tests count.
+		http.NotFound(w, r)
+		return
+	}
 	body, _ := io.ReadAll(r.Body)
 	b.requests.Add(1)
 	b.mu.Lock()

@@ -86,11 +86,18 @@ var (
 	descRouteEvictions   = prometheus.NewDesc("caddy_llm_route_evictions_total", "Learned routes and conversation pins evicted by capacity.", nil, nil)
 	descRoutesExpired    = prometheus.NewDesc("caddy_llm_routes_expired_total", "Learned routes and conversation pins dropped by TTL.", nil, nil)
 	descPins             = prometheus.NewDesc("caddy_llm_conversation_pins", "Conversations pinned to an upstream.", nil, nil)
+	descPhase            = prometheus.NewDesc("caddy_llm_upstream_phase_requests", "Requests this process has in flight to the upstream, by phase (prefill: before the first token, observed or predicted; decode: after).", []string{"upstream", "phase"}, nil)
+	descQueuedPrefill    = prometheus.NewDesc("caddy_llm_upstream_queued_prefill_seconds", "Predicted seconds of prefill this process has queued on the upstream.", []string{"upstream"}, nil)
+	descPrefillRate      = prometheus.NewDesc("caddy_llm_upstream_prefill_tokens_per_second", "Learned prefill rate of the upstream.", []string{"upstream"}, nil)
+	descTokenSeconds     = prometheus.NewDesc("caddy_llm_upstream_output_token_seconds", "Learned time per output token of one sequence on the upstream.", []string{"upstream"}, nil)
+	descOverhead         = prometheus.NewDesc("caddy_llm_upstream_first_token_overhead_seconds", "Learned time to first token beyond prefill on the upstream.", []string{"upstream"}, nil)
+	descSlots            = prometheus.NewDesc("caddy_llm_upstream_slots", "Learned number of sequences the upstream runs before it queues (absent while unknown).", []string{"upstream"}, nil)
 )
 
 func (stateCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descInflightTokens, descInflightRequests, descSaturated, descQueue, descRunning, descKV,
-		descScrapeAge, descScrapeErrors, descRoutes, descRouteEvictions, descRoutesExpired, descPins} {
+		descScrapeAge, descScrapeErrors, descRoutes, descRouteEvictions, descRoutesExpired, descPins,
+		descPhase, descQueuedPrefill, descPrefillRate, descTokenSeconds, descOverhead, descSlots} {
 		ch <- d
 	}
 }
@@ -100,6 +107,17 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descInflightTokens, prometheus.GaugeValue, float64(u.InflightTokens), u.Upstream)
 		ch <- prometheus.MustNewConstMetric(descInflightRequests, prometheus.GaugeValue, float64(u.InflightRequests), u.Upstream)
 		ch <- prometheus.MustNewConstMetric(descSaturated, prometheus.GaugeValue, boolFloat(u.Saturated), u.Upstream)
+		ch <- prometheus.MustNewConstMetric(descPhase, prometheus.GaugeValue, float64(u.Prefilling), u.Upstream, "prefill")
+		ch <- prometheus.MustNewConstMetric(descPhase, prometheus.GaugeValue, float64(u.Decoding), u.Upstream, "decode")
+		ch <- prometheus.MustNewConstMetric(descQueuedPrefill, prometheus.GaugeValue, u.QueuedSeconds, u.Upstream)
+		if m := u.Model; m != nil {
+			ch <- prometheus.MustNewConstMetric(descPrefillRate, prometheus.GaugeValue, m.PrefillTokensPerSecond, u.Upstream)
+			ch <- prometheus.MustNewConstMetric(descTokenSeconds, prometheus.GaugeValue, m.TokenMS/1000, u.Upstream)
+			ch <- prometheus.MustNewConstMetric(descOverhead, prometheus.GaugeValue, m.OverheadMS/1000, u.Upstream)
+			if m.Slots > 0 {
+				ch <- prometheus.MustNewConstMetric(descSlots, prometheus.GaugeValue, m.Slots, u.Upstream)
+			}
+		}
 		if m := u.Metrics; m != nil {
 			if m.Fresh {
 				ch <- prometheus.MustNewConstMetric(descQueue, prometheus.GaugeValue, m.Waiting, u.Upstream)
@@ -112,8 +130,7 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 			ch <- prometheus.MustNewConstMetric(descScrapeErrors, prometheus.CounterValue, float64(m.Errors), u.Upstream)
 		}
 	}
-	if t := currentRoutes(); t != nil {
-		st := t.Stats()
+	if st := currentRoutesReport(); st.Provisioned {
 		ch <- prometheus.MustNewConstMetric(descRoutes, prometheus.GaugeValue, float64(st.Routes))
 		ch <- prometheus.MustNewConstMetric(descPins, prometheus.GaugeValue, float64(st.Pins))
 		ch <- prometheus.MustNewConstMetric(descRouteEvictions, prometheus.CounterValue, float64(st.Evictions))
@@ -130,12 +147,36 @@ func boolFloat(b bool) float64 {
 
 // upstreamStatus is what the admin endpoint and the metrics report about one upstream.
 type upstreamStatus struct {
-	Upstream         string          `json:"upstream"`
-	InflightTokens   int64           `json:"inflight_tokens"`
-	InflightRequests int64           `json:"inflight_requests"`
-	Saturated        bool            `json:"saturated"`
-	Routes           *int            `json:"learned_routes,omitempty"`
-	Metrics          *scrapedMetrics `json:"metrics,omitempty"`
+	Upstream         string `json:"upstream"`
+	InflightTokens   int64  `json:"inflight_tokens"`
+	InflightRequests int64  `json:"inflight_requests"`
+	Saturated        bool   `json:"saturated"`
+	// Prefilling and Decoding split InflightRequests by phase (observed first tokens, else predicted);
+	// PrefillTokens is what the prefilling ones still have to prefill and QueuedSeconds how long that takes.
+	Prefilling    int64           `json:"prefilling"`
+	Decoding      int64           `json:"decoding"`
+	PrefillTokens int64           `json:"prefill_tokens"`
+	QueuedSeconds float64         `json:"queued_prefill_seconds"`
+	Model         *serviceModel   `json:"model,omitempty"`
+	Routes        *int            `json:"learned_routes,omitempty"`
+	Metrics       *scrapedMetrics `json:"metrics,omitempty"`
+}
+
+// serviceModel is the learned service of an upstream, as reported.
+type serviceModel struct {
+	PrefillTokensPerSecond float64 `json:"prefill_tokens_per_sec"`
+	OverheadMS             float64 `json:"overhead_ms"`
+	TokenMS                float64 `json:"ms_per_output_token"`
+	Slots                  float64 `json:"slots,omitempty"` // 0: not known (no metrics, or never queued)
+	MeanDurationSeconds    float64 `json:"mean_request_seconds"`
+}
+
+func reportService(s selection.Service) *serviceModel {
+	m := &serviceModel{OverheadMS: 1000 * s.Overhead, TokenMS: 1000 * s.TokenSeconds, Slots: s.Slots, MeanDurationSeconds: s.MeanDuration}
+	if s.PrefillSecondsPerToken > 0 {
+		m.PrefillTokensPerSecond = 1 / s.PrefillSecondsPerToken
+	}
+	return m
 }
 
 type scrapedMetrics struct {
@@ -175,11 +216,12 @@ func upstreamReport(withRoutes bool) []upstreamStatus {
 	now := time.Now().UnixNano()
 	var out []upstreamStatus
 	index := make(map[string]int)
-	for _, l := range loads.snapshot() {
+	for _, l := range loads.snapshot(now) {
 		index[l.Dial] = len(out)
 		out = append(out, upstreamStatus{
 			Upstream: l.Dial, InflightTokens: l.Tokens, InflightRequests: l.Requests,
-			Saturated: loads.saturated(l.Dial, now),
+			Saturated: loads.saturated(l.Dial, now), Prefilling: l.Prefilling, Decoding: l.Decoding,
+			PrefillTokens: l.PrefillTokens, QueuedSeconds: l.QueuedSeconds, Model: reportService(l.Service),
 		})
 	}
 	liveScrapesMu.Lock()
@@ -207,9 +249,12 @@ func upstreamReport(withRoutes bool) []upstreamStatus {
 			}
 		}
 	}
-	if t := currentRoutes(); withRoutes && t != nil {
+	if tables := allRoutes(); withRoutes && len(tables) > 0 {
 		for i := range out {
-			n := t.RouteCount(out[i].Upstream)
+			n := 0
+			for _, t := range tables {
+				n += t.RouteCount(out[i].Upstream)
+			}
 			out[i].Routes = &n
 		}
 	}

@@ -8,7 +8,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"net/http"
 	"slices"
 	"sync"
@@ -96,30 +95,25 @@ type LLMSelection struct {
 	// RouteTTL is how long a learned route is trusted. Default 10m.
 	RouteTTL caddy.Duration `json:"route_ttl,omitempty"`
 
-	// GuardFactor and GuardSlack form the hot-spot guard: an upstream whose load exceeds
-	// guard_factor x the median load + guard_slack tokens loses its cache and conversation claims.
-	// Defaults 2 and 2048.
-	GuardFactor float64 `json:"guard_factor,omitempty"`
-	GuardSlack  int64   `json:"guard_slack,omitempty"`
+	// GuardFactor, GuardSlack, GuardRequestSlack and PrefillWeight are accepted for old configs and
+	// ignored: the decision is now one cost in seconds of each upstream's learned service, with no
+	// constant tied to one backend (see the README's "How it decides").
+	GuardFactor       float64 `json:"guard_factor,omitempty"`
+	GuardSlack        int64   `json:"guard_slack,omitempty"`
+	GuardRequestSlack int64   `json:"guard_request_slack,omitempty"`
+	PrefillWeight     float64 `json:"prefill_weight,omitempty"`
 
-	// GuardRequestSlack extends the guard to request counts: an upstream with more than guard_factor x
-	// the median in-flight requests + guard_request_slack loses its claims too, because requests behind
-	// a cached prefix weigh little in tokens yet fill the decode batch. Default 8.
-	GuardRequestSlack int64 `json:"guard_request_slack,omitempty"`
-
-	// PrefillWeight is what one prompt token an upstream would have to prefill costs against one token of
-	// load in "combined" mode: higher values favour cache hits over balance. Default 4 (tokens in flight
-	// are mostly decoding, which delays a new request's first token less than prefill does).
-	PrefillWeight float64 `json:"prefill_weight,omitempty"`
-
-	// Metrics, when set, scrapes each upstream's Prometheus metrics (vLLM or SGLang) and adds the load they
-	// show beyond this proxy's own requests - queues, other clients, KV-cache pressure - to the decision.
-	// Off by default.
+	// Metrics scrapes each upstream's Prometheus metrics (vLLM or SGLang): the requests they show beyond
+	// this proxy's own - other clients, other proxies - join the decision, and the running count at which
+	// a backend starts queueing teaches its slot count. On by default (every upstream's /metrics on its
+	// own port, every second); {"off": true} (Caddyfile `metrics off`) turns it off. An upstream without
+	// usable metrics (404, not Prometheus text, not vLLM or SGLang) is logged once and routed on this
+	// proxy's own signals.
 	Metrics *MetricsConfig `json:"metrics,omitempty"`
 
-	// Capacities gives upstreams (by dial address) a relative capacity, default 1: an upstream with
-	// capacity 2 is considered half as loaded as one with 1 at the same tokens in flight. Use it for
-	// unequal GPUs.
+	// Capacities gives upstreams (by dial address) a relative speed, default 1: the service model of an
+	// upstream with capacity 2 starts from a prior twice as fast. Learned rates replace the prior as
+	// traffic flows; use it for unequal GPUs so that the first minutes are right too.
 	Capacities map[string]float64 `json:"capacities,omitempty"`
 
 	// SaturationBackoff is how long an upstream that answered 429 (vLLM's queue-full answer) is avoided
@@ -129,13 +123,14 @@ type LLMSelection struct {
 	// FallbackRaw is the policy for requests this one cannot read. Default least_conn.
 	FallbackRaw json.RawMessage `json:"fallback,omitempty" caddy:"namespace=http.reverse_proxy.selection_policies inline_key=policy"`
 
-	fallback reverseproxy.Selector
-	decide   selection.Config
-	tokOpts  tokenize.Options
-	routes   *affinity.Table
-	scrapes  *scrapes
-	logger   *zap.Logger
-	cleaned  bool // Cleanup ran (only Cleanup reads it); Select may still run for requests in flight
+	fallback  reverseproxy.Selector
+	decider   *decider
+	tokOpts   tokenize.Options
+	routes    *affinity.Table
+	routesKey string
+	scrapes   *scrapes
+	logger    *zap.Logger
+	cleaned   bool // Cleanup ran (only Cleanup reads it); Select may still run for requests in flight
 }
 
 // CaddyModule returns the Caddy module information.
@@ -173,36 +168,24 @@ func (s *LLMSelection) Provision(ctx caddy.Context) error {
 	if s.RouteTTL == 0 {
 		s.RouteTTL = caddy.Duration(defaultRouteTTL)
 	}
-	s.decide = selection.DefaultConfig()
-	if s.GuardFactor == 0 {
-		s.GuardFactor = s.decide.GuardFactor
-	}
-	if s.GuardSlack == 0 {
-		s.GuardSlack = s.decide.GuardSlack
-	}
-	if s.PrefillWeight == 0 {
-		s.PrefillWeight = s.decide.PrefillWeight
-	}
-	if s.GuardRequestSlack == 0 {
-		s.GuardRequestSlack = s.decide.GuardRequestSlack
-	}
 	if s.SaturationBackoff == 0 {
 		s.SaturationBackoff = caddy.Duration(defaultSaturationBackoff)
 	}
-	if s.Metrics != nil {
-		s.Metrics.provision()
+	if s.Metrics == nil {
+		s.Metrics = new(MetricsConfig)
 	}
+	s.Metrics.provision()
 	if err := s.Validate(); err != nil {
 		return err
 	}
 	if err := registerMetrics(ctx); err != nil {
 		return fmt.Errorf("registering metrics: %w", err)
 	}
-	s.decide.Mode, _ = selection.ParseMode(s.Mode)
-	s.decide.GuardFactor = s.GuardFactor
-	s.decide.GuardSlack = s.GuardSlack
-	s.decide.PrefillWeight = s.PrefillWeight
-	s.decide.GuardRequestSlack = s.GuardRequestSlack
+	if s.GuardFactor != 0 || s.GuardSlack != 0 || s.GuardRequestSlack != 0 || s.PrefillWeight != 0 {
+		s.logger.Warn("guard_factor, guard_slack, guard_request_slack and prefill_weight are ignored: the decision weighs each upstream's learned speed in seconds")
+	}
+	cfg := selection.DefaultConfig()
+	cfg.Mode, _ = selection.ParseMode(s.Mode)
 	s.tokOpts = tokenize.Options{
 		Encoding:        s.Tokenizer,
 		MaxMessageBytes: s.MaxMessageBytes,
@@ -221,15 +204,30 @@ func (s *LLMSelection) Provision(ctx caddy.Context) error {
 	}
 	s.fallback = mod.(reverseproxy.Selector)
 
-	if s.Metrics != nil {
+	if !s.Metrics.Off {
 		s.scrapes = newScrapes(s.Metrics, s.logger)
 		addLiveScrapes(s.scrapes)
+		for _, dial := range staticUpstreams(ctx) {
+			s.scrapes.load(dial) // start scraping before the first request, so reports are complete
+		}
 	}
-	s.routes = acquireRoutes(affinity.Config{
+	for dial, c := range s.Capacities {
+		loads.entry(dial, time.Now().UnixNano()).model.SetPrior(scaledPrior(c))
+	}
+	var err2 error
+	s.routes, s.routesKey, err2 = acquireRoutes(affinity.Config{
 		Capacity:  s.RouteCapacity,
 		TTL:       time.Duration(s.RouteTTL),
 		BlockSize: s.BlockSize,
 	})
+	if err2 != nil {
+		return err2
+	}
+	routes := s.routes
+	if cfg.Mode == selection.LeastTokens {
+		routes = nil
+	}
+	s.decider = newDecider(cfg, routes, loads, s.OutputTokens, s.scrapes)
 	return nil
 }
 
@@ -252,10 +250,6 @@ func (s *LLMSelection) Validate() error {
 		{"block_size", float64(s.BlockSize)},
 		{"route_capacity", float64(s.RouteCapacity)},
 		{"route_ttl", time.Duration(s.RouteTTL).Seconds()},
-		{"guard_factor", s.GuardFactor},
-		{"guard_slack", float64(s.GuardSlack)},
-		{"guard_request_slack", float64(s.GuardRequestSlack)},
-		{"prefill_weight", s.PrefillWeight},
 		{"saturation_backoff", time.Duration(s.SaturationBackoff).Seconds()},
 	} {
 		if v.value < 0 {
@@ -267,7 +261,7 @@ func (s *LLMSelection) Validate() error {
 			return fmt.Errorf("capacity of %s must be positive, got %g", dial, c)
 		}
 	}
-	if s.Metrics != nil {
+	if s.Metrics != nil && !s.Metrics.Off {
 		return s.Metrics.validate()
 	}
 	return nil
@@ -289,7 +283,7 @@ func (s *LLMSelection) Cleanup() error {
 		s.scrapes.release()
 	}
 	if s.routes != nil {
-		releaseRoutes()
+		releaseRoutes(s.routesKey)
 	}
 	return nil
 }
@@ -304,7 +298,7 @@ func (s *LLMSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, w
 	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	if lr.acct == nil {
 		backoff := time.Duration(s.SaturationBackoff)
-		lr.acct = newReservationHolder(r.Context(), func(dial string) { s.noteStatus(repl, dial, backoff) })
+		lr.acct = newReservationHolder(r.Context(), func(dial string) bool { return s.noteStatus(repl, dial, backoff) })
 	} else if len(lr.tried) > 0 {
 		// A retry: the previous attempt's answer (if it got one) is still in the replacer.
 		s.noteStatus(repl, lr.tried[len(lr.tried)-1], time.Duration(s.SaturationBackoff))
@@ -312,16 +306,16 @@ func (s *LLMSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, w
 
 	start := time.Now()
 	req, err := lr.parse(s.tokOpts)
-	if err != nil && lr.api == tokenize.APIUnknown {
-		// A body without a JSON content type that turned out not to be an OpenAI request.
-		lr.acct.swap(nil)
-		return s.fallback.Select(pool, r, w)
-	}
 	if err != nil {
-		// Route it anyway: by the fallback, weighted by its size so a huge prompt is not counted as nothing.
+		// Route it anyway, by the fallback: weighted by its size, so a huge prompt is not counted as
+		// nothing (a body that turned out not to be an OpenAI request at all reserves nothing).
 		up := s.fallback.Select(pool, r, w)
 		weight := max(r.ContentLength, 0) / 4
-		s.hold(lr, up, weight)
+		var res *reservation
+		if lr.api != tokenize.APIUnknown && up != nil {
+			res = loads.reserve(up.Dial, work{uncached: int(weight)}, time.Now().UnixNano())
+		}
+		lr.acct.swap(res)
 		fallbackDecisions.Inc()
 		setPlaceholder(repl, "http.llm.upstream_reason", "fallback")
 		if c := s.logger.Check(zapcore.DebugLevel, "routed unparsed request by fallback"); c != nil {
@@ -336,71 +330,20 @@ func (s *LLMSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, w
 	sc := scratchPool.Get().(*scratch)
 	defer scratchPool.Put(sc)
 	sc.reset()
-	sc.gather(pool, lr.tried, start.UnixNano(), s.Capacities)
-	var ownTokens, ownRequests int64
-	for _, c := range sc.cands {
-		ownTokens += c.InflightTokens
-		ownRequests += c.InflightRequests
-	}
-	if len(sc.cands) == 0 {
+	sc.gather(pool, lr.tried, start.UnixNano())
+	if len(sc.keys) == 0 {
 		lr.acct.swap(nil)
 		return nil
 	}
-	if s.scrapes != nil {
-		requestTokens := s.Metrics.RequestTokens
-		if requestTokens == 0 {
-			requestTokens = defaultRequestTokens
-			if ownRequests > 0 {
-				requestTokens = max(ownTokens/ownRequests, 1)
-			}
-		}
-		for i := range sc.cands {
-			if snap, fresh := s.scrapes.load(sc.keys[i]); fresh {
-				sc.cands[i].ExtraLoad = s.Metrics.extraLoad(snap, sc.cands[i].InflightRequests, requestTokens)
-			}
-		}
-	}
-
-	useRoutes := s.decide.Mode != selection.LeastTokens
-	var conversation string
+	q := &sc.query
+	*q = query{req: req, now: start.UnixNano(), cached: q.cached}
 	if s.ConversationHeader != "" {
-		conversation = r.Header.Get(s.ConversationHeader)
+		q.conversation = r.Header.Get(s.ConversationHeader)
 	}
-	bounds := routeBoundaries(req.Boundaries)
-	if useRoutes {
-		sc.cached = sc.cached[:len(sc.keys)]
-		s.routes.Match(req.Model, bounds, sc.keys, sc.cached)
-		for i := range sc.cands {
-			sc.cands[i].CachedTokens = sc.cached[i]
-		}
-		if conversation != "" {
-			if dial, ok := s.routes.Pinned(req.Model, conversation); ok {
-				for i := range sc.cands {
-					sc.cands[i].Pinned = sc.cands[i].Key == dial
-				}
-			}
-		}
-	}
-
-	if cap(sc.floats) < 3*len(sc.cands) {
-		sc.floats = make([]float64, 0, 3*len(sc.cands))
-	}
-	d := selection.Choose(sc.cands, selection.Request{
-		PromptTokens: req.PromptTokens,
-		PrefixHash:   firstPrefixHash(req.Boundaries),
-	}, s.decide, rand.IntN, sc.floats)
+	sc.cands = slices.Grow(sc.cands[:0], len(sc.keys))[:len(sc.keys)]
+	d := s.decider.choose(q, sc.keys, sc.cands, sc.floats[:0])
 	up := sc.upstreams[d.Index]
-
-	if useRoutes {
-		s.routes.Learn(req.Model, bounds, up.Dial)
-		if conversation != "" {
-			s.routes.Pin(req.Model, conversation, up.Dial)
-		}
-	}
-	// The work this request gives the upstream: the prompt tokens it must prefill (what its cache probably
-	// holds costs nothing) and the output it will generate.
-	weight := int64(req.PromptTokens - min(d.MatchedTokens, req.PromptTokens) + s.outputEstimate(req.MaxTokens))
-	s.hold(lr, up, weight)
+	lr.acct.swap(s.decider.commit(q, up.Dial, d))
 	lr.tried = append(lr.tried, up.Dial)
 
 	decisionCounters[d.Reason].Inc()
@@ -416,27 +359,30 @@ func (s *LLMSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, w
 			zap.String("model", req.Model),
 			zap.Int("prompt_tokens", req.PromptTokens),
 			zap.Int("matched_tokens", d.MatchedTokens),
-			zap.Int64("weight", weight),
-			zap.Int64("extra_load", sc.cands[d.Index].ExtraLoad),
+			zap.Float64("predicted_wait_seconds", d.Wait),
+			zap.Float64("predicted_ttft_seconds", d.TTFT),
 			zap.Int("candidates", len(sc.cands)),
 		)
 	}
 	return up
 }
 
-// noteStatus marks dial saturated if the attempt recorded in repl was answered 429.
-func (s *LLMSelection) noteStatus(repl *caddy.Replacer, dial string, backoff time.Duration) {
+// noteStatus reads the answer of the attempt recorded in repl: a 429 marks dial saturated. It reports
+// whether the attempt was answered with success.
+func (s *LLMSelection) noteStatus(repl *caddy.Replacer, dial string, backoff time.Duration) bool {
 	if repl == nil {
-		return
+		return false
 	}
 	status, _ := repl.Get("http.reverse_proxy.status_code")
-	if code, ok := status.(int); ok && code == http.StatusTooManyRequests {
+	code, ok := status.(int)
+	if ok && code == http.StatusTooManyRequests {
 		loads.saturate(dial, time.Now().Add(backoff))
 		saturationsTotal.WithLabelValues(dial).Inc()
 		if c := s.logger.Check(zapcore.DebugLevel, "upstream saturated"); c != nil {
 			c.Write(zap.String("upstream", dial), zap.Duration("backoff", backoff))
 		}
 	}
+	return ok && code >= 200 && code < 300
 }
 
 // setRequestPlaceholders exposes what the request is (never its text) as {http.llm.*} placeholders for
@@ -452,28 +398,6 @@ func setPlaceholder(repl *caddy.Replacer, key string, value any) {
 	if repl != nil {
 		repl.Set(key, value)
 	}
-}
-
-// outputEstimate is the output tokens a request is expected to generate: its max_tokens when lower than
-// the configured estimate, else the estimate. Real outputs are usually far shorter than max_tokens, so a
-// generous limit must not inflate the weight; a small one lowers it.
-func (s *LLMSelection) outputEstimate(maxTokens int) int {
-	if maxTokens > 0 && maxTokens < s.OutputTokens {
-		return maxTokens
-	}
-	return s.OutputTokens
-}
-
-// hold makes up's reservation of weight the one the request holds, releasing the previous attempt's.
-func (s *LLMSelection) hold(lr *llmRequest, up *reverseproxy.Upstream, weight int64) {
-	if lr.acct == nil {
-		return
-	}
-	if up == nil {
-		lr.acct.swap(nil)
-		return
-	}
-	lr.acct.swap(loads.reserve(up.Dial, weight))
 }
 
 // maxRouteBoundaries bounds the prefixes one request matches and learns, so that a request of endless
@@ -495,15 +419,6 @@ func routeBoundaries(bounds []tokenize.Boundary) []tokenize.Boundary {
 	return append(out, bounds[len(bounds)-(maxRouteBoundaries-keepFirstBoundaries):]...)
 }
 
-// firstPrefixHash identifies the request's leading prefix (its first boundary, usually the system prompt)
-// for rendezvous hashing, so that requests sharing it agree on where to go when nothing else decides.
-func firstPrefixHash(bounds []tokenize.Boundary) uint64 {
-	if len(bounds) == 0 {
-		return 0
-	}
-	return bounds[0].Hash
-}
-
 func dialOf(u *reverseproxy.Upstream) string {
 	if u == nil {
 		return ""
@@ -517,8 +432,8 @@ type scratch struct {
 	keys      []string
 	cands     []selection.Candidate
 	avoid     []uint8 // per candidate while gathering: avoidTried, avoidSaturated
-	cached    []int
 	floats    []float64
+	query     query
 }
 
 func (sc *scratch) reset() {
@@ -527,8 +442,8 @@ func (sc *scratch) reset() {
 	sc.keys = sc.keys[:0]
 	sc.cands = sc.cands[:0]
 	sc.avoid = sc.avoid[:0]
-	sc.cached = sc.cached[:0]
 	sc.floats = sc.floats[:0]
+	sc.query = query{cached: sc.query.cached[:0]}
 }
 
 const (
@@ -536,32 +451,27 @@ const (
 	avoidSaturated                   // in its 429 backoff
 )
 
-// gather fills sc with the candidates for a request: the available upstreams, each with its load looked
-// up once. A retry goes to an upstream the request has not tried yet, and an upstream in its 429 backoff
-// is used only when there is nothing else; when every available upstream is to be avoided for a reason,
-// that reason is dropped.
-func (sc *scratch) gather(pool reverseproxy.UpstreamPool, tried []string, now int64, capacities map[string]float64) {
+// gather fills sc with the candidates for a request: the available upstreams. A retry goes to an
+// upstream the request has not tried yet, and an upstream in its 429 backoff is used only when there is
+// nothing else; when every available upstream is to be avoided for a reason, that reason is dropped.
+func (sc *scratch) gather(pool reverseproxy.UpstreamPool, tried []string, now int64) {
 	anyUntried := false
 	for _, u := range pool {
 		if !u.Available() {
 			continue
 		}
-		tokens, requests, saturated := loads.state(u.Dial, now)
 		var avoid uint8
 		if slices.Contains(tried, u.Dial) {
 			avoid |= avoidTried
 		} else {
 			anyUntried = true
 		}
-		if saturated {
+		if loads.saturated(u.Dial, now) {
 			avoid |= avoidSaturated
 		}
 		sc.upstreams = append(sc.upstreams, u)
 		sc.keys = append(sc.keys, u.Dial)
 		sc.avoid = append(sc.avoid, avoid)
-		sc.cands = append(sc.cands, selection.Candidate{
-			Key: u.Dial, InflightTokens: tokens, InflightRequests: requests, Capacity: capacities[u.Dial],
-		})
 	}
 	var skip uint8
 	if anyUntried {
@@ -578,52 +488,16 @@ func (sc *scratch) gather(pool reverseproxy.UpstreamPool, tried []string, now in
 		if a&skip != 0 {
 			continue
 		}
-		sc.upstreams[kept], sc.keys[kept], sc.cands[kept] = sc.upstreams[i], sc.keys[i], sc.cands[i]
+		sc.upstreams[kept], sc.keys[kept] = sc.upstreams[i], sc.keys[i]
 		kept++
 	}
 	clear(sc.upstreams[kept:])
-	sc.upstreams, sc.keys, sc.cands = sc.upstreams[:kept], sc.keys[:kept], sc.cands[:kept]
+	sc.upstreams, sc.keys = sc.upstreams[:kept], sc.keys[:kept]
 }
 
 var scratchPool = sync.Pool{New: func() any {
-	return &scratch{cached: make([]int, 0, 16), floats: make([]float64, 0, 48)}
+	return &scratch{floats: make([]float64, 0, 48), query: query{cached: make([]int, 0, 16)}}
 }}
-
-// The learned route table is shared by every policy in the process and survives reloads: each Provision
-// takes a reference and each Cleanup drops one; it is dropped when no config uses it.
-var (
-	routesMu   sync.Mutex
-	routesRefs int
-	routeTable *affinity.Table
-)
-
-func acquireRoutes(cfg affinity.Config) *affinity.Table {
-	routesMu.Lock()
-	defer routesMu.Unlock()
-	if routeTable == nil {
-		routeTable = affinity.New(cfg)
-	} else {
-		routeTable.Reconfigure(cfg)
-	}
-	routesRefs++
-	return routeTable
-}
-
-// currentRoutes returns the shared route table, or nil when no config uses the policy.
-func currentRoutes() *affinity.Table {
-	routesMu.Lock()
-	defer routesMu.Unlock()
-	return routeTable
-}
-
-func releaseRoutes() {
-	routesMu.Lock()
-	defer routesMu.Unlock()
-	routesRefs--
-	if routesRefs == 0 {
-		routeTable = nil
-	}
-}
 
 // MatchLLM matches OpenAI-compatible LLM requests by model, prompt tokens, streaming and API. A request
 // that is not an LLM request (not a POST of JSON to a chat/completions or completions endpoint) does not

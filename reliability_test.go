@@ -318,7 +318,7 @@ func simServers(ups ...*simUpstream) []*httptest.Server {
 func assertAllZero(t *testing.T, dials []string) {
 	t.Helper()
 	waitInflightZero(t, dials...)
-	for _, l := range loads.snapshot() {
+	for _, l := range loads.snapshot(time.Now().UnixNano()) {
 		if slices.Contains(dials, l.Dial) && (l.Tokens != 0 || l.Requests != 0) {
 			t.Errorf("snapshot: %s has %d tokens, %d requests in flight, want 0", l.Dial, l.Tokens, l.Requests)
 		}

@@ -17,6 +17,8 @@ import (
 // MetricsConfig turns on scraping of each upstream's Prometheus /metrics (vLLM and SGLang names) so that
 // load this proxy cannot see itself - other clients, other proxies - enters the routing decision.
 type MetricsConfig struct {
+	// Off turns scraping off (Caddyfile `metrics off`): routing uses this proxy's own signals only.
+	Off bool `json:"off,omitempty"`
 	// Scheme of the metrics URL. Default http.
 	Scheme string `json:"scheme,omitempty"`
 	// Port of the metrics endpoint; default the upstream's own port.
@@ -32,21 +34,14 @@ type MetricsConfig struct {
 	StaleAfter caddy.Duration `json:"stale_after,omitempty"`
 	// Model filters series by their model_name label. Default: all models.
 	Model string `json:"model,omitempty"`
-	// RequestTokens is how many tokens one request the backend has beyond this proxy's own counts as.
-	// Default: the mean weight of this proxy's requests in flight, or 1024 when there are none.
-	RequestTokens int64 `json:"request_tokens,omitempty"`
-	// KVThreshold and KVWeight: above KVThreshold (0-1) KV-cache usage, up to KVWeight tokens are added to
-	// an upstream's load, in proportion, because it is about to queue or preempt. Defaults 0.9 and 8192.
-	KVThreshold float64 `json:"kv_threshold,omitempty"`
-	KVWeight    int64   `json:"kv_weight,omitempty"`
+	// RequestTokens, KVThreshold and KVWeight are accepted for old configs and ignored: a backend's
+	// queue and KV pressure now show as its waiting requests and the slot count it runs at.
+	RequestTokens int64   `json:"request_tokens,omitempty"`
+	KVThreshold   float64 `json:"kv_threshold,omitempty"`
+	KVWeight      int64   `json:"kv_weight,omitempty"`
 }
 
-const (
-	defaultRequestTokens     = 1024
-	defaultKVThreshold       = 0.9
-	defaultKVWeight          = 8192
-	defaultSaturationBackoff = 2 * time.Second
-)
+const defaultSaturationBackoff = 2 * time.Second
 
 func (m *MetricsConfig) provision() {
 	if m.Scheme == "" {
@@ -54,12 +49,6 @@ func (m *MetricsConfig) provision() {
 	}
 	if m.Path == "" {
 		m.Path = "/metrics"
-	}
-	if m.KVThreshold == 0 {
-		m.KVThreshold = defaultKVThreshold
-	}
-	if m.KVWeight == 0 {
-		m.KVWeight = defaultKVWeight
 	}
 }
 
@@ -133,7 +122,38 @@ func (sc *scrapes) load(dial string) (scraper.Snapshot, bool) {
 	if h == nil {
 		return scraper.Snapshot{}, false
 	}
-	return h.Load()
+	snap, fresh := h.Load()
+	if snap.At.IsZero() {
+		sc.checkUsable(dial, h)
+	}
+	return snap, fresh
+}
+
+// unusableAfter is how many failed scrapes, with none good, show that an upstream has no usable metrics.
+const unusableAfter = 3
+
+// checkUsable stops scraping dial, saying so once in the log, when its metrics never answered usefully
+// (404, not Prometheus text, not vLLM or SGLang: a generic OpenAI-compatible server). Routing there goes
+// on with this proxy's own signals. Called only while no scrape of dial has succeeded.
+func (sc *scrapes) checkUsable(dial string, h *scraper.Handle) {
+	t, err := sc.cfg.target(dial)
+	if err != nil {
+		return
+	}
+	st, ok := scraper.Default.Status(t)
+	if !ok || st.Errors < unusableAfter || !st.Snapshot.At.IsZero() {
+		return
+	}
+	sc.mu.Lock()
+	if sc.handles[dial] != h {
+		sc.mu.Unlock()
+		return
+	}
+	sc.handles[dial] = nil
+	sc.mu.Unlock()
+	h.Release()
+	sc.logger.Info("upstream has no usable metrics; routing it on this proxy's own signals",
+		zap.String("upstream", dial), zap.String("metrics_url", t.URL), zap.String("last_error", st.LastError))
 }
 
 func (sc *scrapes) acquire(dial string) *scraper.Handle {
@@ -174,16 +194,4 @@ func (sc *scrapes) release() {
 			h.Release()
 		}
 	}
-}
-
-// extraLoad converts an upstream's scraped metrics into tokens of load this proxy does not see: the
-// requests the backend has beyond this proxy's own (waiting ones counted twice: they must be prefilled
-// before anything new starts), plus a KV-pressure term once usage passes the threshold.
-func (m *MetricsConfig) extraLoad(s scraper.Snapshot, ownRequests int64, requestTokens int64) int64 {
-	foreign := max(s.Running+s.Waiting-float64(ownRequests), 0)
-	load := (foreign + s.Waiting) * float64(requestTokens)
-	if s.KVUsage > m.KVThreshold {
-		load += (s.KVUsage - m.KVThreshold) / (1 - m.KVThreshold) * float64(m.KVWeight)
-	}
-	return int64(load)
 }

@@ -5,6 +5,7 @@ import (
 	"compress/gzip"
 	"errors"
 	"fmt"
+	"github.com/tokenrouter/caddy-llm/affinity"
 	"io"
 	"math/rand/v2"
 	"net/http"
@@ -126,7 +127,7 @@ func TestSoak(t *testing.T) {
 
 	// Reloads under load. The first reload (away from the learning config) is made with nothing in
 	// flight: see selectAfterCleanupFixed.
-	routes := routeTable
+	routes := soleRouteTable(t)
 	learned := routes.Stats().Routes
 	if learned == 0 {
 		t.Fatal("no routes learned by the soak")
@@ -161,7 +162,7 @@ func TestSoak(t *testing.T) {
 	}
 	assertNoPanicLogged(t, logFile)
 	assertAllZero(t, simDials(ups...))
-	kept := routeTable.Stats().Routes
+	kept := soleRouteTable(t).Stats().Routes
 	t.Logf("reloads: %d reloads under load, %d streams sent, %d failed, %d connections closed by a reload before Caddy read their request; learned routes %d before, %d after",
 		done, sent, failedReload, closedUnread, learned, kept)
 	if failedReload > 0 {
@@ -170,8 +171,8 @@ func TestSoak(t *testing.T) {
 	if closedUnread > sent/50 {
 		t.Errorf("%d requests lost to connections closed by reloads: too many to be the reload race", closedUnread)
 	}
-	if routeTable != routes || kept < learned {
-		t.Errorf("learned routes not kept across reloads: %d before, %d after (same table: %t)", learned, kept, routeTable == routes)
+	if soleRouteTable(t) != routes || kept < learned {
+		t.Errorf("learned routes not kept across reloads: %d before, %d after (same table: %t)", learned, kept, soleRouteTable(t) == routes)
 	}
 	client.CloseIdleConnections()
 }
@@ -294,4 +295,14 @@ func TestNoSecretsInLogs(t *testing.T) {
 		t.Errorf("the marker appears %d times in Caddy's DEBUG log, first: ...%s...", n, logs[max(0, i-300):min(len(logs), i+100)])
 	}
 	t.Logf("%d requests, %d bytes of DEBUG log, marker found %d times", len(cases), len(logs), bytes.Count(logs, []byte(marker)))
+}
+
+// soleRouteTable returns the one route table in use (the soak's configs share one table configuration).
+func soleRouteTable(t *testing.T) *affinity.Table {
+	t.Helper()
+	tables := allRoutes()
+	if len(tables) != 1 {
+		t.Fatalf("%d route tables in use, want 1", len(tables))
+	}
+	return tables[0]
 }

@@ -435,8 +435,10 @@ func (p *poller) record(cfg Options, at time.Time, err error) {
 	if errors.Is(err, context.Canceled) && p.ctx.Err() != nil {
 		return // stopping
 	}
+	// A target that used to answer and stopped is worth a warning; one that never answered is the
+	// caller's to judge (an OpenAI-compatible server without metrics is normal).
 	level := zap.DebugLevel
-	if !p.failing.Swap(true) {
+	if !p.failing.Swap(true) && p.last.Load() != nil {
 		level = zap.WarnLevel
 	}
 	if c := cfg.Logger.Check(level, "metrics scrape failed"); c != nil {

@@ -1,0 +1,159 @@
+package caddyllm
+
+import (
+	"context"
+	"math"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/tokenrouter/caddy-llm/scraper"
+	"github.com/tokenrouter/caddy-llm/selection"
+)
+
+func newTestLoads() *loadTable { return &loadTable{m: make(map[string]*upstreamLoad)} }
+
+// TestPhaseAccounting follows requests through their phases on one upstream: the prefill queue grows
+// by each request's own prefill in the upstream's time, an observed first token moves the queue by the
+// prediction's error and the request to decoding, and releasing everything leaves exactly nothing.
+func TestPhaseAccounting(t *testing.T) {
+	lt := newTestLoads()
+	const dial = "10.0.0.1:8000"
+	now := time.Unix(1_700_000_000, 0).UnixNano()
+	per := selection.Prior.PrefillSecondsPerToken // the prior: nothing learned yet
+
+	a := lt.reserve(dial, work{uncached: 8000, output: 100}, now)
+	b := lt.reserve(dial, work{uncached: 4000, output: 100}, now)
+	v := lt.view(dial, now, nil)
+	if want := 12000 * per; math.Abs(v.queued-want) > 1e-6 || v.requests != 2 {
+		t.Fatalf("view = %+v, want %.3f s queued and 2 requests", v, want)
+	}
+	snap := func(at int64) upstreamInflight {
+		for _, u := range lt.snapshot(at) {
+			if u.Dial == dial {
+				return u
+			}
+		}
+		t.Fatalf("%s not in the snapshot", dial)
+		return upstreamInflight{}
+	}
+	if s := snap(now); s.Prefilling != 2 || s.Decoding != 0 || s.PrefillTokens != 12000 {
+		t.Errorf("snapshot = %+v, want 2 prefilling with 12000 tokens", s)
+	}
+
+	// a's first token comes 0.5 s early: b, queued behind it, moves up by as much. Its prefill started
+	// when a's ended, an overhead before a's first token.
+	aDone := a.prefillDone - int64(500*time.Millisecond)
+	a.noteFirstToken(aDone)
+	if got, want := lt.view(dial, aDone, nil).queued, 4000*per-selection.Prior.Overhead; math.Abs(got-want) > 1e-3 {
+		t.Errorf("after a's early first token: %.3f s queued, want %.3f (b's own prefill)", got, want)
+	}
+	if s := snap(aDone); s.Prefilling != 1 || s.Decoding != 1 {
+		t.Errorf("after a's first token: %+v, want 1 prefilling, 1 decoding", s)
+	}
+	a.noteFirstToken(aDone + 1) // only the first counts
+	if got := a.prefillDone; got != aDone {
+		t.Errorf("a second first token moved a's prefill end to %d", got)
+	}
+
+	// b is cancelled while still prefilling: its prefill leaves the queue.
+	b.release(aDone, false)
+	if v := lt.view(dial, aDone, nil); v.queued > 1e-9 || v.requests != 1 {
+		t.Errorf("after b's cancel: %+v, want nothing queued and 1 request", v)
+	}
+	b.release(aDone, false) // a second release changes nothing
+	a.release(aDone+int64(time.Second), true)
+	if tokens, requests := lt.get(dial); tokens != 0 || requests != 0 {
+		t.Errorf("after every release: %d tokens, %d requests, want 0", tokens, requests)
+	}
+}
+
+// TestHolderRetriesAndEnd: a retry releases the previous attempt's reservation, the end releases the last
+// one, and a reservation swapped in after the end is released at once. Only a completed end teaches the
+// service model.
+func TestHolderRetriesAndEnd(t *testing.T) {
+	lt := newTestLoads()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var ended []string
+	h := newReservationHolder(ctx, func(dial string) bool { ended = append(ended, dial); return true })
+	now := time.Now().UnixNano()
+	h.swap(lt.reserve("a:1", work{uncached: 100, output: 10}, now))
+	h.swap(lt.reserve("b:1", work{uncached: 100, output: 10}, now)) // the retry
+	if _, n := lt.get("a:1"); n != 0 {
+		t.Errorf("a:1 still holds %d requests after the retry", n)
+	}
+	h.tokens(1)
+	h.tokens(5)
+	if r := h.current; !r.firstToken || r.outputSeen.Load() != 6 {
+		t.Errorf("after 6 relayed tokens: first token %t, seen %d", r.firstToken, r.outputSeen.Load())
+	}
+	h.finish() // what the request's end runs (synchronously here)
+	if len(ended) != 1 || ended[0] != "b:1" {
+		t.Errorf("onEnd called with %q, want once with b:1", ended)
+	}
+	if _, n := lt.get("b:1"); n != 0 {
+		t.Errorf("b:1 still holds %d requests after the end", n)
+	}
+	h.swap(lt.reserve("c:1", work{uncached: 1}, now)) // a Select racing the end
+	if _, n := lt.get("c:1"); n != 0 {
+		t.Errorf("a reservation made after the end was kept")
+	}
+}
+
+// TestScrapeCountsForeignOnce: a scrape's running and waiting counts beyond this proxy's own requests at
+// the time of the scrape are added once; this proxy's requests sent after the scrape are not counted twice,
+// and its requests that ended since the scrape still count as its own.
+func TestScrapeCountsForeignOnce(t *testing.T) {
+	lt := newTestLoads()
+	const dial = "10.0.0.1:8000"
+	t0 := time.Unix(1_700_000_000, 0)
+	mine := make([]*reservation, 3)
+	for i := range mine {
+		mine[i] = lt.reserve(dial, work{uncached: 10, output: 10}, t0.UnixNano())
+	}
+	at := t0.Add(time.Second)
+	mine[0].release(at.Add(time.Millisecond).UnixNano(), true) // ended after the scrape: it was in its count
+	snap := &scraper.Snapshot{Running: 4, Waiting: 3, At: at}  // 3 of ours + 4 foreign
+	later := at.Add(2 * time.Millisecond).UnixNano()
+	lt.reserve(dial, work{uncached: 10, output: 10}, later) // sent after the scrape
+	v := lt.view(dial, later, snap)
+	if v.requests != 3+4 {
+		t.Errorf("requests = %v, want 3 of ours in flight + 4 foreign", v.requests)
+	}
+	if s := lt.lookup(dial).model.Service().Slots; s != 4 {
+		t.Errorf("slots learned from the scrape = %v, want 4 (running while others wait)", s)
+	}
+}
+
+// TestLoadsStress reserves, observes and releases from many goroutines; every counter ends at zero.
+func TestLoadsStress(t *testing.T) {
+	lt := newTestLoads()
+	dials := []string{"a:1", "b:1", "c:1"}
+	var wg sync.WaitGroup
+	for g := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range 2000 {
+				dial := dials[(g+i)%len(dials)]
+				now := time.Now().UnixNano()
+				r := lt.reserve(dial, work{uncached: i % 500, output: 16}, now)
+				lt.view(dial, now, &scraper.Snapshot{Running: 2, Waiting: float64(i % 3), At: time.Unix(0, now)})
+				if i%3 == 0 {
+					r.noteFirstToken(now + 1)
+				}
+				r.release(now+2, i%2 == 0)
+			}
+		}()
+	}
+	wg.Wait()
+	for _, d := range dials {
+		if tokens, requests := lt.get(d); tokens != 0 || requests != 0 {
+			t.Errorf("%s: %d tokens, %d requests left", d, tokens, requests)
+		}
+		if l := lt.lookup(d); len(l.inflight) != 0 {
+			t.Errorf("%s: %d requests left in flight", d, len(l.inflight))
+		}
+	}
+}

@@ -1,0 +1,201 @@
+package caddyllm
+
+import (
+	"math"
+	"math/rand/v2"
+	"sync"
+
+	"github.com/tokenrouter/caddy-llm/affinity"
+	"github.com/tokenrouter/caddy-llm/scraper"
+	"github.com/tokenrouter/caddy-llm/selection"
+	"github.com/tokenrouter/caddy-llm/tokenize"
+)
+
+// decider is the policy's decision without Caddy: a parsed request and the candidate upstreams' dial
+// addresses in, a choice out, then commit (learn the prefix, pin the conversation, reserve the work).
+// Select and the decision tests both call it.
+//
+// Each signal fills its part of every candidate; adding one (LoRA residency, availability) is one type
+// with a fill method, its test, and a line in newDecider.
+type decider struct {
+	cfg          selection.Config
+	routes       *affinity.Table // nil in least_tokens mode
+	loads        *loadTable
+	outputTokens int
+	signals      []signal
+	rate         *arrivalRate
+}
+
+// query is one decision's input, shared by the signals.
+type query struct {
+	req          *tokenize.Request
+	bounds       []tokenize.Boundary // the boundaries matched and learned (bounded by routeBoundaries)
+	conversation string
+	now          int64
+	cached       []int // scratch for the cache signal
+}
+
+// signal fills its part of each candidate; cands[i] is the upstream keys[i].
+type signal interface {
+	fill(q *query, keys []string, cands []selection.Candidate)
+}
+
+func newDecider(cfg selection.Config, routes *affinity.Table, loads *loadTable, outputTokens int, scrapes *scrapes) *decider {
+	d := &decider{cfg: cfg, routes: routes, loads: loads, outputTokens: outputTokens, rate: new(arrivalRate)}
+	d.signals = append(d.signals, loadSignal{loads: loads, scrapes: scrapes})
+	if routes != nil {
+		d.signals = append(d.signals, cacheSignal{routes: routes})
+	}
+	return d
+}
+
+// choose fills the candidates for keys (cands must have len(keys)) and decides among them.
+func (d *decider) choose(q *query, keys []string, cands []selection.Candidate, scratch []float64) selection.Decision {
+	q.bounds = routeBoundaries(q.req.Boundaries)
+	for i := range cands {
+		cands[i] = selection.Candidate{Key: keys[i]}
+	}
+	for _, s := range d.signals {
+		s.fill(q, keys, cands)
+	}
+	rate := d.rate.perSecond(q.now)
+	return selection.Choose(cands, selection.Request{
+		PromptTokens: q.req.PromptTokens,
+		PrefixHash:   prefixHash(q.req.Boundaries),
+		ArrivalRate:  rate / float64(len(keys)),
+	}, d.cfg, randIntN, scratch)
+}
+
+// commit records the choice of dial: the route table learns the request's prefixes there, the
+// conversation is pinned there, and the request's work is reserved on it.
+func (d *decider) commit(q *query, dial string, dec selection.Decision) *reservation {
+	if d.routes != nil {
+		d.routes.Learn(q.req.Model, q.bounds, dial)
+		if q.conversation != "" {
+			d.routes.Pin(q.req.Model, q.conversation, dial)
+		}
+	}
+	d.rate.add(q.now)
+	return d.loads.reserve(dial, work{
+		uncached: q.req.PromptTokens - min(dec.MatchedTokens, q.req.PromptTokens),
+		output:   d.outputEstimate(q.req.MaxTokens),
+		waited:   dec.Wait,
+	}, q.now)
+}
+
+// outputEstimate is the output tokens a request is expected to generate: its max_tokens when lower than
+// the configured estimate, else the estimate. Real outputs are usually far shorter than max_tokens, so a
+// generous limit must not inflate the weight; a small one lowers it.
+func (d *decider) outputEstimate(maxTokens int) int {
+	if maxTokens > 0 && maxTokens < d.outputTokens {
+		return maxTokens
+	}
+	return d.outputTokens
+}
+
+// loadSignal fills each candidate's service estimate, requests in flight and queued prefill, from this
+// proxy's own accounting and, when scraped, the backend's metrics.
+type loadSignal struct {
+	loads   *loadTable
+	scrapes *scrapes // nil: metrics off
+}
+
+func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
+	var fleet selection.Fleet
+	for i, key := range keys {
+		var snap *scraper.Snapshot
+		if s.scrapes != nil {
+			if sn, fresh := s.scrapes.load(key); fresh {
+				snap = &sn
+			}
+		}
+		v := s.loads.view(key, q.now, snap)
+		cands[i].Service, cands[i].Requests, cands[i].Queued = v.service, v.requests, v.queued
+		fleet.Add(v.service)
+	}
+	// An upstream the proxy has barely seen borrows what the others have taught: without that, the
+	// first upstream to be measured looks faster (or slower) than the prior of all the others, and
+	// takes every request (or none) until they are measured too.
+	for i := range cands {
+		cands[i].Service = fleet.Blend(cands[i].Service)
+	}
+}
+
+// cacheSignal fills each candidate's predicted cached prompt tokens from the learned routes, and marks
+// the upstream the conversation is pinned to. A pinned upstream is credited with the conversation's
+// history up to its last message even when those routes were evicted: the pin says it was there.
+type cacheSignal struct {
+	routes *affinity.Table
+}
+
+func (s cacheSignal) fill(q *query, keys []string, cands []selection.Candidate) {
+	if cap(q.cached) < len(keys) {
+		q.cached = make([]int, len(keys))
+	}
+	cached := q.cached[:len(keys)]
+	s.routes.Match(q.req.Model, q.bounds, keys, cached)
+	for i := range cands {
+		cands[i].CachedTokens = cached[i]
+	}
+	if q.conversation == "" {
+		return
+	}
+	dial, ok := s.routes.Pinned(q.req.Model, q.conversation)
+	if !ok {
+		return
+	}
+	for i := range cands {
+		if cands[i].Key == dial {
+			cands[i].Pinned = true
+			if n := len(q.req.Boundaries); n >= 2 {
+				cands[i].CachedTokens = max(cands[i].CachedTokens, q.req.Boundaries[n-2].Tokens)
+			}
+		}
+	}
+}
+
+// prefixHash identifies the request's prefix for rendezvous hashing among near-equal candidates: the
+// longest prefix before its last message (the system prompt of a first turn, the history of a later
+// one), so that proxies agree on where a shared prefix goes while different conversations behind one
+// system prompt still spread once their histories differ.
+func prefixHash(bounds []tokenize.Boundary) uint64 {
+	switch n := len(bounds); n {
+	case 0:
+		return 0
+	case 1:
+		return bounds[0].Hash
+	default:
+		return bounds[n-2].Hash
+	}
+}
+
+var randIntN = rand.IntN
+
+// arrivalRate estimates the proxy's request rate: an exponentially decaying count over rateWindow.
+type arrivalRate struct {
+	mu    sync.Mutex
+	value float64 // requests per second at last
+	last  int64
+}
+
+const rateWindow = 10e9 // nanoseconds
+
+func (a *arrivalRate) add(now int64) {
+	a.mu.Lock()
+	a.value = a.decayed(now) + 1e9/rateWindow
+	a.last = now
+	a.mu.Unlock()
+}
+
+func (a *arrivalRate) perSecond(now int64) float64 {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.decayed(now)
+}
+
+func (a *arrivalRate) decayed(now int64) float64 {
+	if a.last == 0 || now <= a.last {
+		return a.value
+	}
+	return a.value * math.Exp(-float64(now-a.last)/rateWindow)
+}
