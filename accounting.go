@@ -40,10 +40,18 @@ type upstreamLoad struct {
 	endedAt  [endRing]int64
 	endNext  int
 	// foreign is the requests its last scrape showed beyond this proxy's own, computed once per scrape.
-	foreignAt      int64
-	foreign        float64
-	foreignWaiting float64
-	meanPrefill    float64 // seconds of prefill of this proxy's recent requests there (EWMA)
+	foreignAt    int64
+	foreign      float64
+	meanUncached float64 // uncached prompt tokens of this proxy's recent requests there (EWMA)
+
+	// Cache trust: the share of its predicted cache hits the backend's own prefix-cache counters confirm.
+	// predicted and prompt add up what this proxy predicted cached and sent there; at each scrape their
+	// growth since the last one is compared with the backend's hits and queries.
+	predicted, prompt   atomic.Int64
+	lastPredicted       int64
+	lastPrompt          int64
+	lastHits, lastQuery float64
+	trust               float64 // 0-1; starts at 1
 }
 
 // endRing is how many recent ends an upstream remembers to tell its scraped counts from this proxy's.
@@ -88,6 +96,7 @@ type reservation struct {
 // work describes a request about to be reserved on an upstream.
 type work struct {
 	uncached, output int
+	prompt, matched  int     // its prompt tokens and those predicted cached there
 	waited           float64 // predicted seconds before its prefill can start (from the decision)
 }
 
@@ -105,7 +114,7 @@ func (t *loadTable) entry(dial string, now int64) *upstreamLoad {
 		if len(t.m) >= sweepAbove {
 			t.sweepLocked(now)
 		}
-		l = &upstreamLoad{model: selection.NewServiceModel(selection.Prior)}
+		l = &upstreamLoad{model: selection.NewServiceModel(selection.Prior), trust: 1}
 		l.lastUsed.Store(now)
 		t.m[dial] = l
 	}
@@ -146,10 +155,16 @@ func (l *upstreamLoad) add(dial string, w work, now int64) *reservation {
 	r.prefillDone = begin + seconds(r.prefill+svc.Overhead)
 	r.index = len(l.inflight)
 	l.inflight = append(l.inflight, r)
-	l.meanPrefill += 0.05 * (r.prefill + svc.Overhead - l.meanPrefill)
+	if l.meanUncached == 0 {
+		l.meanUncached = float64(w.uncached)
+	} else {
+		l.meanUncached += 0.05 * (float64(w.uncached) - l.meanUncached)
+	}
 	l.mu.Unlock()
 	l.tokens.Add(int64(w.uncached + w.output))
 	l.requests.Add(1)
+	l.prompt.Add(int64(w.prompt))
+	l.predicted.Add(int64(w.matched))
 	l.lastUsed.Store(now)
 	return r
 }
@@ -213,46 +228,62 @@ func seconds(s float64) int64 { return int64(s * 1e9) }
 // upstreamView is what the decision reads of one upstream at one moment.
 type upstreamView struct {
 	service   selection.Service
+	trust     float64 // share of predicted cache hits the backend confirms (1 without metrics)
 	requests  float64 // this proxy's in flight, plus foreign ones its metrics show
 	queued    float64 // seconds of prefill queued ahead of a new request
 	saturated bool
 }
 
-// view returns dial's state at now for the decision. With a fresh scrape, the requests the backend has
-// beyond this proxy's own are added, counted once per scrape: this proxy's own changes since the scrape
-// are already in its counters, so a burst is never sent to an upstream because it looked idle.
+// view returns dial's state at now for the decision.
+//
+// Without a fresh scrape, the queued prefill is this proxy's virtual queue, a prediction. With one, it
+// is what the backend itself shows waiting at the time of the scrape (its own requests and everyone
+// else's, at the mean uncached prompt of this proxy's requests there) plus what this proxy sent since,
+// still before its first token: truth up to one scrape old, and this proxy's own changes since, so a
+// burst is never sent to an upstream because it looked idle at the last scrape. Its running and waiting
+// requests beyond this proxy's own at the time of the scrape are added to the requests in flight, once.
 func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstreamView {
 	l := t.lookup(dial)
 	if l == nil {
 		if snap == nil {
-			return upstreamView{service: selection.Prior}
+			return upstreamView{service: selection.Prior, trust: 1}
 		}
 		l = t.entry(dial, now)
 	}
 	v := upstreamView{
 		service:   l.model.Service(),
 		requests:  float64(l.requests.Load()),
-		queued:    max(float64(l.prefillUntil.Load()-now)/1e9, 0),
 		saturated: l.saturatedUntil.Load() > now,
 	}
-	if snap != nil {
-		foreign, waiting, meanPrefill := l.foreignFrom(snap)
+	if snap == nil {
+		v.queued = max(float64(l.prefillUntil.Load()-now)/1e9, 0)
+	} else {
+		foreign, queuedTokens := l.fromScrape(snap)
 		v.requests += foreign
-		v.queued += waiting * meanPrefill
+		v.queued = queuedTokens * v.service.PrefillSecondsPerToken
 	}
+	l.mu.Lock()
+	v.trust = l.trust
+	l.mu.Unlock()
 	return v
 }
 
-// foreignFrom returns the requests snap shows beyond this proxy's own at the time of the scrape, how
-// many of them wait, and the mean prefill of a request there. It is computed once per scrape: the first
-// call for a new snapshot also tells the service model the backend's queue.
-func (l *upstreamLoad) foreignFrom(snap *scraper.Snapshot) (foreign, waiting, meanPrefill float64) {
+// fromScrape returns the requests snap shows beyond this proxy's own at the time of the scrape, and the
+// prompt tokens queued there now by the backend's count plus this proxy's requests since. The first call
+// for a new snapshot also tells the service model the backend's queue and checks the cache predictions.
+func (l *upstreamLoad) fromScrape(snap *scraper.Snapshot) (foreign, queuedTokens float64) {
 	at := snap.At.UnixNano()
 	l.mu.Lock()
+	defer l.mu.Unlock()
+	since := 0
+	for _, r := range l.inflight {
+		if r.start > at && !r.firstToken {
+			since += r.uncached
+		}
+	}
+	queuedTokens = snap.Waiting*l.meanUncached + float64(since)
 	if l.foreignAt == at {
-		foreign, waiting, meanPrefill = l.foreign, l.foreignWaiting, l.meanPrefill
-		l.mu.Unlock()
-		return foreign, waiting, meanPrefill
+		return l.foreign, queuedTokens
 	}
 	// Ours at the time of the scrape: those in flight that had started, and those ended since.
 	ours := 0
@@ -267,12 +298,47 @@ func (l *upstreamLoad) foreignFrom(snap *scraper.Snapshot) (foreign, waiting, me
 		}
 	}
 	foreign = max(snap.Running+snap.Waiting-float64(ours), 0)
-	waiting = min(snap.Waiting, foreign)
-	l.foreignAt, l.foreign, l.foreignWaiting = at, foreign, waiting
-	meanPrefill = l.meanPrefill
-	l.mu.Unlock()
-	l.model.ObserveQueue(snap.Running, snap.Waiting, snap.At)
-	return foreign, waiting, meanPrefill
+	l.foreignAt, l.foreign = at, foreign
+	l.updateTrustLocked(snap)
+	l.model.ObserveQueue(snap.Running, snap.Waiting, snap.KVUsage)
+	return foreign, queuedTokens
+}
+
+// minTrustPrompt is how many prompt tokens this proxy must have sent an upstream between two scrapes
+// for their counters to say anything about its predictions.
+const minTrustPrompt = 2000
+
+// updateTrustLocked compares the backend's prefix-cache hit rate since the last scrape with the rate this
+// proxy predicted for what it sent there. A backend that evicts what the route table thinks it holds (its
+// cache is smaller than its share of the working set) confirms fewer hits, and its claims are discounted
+// until it confirms them again. The caller holds l.mu.
+func (l *upstreamLoad) updateTrustLocked(snap *scraper.Snapshot) {
+	predicted, prompt := l.predicted.Load(), l.prompt.Load()
+	dPred, dPrompt := predicted-l.lastPredicted, prompt-l.lastPrompt
+	dHits, dQueries := snap.PrefixHits-l.lastHits, snap.PrefixQueries-l.lastQuery
+	if dHits < 0 || dQueries < 0 { // counters reset: the backend restarted
+		l.lastHits, l.lastQuery = snap.PrefixHits, snap.PrefixQueries
+		l.lastPredicted, l.lastPrompt = predicted, prompt
+		return
+	}
+	if dPrompt < minTrustPrompt || dQueries <= 0 {
+		return // too little since the last comparison: keep accumulating
+	}
+	l.lastHits, l.lastQuery = snap.PrefixHits, snap.PrefixQueries
+	l.lastPredicted, l.lastPrompt = predicted, prompt
+	predictedRate := float64(dPred) / float64(dPrompt)
+	if predictedRate < 0.05 {
+		return // nothing much was predicted: nothing to confirm
+	}
+	ratio := min(dHits/dQueries/predictedRate, 1)
+	l.trust += 0.3 * (ratio - l.trust)
+}
+
+// cacheTrust returns the share of predicted cache hits to believe.
+func (l *upstreamLoad) cacheTrust() float64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.trust
 }
 
 // saturate marks dial saturated until the given time.

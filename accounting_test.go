@@ -113,16 +113,16 @@ func TestScrapeCountsForeignOnce(t *testing.T) {
 		mine[i] = lt.reserve(dial, work{uncached: 10, output: 10}, t0.UnixNano())
 	}
 	at := t0.Add(time.Second)
-	mine[0].release(at.Add(time.Millisecond).UnixNano(), true) // ended after the scrape: it was in its count
-	snap := &scraper.Snapshot{Running: 4, Waiting: 3, At: at}  // 3 of ours + 4 foreign
+	mine[0].release(at.Add(time.Millisecond).UnixNano(), false) // ended after the scrape: it was in its count
+	snap := &scraper.Snapshot{Running: 4, Waiting: 3, At: at}   // 3 of ours + 4 foreign
 	later := at.Add(2 * time.Millisecond).UnixNano()
 	lt.reserve(dial, work{uncached: 10, output: 10}, later) // sent after the scrape
 	v := lt.view(dial, later, snap)
 	if v.requests != 3+4 {
 		t.Errorf("requests = %v, want 3 of ours in flight + 4 foreign", v.requests)
 	}
-	if s := lt.lookup(dial).model.Service().Slots; s != 4 {
-		t.Errorf("slots learned from the scrape = %v, want 4 (running while others wait)", s)
+	if q, want := v.queued, (3*10+10)*selection.Prior.PrefillSecondsPerToken; q < want*0.99 || q > want*1.01 {
+		t.Errorf("queued = %.4f s, want %.4f: the 3 it shows waiting at our mean prompt, and ours since", q, want)
 	}
 }
 

@@ -1,9 +1,7 @@
 package caddyllm
 
 import (
-	"math"
 	"math/rand/v2"
-	"sync"
 
 	"github.com/tokenrouter/caddy-llm/affinity"
 	"github.com/tokenrouter/caddy-llm/scraper"
@@ -23,7 +21,6 @@ type decider struct {
 	loads        *loadTable
 	outputTokens int
 	signals      []signal
-	rate         *arrivalRate
 }
 
 // query is one decision's input, shared by the signals.
@@ -41,10 +38,10 @@ type signal interface {
 }
 
 func newDecider(cfg selection.Config, routes *affinity.Table, loads *loadTable, outputTokens int, scrapes *scrapes) *decider {
-	d := &decider{cfg: cfg, routes: routes, loads: loads, outputTokens: outputTokens, rate: new(arrivalRate)}
+	d := &decider{cfg: cfg, routes: routes, loads: loads, outputTokens: outputTokens}
 	d.signals = append(d.signals, loadSignal{loads: loads, scrapes: scrapes})
 	if routes != nil {
-		d.signals = append(d.signals, cacheSignal{routes: routes})
+		d.signals = append(d.signals, cacheSignal{routes: routes, loads: loads})
 	}
 	return d
 }
@@ -58,11 +55,9 @@ func (d *decider) choose(q *query, keys []string, cands []selection.Candidate, s
 	for _, s := range d.signals {
 		s.fill(q, keys, cands)
 	}
-	rate := d.rate.perSecond(q.now)
 	return selection.Choose(cands, selection.Request{
 		PromptTokens: q.req.PromptTokens,
 		PrefixHash:   prefixHash(q.req.Boundaries),
-		ArrivalRate:  rate / float64(len(keys)),
 	}, d.cfg, randIntN, scratch)
 }
 
@@ -75,8 +70,9 @@ func (d *decider) commit(q *query, dial string, dec selection.Decision) *reserva
 			d.routes.Pin(q.req.Model, q.conversation, dial)
 		}
 	}
-	d.rate.add(q.now)
 	return d.loads.reserve(dial, work{
+		prompt:   q.req.PromptTokens,
+		matched:  min(dec.MatchedTokens, q.req.PromptTokens),
 		uncached: q.req.PromptTokens - min(dec.MatchedTokens, q.req.PromptTokens),
 		output:   d.outputEstimate(q.req.MaxTokens),
 		waited:   dec.Wait,
@@ -121,11 +117,13 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 	}
 }
 
-// cacheSignal fills each candidate's predicted cached prompt tokens from the learned routes, and marks
-// the upstream the conversation is pinned to. A pinned upstream is credited with the conversation's
-// history up to its last message even when those routes were evicted: the pin says it was there.
+// cacheSignal fills each candidate's predicted cached prompt tokens from the learned routes, discounted
+// by the share of its predicted hits the backend's own counters confirm, and marks the upstream the
+// conversation is pinned to. A pinned upstream is credited with the conversation's history up to its last
+// message even when those routes were evicted: the pin says it was there.
 type cacheSignal struct {
 	routes *affinity.Table
+	loads  *loadTable
 }
 
 func (s cacheSignal) fill(q *query, keys []string, cands []selection.Candidate) {
@@ -136,6 +134,9 @@ func (s cacheSignal) fill(q *query, keys []string, cands []selection.Candidate) 
 	s.routes.Match(q.req.Model, q.bounds, keys, cached)
 	for i := range cands {
 		cands[i].CachedTokens = cached[i]
+		if l := s.loads.lookup(keys[i]); l != nil && cached[i] > 0 {
+			cands[i].CachedTokens = int(float64(cached[i]) * l.cacheTrust())
+		}
 	}
 	if q.conversation == "" {
 		return
@@ -170,32 +171,3 @@ func prefixHash(bounds []tokenize.Boundary) uint64 {
 }
 
 var randIntN = rand.IntN
-
-// arrivalRate estimates the proxy's request rate: an exponentially decaying count over rateWindow.
-type arrivalRate struct {
-	mu    sync.Mutex
-	value float64 // requests per second at last
-	last  int64
-}
-
-const rateWindow = 10e9 // nanoseconds
-
-func (a *arrivalRate) add(now int64) {
-	a.mu.Lock()
-	a.value = a.decayed(now) + 1e9/rateWindow
-	a.last = now
-	a.mu.Unlock()
-}
-
-func (a *arrivalRate) perSecond(now int64) float64 {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return a.decayed(now)
-}
-
-func (a *arrivalRate) decayed(now int64) float64 {
-	if a.last == 0 || now <= a.last {
-		return a.value
-	}
-	return a.value * math.Exp(-float64(now-a.last)/rateWindow)
-}

@@ -82,7 +82,7 @@ type Candidate struct {
 	// Service is the upstream's estimated speed.
 	Service Service
 	// Requests is the number of requests the upstream has in flight: this proxy's, plus others' that its
-	// metrics show.
+	// metrics show. A new request's prefill delays each of them.
 	Requests float64
 	// Queued is how many seconds of prefill the upstream has queued ahead of a new request: the uncached
 	// prompt tokens of requests still waiting for their first token, in its own time.
@@ -100,10 +100,6 @@ type Request struct {
 	// PrefixHash identifies the request's prefix for rendezvous hashing among near-equal candidates, so that
 	// independent proxies send the same new prefix to the same upstream. 0 disables it.
 	PrefixHash uint64
-	// ArrivalRate is how many requests a second each upstream receives on average (the proxy's whole
-	// rate divided by the upstreams); it prices the delay a long prefill imposes on the requests that
-	// arrive behind it. 0 ignores that delay.
-	ArrivalRate float64
 }
 
 // Config tunes the decision.
@@ -136,8 +132,11 @@ type Decision struct {
 }
 
 // Cost is what sending the request to c costs, in seconds: the predicted time until its first token
-// (the wait for a slot or for the prefill queued ahead, then its own uncached prefill) plus the delay
-// its prefill imposes on the requests arriving behind it.
+// (the wait for a slot or for the prefill queued ahead, then its own uncached prefill) plus the slowdown
+// its prefill imposes on the batch it joins: every request in flight there, decoding or queued, waits
+// while the engine spends those seconds on this prompt. A cache miss therefore costs more the busier the
+// upstream is (on an upstream with 10 requests in flight, 11 times its own prefill), and a cache hit is
+// worth as much; on an idle upstream, only the request's own first token counts.
 //
 // A cache hit shortens the request's own prefill, so affinity wins while the upstream that holds the
 // prefix is not much busier than another; once the wait there exceeds what the cache saves, another
@@ -148,16 +147,21 @@ func Cost(c *Candidate, req Request, cached int) (cost, wait, ttft float64) {
 	uncached := req.PromptTokens - min(cached, req.PromptTokens)
 	prefill := float64(uncached) * c.Service.PrefillSecondsPerToken
 	ttft = wait + c.Service.Overhead + prefill
-	// Requests arriving at rate r during a prefill of p seconds wait p/2 on average: r*p*p/2.
-	return ttft + req.ArrivalRate*prefill*prefill/2, wait, ttft
+	return ttft + prefill*c.Requests, wait, ttft
 }
 
 // Wait is how long a new request waits on c before its prefill starts: behind the prefill queued
-// there, or for a free slot when every slot is taken (a slot frees every MeanDuration/Slots seconds).
+// there, or for a slot. A slot frees every MeanDuration/Slots seconds; with the request among n in
+// flight on s slots (utilisation rho = n/s), the wait is that interval times rho^2/(1-rho), the
+// queueing delay of a busy server that grows before the slots are all taken (arrivals and durations
+// vary), and past full it grows by one interval per request beyond the slots.
 func Wait(c *Candidate) float64 {
 	wait := c.Queued
-	if s := c.Service.Slots; s > 0 && c.Requests >= s {
-		wait = max(wait, (c.Requests-s+1)*c.Service.MeanDuration/s)
+	if s := c.Service.Slots; s > 0 {
+		interval := c.Service.MeanDuration / s
+		n := c.Requests + 1
+		rho := n / s
+		wait = max(wait, interval*rho*rho/max(1-rho, 1/s)+interval*max(n-s, 0))
 	}
 	return wait
 }

@@ -89,9 +89,15 @@ func TestChoose(t *testing.T) {
 			want: 1, wantReason: ReasonGuard,
 		},
 		{
-			name:  "requests below the slot count cost no wait",
-			cands: withRequests(withCached(cands(0, 0), 2000, 0), 7, 0), req: Request{PromptTokens: 2100}, cfg: cfg,
+			name:  "a few requests on many slots cost little wait",
+			cands: withRequests(withCached(cands(0, 0), 2000, 0), 2, 0), req: Request{PromptTokens: 2100}, cfg: cfg,
 			want: 0, wantReason: ReasonAffinity,
+		},
+		{
+			// 8 of 8 slots taken with this one: the wait (~1 s) grows before the slots are all taken.
+			name:  "the last free slot already costs a wait",
+			cands: withRequests(withCached(cands(0, 0), 2000, 0), 7, 0), req: Request{PromptTokens: 2100}, cfg: cfg,
+			want: 1, wantReason: ReasonGuard,
 		},
 		{
 			name:  "prefix: the longest match wins while its queue is below a full prefill",
@@ -126,11 +132,17 @@ func TestChoose(t *testing.T) {
 			want: 1, wantReason: ReasonLoad,
 		},
 		{
-			// 1 req/s arriving behind a prefill of 0.5 s: 0.125 s of their waiting; the cached one
-			// prefills 0.05 s.
-			name:  "the delay a long prefill imposes on later arrivals counts",
-			cands: withCached(cands(0.55, 0), 4500, 0), req: Request{PromptTokens: 5000, ArrivalRate: 1}, cfg: cfg,
+			// 4 requests in flight on each (4 slots of 8): the miss's 0.45 s of prefill delays all 4 (2.25 s in
+			// all); the hit's 0.05 s costs 0.25 s, plus its 0.55 s queue.
+			name:  "on a busy upstream a miss costs the slowdown it imposes on the batch",
+			cands: withRequests(withCached(cands(0.55, 0), 4500, 0), 4, 4),
+			req:   Request{PromptTokens: 5000}, cfg: cfg,
 			want: 0, wantReason: ReasonAffinity,
+		},
+		{
+			name:  "on idle upstreams the same queue is not worth the hit",
+			cands: withCached(cands(0.55, 0), 4500, 0), req: Request{PromptTokens: 5000}, cfg: cfg,
+			want: 1, wantReason: ReasonGuard,
 		},
 	}
 	for _, tt := range tests {

@@ -3,7 +3,6 @@ package selection
 import (
 	"math"
 	"sync"
-	"time"
 )
 
 // Service is one upstream's speed as the decision uses it, in seconds. It is estimated per upstream
@@ -42,57 +41,55 @@ var Prior = Service{
 }
 
 // ServiceModel learns one upstream's Service online from what passes through the proxy:
-//   - every finished request's duration against its uncached prompt and output tokens (always),
-//   - every first token's delay against the prefill queued ahead of it (when the response is observed),
-//   - the backend's running and waiting counts (when its metrics are scraped): the concurrency at which
-//     it queues.
+//   - every first token's delay against the prefill queued ahead of it, when the response is observed
+//     (the llm_resume handler sees it): recursive least squares with forgetting on
+//     delay = overhead + seconds per token x uncached tokens, which pins the prefill rate;
+//   - every finished request's duration against what the current estimate predicts for it: a speed
+//     scale (an exponentially weighted mean of log(observed/predicted)) that scales the prior, or only the
+//     decode part when first tokens pin the prefill. One scale is robust where a regression on durations
+//     is not: a request's duration is mostly decoding and queueing, and says little about prefill alone;
+//   - the backend's own running and waiting counts (when its metrics are scraped): a backend with
+//     requests waiting runs as many as it can, so the most it runs then is its slot count.
 //
-// Durations and first-token delays are fitted by recursive least squares with exponential forgetting,
-// starting from the prior (scaled by a capacity hint), so estimates converge within a few dozen
-// requests and follow a backend that slows down or speeds up. Observations are clipped, so one outlier
-// (a stalled connection) cannot move an estimate far.
+// Estimates start from the prior, converge within a few dozen requests and follow a backend that slows
+// down or speeds up; observations are clipped so one stalled connection cannot move them far.
 //
 // A ServiceModel is safe for concurrent use; every method is O(1) and takes one short lock.
 type ServiceModel struct {
 	mu       sync.Mutex
 	prior    Service
-	ttft     rls2 // first-token delay = overhead + prefill seconds per token x uncached
-	duration rls3 // duration = overhead + prefill x uncached + token seconds x output
-	ttftN    int  // first tokens observed (weighted by forgetting)
+	ttft     rls2    // first-token delay = overhead + prefill seconds per 1000 tokens x uncached/1000
+	ttftN    int     // first tokens observed
+	logScale float64 // log of observed/predicted durations (EWMA)
 	durN     int
 	meanDur  float64
-	slots    float64
-	slotsAt  time.Time
+	slots    float64 // the most it runs, once seen at that ceiling with others waiting; 0: unknown
+	kvSlots  float64 // sequences its KV cache holds at the current mean length; 0: unknown
+	ceiling  float64 // the most it was ever seen running
+	atCeil   int     // consecutive scrapes at the ceiling with requests waiting
 }
 
-// forgetting is the weight each older observation keeps when a new one arrives: about 20 requests of
-// memory, so a slowdown shows within a few dozen requests.
+// forgetting is the weight each older first-token observation keeps when a new one arrives: about 20
+// requests of memory, so a slowdown shows within a few dozen requests.
 const forgetting = 0.95
+
+// scaleRate is the weight of each new duration in the speed scale (about 10 requests of memory).
+const scaleRate = 0.1
 
 // NewServiceModel returns a model that starts from prior.
 func NewServiceModel(prior Service) *ServiceModel {
 	m := &ServiceModel{prior: prior, meanDur: prior.MeanDuration}
-	m.reset()
+	m.ttft = newRLS2(prior.Overhead, prior.PrefillSecondsPerToken*1000)
 	return m
-}
-
-func (m *ServiceModel) reset() {
-	p := m.prior
-	m.ttft = newRLS2(p.Overhead, p.PrefillSecondsPerToken*1000)
-	m.duration = newRLS3(p.Overhead, p.PrefillSecondsPerToken*1000, p.TokenSeconds*100)
 }
 
 // SetPrior replaces the prior (a capacity hint changed) and forgets what was learned.
 func (m *ServiceModel) SetPrior(prior Service) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if m.prior == prior {
-		return
+	if m.prior != prior {
+		*m = ServiceModel{prior: prior, meanDur: prior.MeanDuration, ttft: newRLS2(prior.Overhead, prior.PrefillSecondsPerToken*1000)}
 	}
-	m.prior = prior
-	m.meanDur = prior.MeanDuration
-	m.ttftN, m.durN = 0, 0
-	m.reset()
 }
 
 // ObserveFirstToken records a first token that came ttft seconds after the request was sent, where
@@ -112,43 +109,60 @@ func (m *ServiceModel) ObserveFirstToken(uncached int, queued, ttft float64) {
 }
 
 // ObserveEnd records a request that finished duration seconds after it was sent, having waited about
-// waited seconds (as predicted) before its prefill could start.
+// waited seconds (as predicted) before its prefill could start, with uncached prompt tokens and output
+// tokens (observed, or the estimate).
 func (m *ServiceModel) ObserveEnd(uncached, output int, waited, duration float64) {
 	if !(duration > 0) || math.IsInf(duration, 0) {
 		return
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	m.meanDur += (1 - forgetting) * 2 * (duration - m.meanDur)
-	y := duration - waited
-	if !(y > 0) {
+	m.meanDur += scaleRate * (duration - m.meanDur)
+	s := m.serviceLocked()
+	pred := waited + s.TTFT(uncached) + float64(output)*s.TokenSeconds
+	if !(pred > 0) {
 		return
 	}
-	s := m.serviceLocked()
-	pred := s.TTFT(uncached) + float64(output)*s.TokenSeconds
-	y = min(y, 10*pred+1)
-	m.duration.update(float64(uncached)/1000, float64(output)/100, y)
+	ratio := clamp(duration/pred, 1.0/maxScale, maxScale) // one outlier moves the scale by at most ~1.4x
+	m.logScale = clamp(m.logScale+scaleRate*math.Log(ratio), -math.Log(maxScale), math.Log(maxScale))
 	m.durN++
 }
 
-// ObserveQueue records the backend's own count of running and waiting requests (from its metrics): a
-// backend with requests waiting runs as many as it can, so its running count is its slot count then.
-func (m *ServiceModel) ObserveQueue(running, waiting float64, at time.Time) {
+// maxScale bounds how far from the prior the speed scale goes, and one observation's pull on it.
+const maxScale = 30
+
+// ObserveQueue records the backend's own count of running and waiting requests and its KV-cache usage
+// (0-1; 0 when unknown), from its metrics. Two limits follow. The slot count is the most it was seen
+// running, once it was seen there with requests waiting in two scrapes in a row (with chunked prefill a
+// request also waits a step or two for the token budget, at any batch size: that is no limit). And the KV
+// cache holds running/usage sequences of the current mean length: past that the backend preempts or
+// queues, whatever its max_num_seqs, so that is a limit too, known as soon as it runs anything.
+func (m *ServiceModel) ObserveQueue(running, waiting, kvUsage float64) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	switch {
-	case waiting >= 1 && running >= 1:
-		if m.slots == 0 {
-			m.slots = running
+	if running > m.ceiling {
+		m.ceiling, m.atCeil = running, 0
+	}
+	if waiting >= 1 && running >= m.ceiling {
+		m.atCeil++
+	} else {
+		m.atCeil = 0
+	}
+	if m.atCeil >= 2 || m.slots > 0 {
+		m.slots = m.ceiling
+	}
+	if running >= 1 && kvUsage >= minKVUsage {
+		fit := running / min(kvUsage, 1)
+		if m.kvSlots == 0 {
+			m.kvSlots = fit
 		} else {
-			m.slots += 0.3 * (running - m.slots)
+			m.kvSlots += 0.3 * (fit - m.kvSlots)
 		}
-		m.slotsAt = at
-	case running > m.slots && m.slots > 0:
-		// It runs more than we thought it could: the limit we saw was a transient one (KV cache).
-		m.slots = running
 	}
 }
+
+// minKVUsage is the KV-cache usage below which running/usage says too little about its capacity.
+const minKVUsage = 0.05
 
 // Service returns the current estimate.
 func (m *ServiceModel) Service() Service {
@@ -157,23 +171,38 @@ func (m *ServiceModel) Service() Service {
 	return m.serviceLocked()
 }
 
-// minFirstTokens is how many observed first tokens the model needs before it prefers them over what
-// durations say about prefill.
+// minFirstTokens is how many observed first tokens the model needs before it prefers them over the
+// scaled prior for the prefill.
 const minFirstTokens = 8
 
 func (m *ServiceModel) serviceLocked() Service {
 	p := m.prior
-	s := Service{Slots: m.slots, MeanDuration: max(m.meanDur, 1e-3), Samples: m.durN + m.ttftN}
-	o, per1k, per100 := m.duration.theta[0], m.duration.theta[1], m.duration.theta[2]
-	if m.ttftN >= minFirstTokens {
-		o, per1k = m.ttft.theta[0], m.ttft.theta[1]
+	scale := math.Exp(m.logScale)
+	s := Service{
+		Overhead:               p.Overhead * scale,
+		PrefillSecondsPerToken: p.PrefillSecondsPerToken * scale,
+		TokenSeconds:           p.TokenSeconds * scale,
+		Slots:                  minKnown(m.slots, m.kvSlots),
+		MeanDuration:           max(m.meanDur, 1e-3),
+		Samples:                m.durN + m.ttftN,
 	}
-	// Keep estimates within a plausible band around the prior: least squares on collinear features
-	// (all requests of one length, say) can wander, and no GPU is 100x faster than another.
-	s.Overhead = clamp(o, 0, max(p.Overhead, 1e-3)*50)
-	s.PrefillSecondsPerToken = clamp(per1k/1000, p.PrefillSecondsPerToken/20, p.PrefillSecondsPerToken*50)
-	s.TokenSeconds = clamp(per100/100, p.TokenSeconds/20, p.TokenSeconds*50)
+	if m.ttftN >= minFirstTokens {
+		// Keep estimates within a plausible band: no GPU is 50x faster or slower than the prior.
+		s.Overhead = clamp(m.ttft.theta[0], 0, max(p.Overhead, 1e-3)*maxScale)
+		s.PrefillSecondsPerToken = clamp(m.ttft.theta[1]/1000, p.PrefillSecondsPerToken/maxScale, p.PrefillSecondsPerToken*maxScale)
+	}
 	return s
+}
+
+// minKnown returns the lesser of two limits, 0 meaning unknown.
+func minKnown(a, b float64) float64 {
+	switch {
+	case a == 0:
+		return b
+	case b == 0:
+		return a
+	}
+	return min(a, b)
 }
 
 func clamp(v, lo, hi float64) float64 {
@@ -225,52 +254,6 @@ func (r *rls2) update(x, y float64) {
 		}
 	}
 	r.p = boundCovariance2(r.p)
-}
-
-// rls3 is recursive least squares for y = a + b x1 + c x2 with forgetting.
-type rls3 struct {
-	theta [3]float64
-	p     [3][3]float64
-}
-
-func newRLS3(a, b, c float64) rls3 {
-	r := rls3{theta: [3]float64{a, b, c}}
-	r.p[0][0] = priorP(a)
-	r.p[1][1] = priorP(b)
-	r.p[2][2] = priorP(c)
-	return r
-}
-
-func (r *rls3) update(x1, x2, y float64) {
-	phi := [3]float64{1, x1, x2}
-	var pphi [3]float64
-	for i := range 3 {
-		for j := range 3 {
-			pphi[i] += r.p[i][j] * phi[j]
-		}
-	}
-	denom := forgetting
-	pred := 0.0
-	for i := range 3 {
-		denom += phi[i] * pphi[i]
-		pred += r.theta[i] * phi[i]
-	}
-	err := y - pred
-	for i := range 3 {
-		r.theta[i] += pphi[i] / denom * err
-	}
-	for i := range 3 {
-		for j := range 3 {
-			r.p[i][j] = (r.p[i][j] - pphi[i]*pphi[j]/denom) / forgetting
-		}
-	}
-	// Forgetting inflates the covariance of directions no observation excites (an output length that
-	// never varies): bound it so that one unusual request cannot swing the estimate.
-	for i := range 3 {
-		for j := range 3 {
-			r.p[i][j] = clamp(r.p[i][j], -maxCovariance, maxCovariance)
-		}
-	}
 }
 
 const maxCovariance = 1e6
