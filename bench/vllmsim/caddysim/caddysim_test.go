@@ -13,6 +13,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
 func TestUnmarshalCaddyfile(t *testing.T) {
@@ -167,5 +168,62 @@ func TestProvisionServeCleanup(t *testing.T) {
 	h.ServeHTTP(rec, httptest.NewRequest(http.MethodPost, "/v1/chat/completions", strings.NewReader(body)), nil)
 	if rec.Code != http.StatusServiceUnavailable {
 		t.Errorf("after Cleanup: status %d, want 503", rec.Code)
+	}
+}
+
+// provisionIn provisions h as if it were a handler of an HTTP server listening on listen.
+func provisionIn(t *testing.T, ctx caddy.Context, h *Handler, listen ...string) {
+	t.Helper()
+	ctx.Context = context.WithValue(ctx.Context, caddyhttp.ServerCtxKey, &caddyhttp.Server{Listen: listen})
+	if err := h.Provision(ctx); err != nil {
+		t.Fatalf("Provision() error = %v", err)
+	}
+}
+
+// TestEngineSurvivesReload pins issue 13 item 1 (a reload cut open streams in the demo): a handler
+// provisioned again with the same server and settings gets the same simulator, and cleaning up the
+// old config leaves it running; changed settings or another listener get a fresh one.
+func TestEngineSurvivesReload(t *testing.T) {
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+
+	old := &Handler{Model: "m", TimeScale: 1000}
+	provisionIn(t, ctx, old, ":8001")
+	same := &Handler{Model: "m", TimeScale: 1000}
+	provisionIn(t, ctx, same, ":8001") // the reloaded config provisions before the old one cleans up
+	changed := &Handler{Model: "m", TimeScale: 1000, Seed: 7}
+	provisionIn(t, ctx, changed, ":8001")
+	elsewhere := &Handler{Model: "m", TimeScale: 1000}
+	provisionIn(t, ctx, elsewhere, ":8002")
+	defer changed.Cleanup()
+	defer elsewhere.Cleanup()
+
+	if same.Server() != old.Server() {
+		t.Errorf("same listener and settings: a new simulator, want the running one")
+	}
+	if changed.Server() == old.Server() {
+		t.Errorf("changed settings: the old simulator, want a new one")
+	}
+	if elsewhere.Server() == old.Server() {
+		t.Errorf("another listener: the same simulator, want its own")
+	}
+
+	if err := old.Cleanup(); err != nil {
+		t.Fatal(err)
+	}
+	body := `{"model":"m","messages":[{"role":"user","content":"hello"}],"max_tokens":3}`
+	serve := func() int {
+		rec := httptest.NewRecorder()
+		same.ServeHTTP(rec, httptest.NewRequest(http.MethodPost, "/v1/chat/completions", strings.NewReader(body)), nil)
+		return rec.Code
+	}
+	if code := serve(); code != http.StatusOK {
+		t.Errorf("after the old config's Cleanup: status %d, want 200", code)
+	}
+	if err := same.Cleanup(); err != nil {
+		t.Fatal(err)
+	}
+	if code := serve(); code != http.StatusServiceUnavailable {
+		t.Errorf("after the last Cleanup: status %d, want 503 (the simulator is closed)", code)
 	}
 }
