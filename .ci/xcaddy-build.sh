@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Builds Caddy with this plugin the way `xcaddy build --with github.com/tokenrouter/caddy-llm=<checkout>`
+# does, without xcaddy (it is not on the module proxy CI reaches): a temporary module outside the
+# repository that requires the plugin with a replace to this checkout, a generated main with Caddy's
+# standard modules and the plugin, go mod tidy, go build. Then checks what users get: list-modules shows
+# the plugin's modules and not the simulator (vllm_sim belongs to this repository's cmd/caddy only), and
+# `caddy llm upstreams` answers from a running instance.
+#
+#   .ci/xcaddy-build.sh            build in a temporary directory, check, remove it
+#   KEEP=1 .ci/xcaddy-build.sh     keep the directory (and the binary) and print its path
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+plugin=github.com/tokenrouter/caddy-llm
+caddy_version=$(cd "$repo" && go list -m -f '{{.Version}}' github.com/caddyserver/caddy/v2)
+
+work=$(mktemp -d)
+caddy_pid=
+cleanup() {
+	if [ -n "$caddy_pid" ]; then kill "$caddy_pid" 2>/dev/null || true; fi
+	if [ "${KEEP:-}" = 1 ]; then echo "kept $work"; else rm -rf "$work"; fi
+}
+trap cleanup EXIT
+cd "$work"
+
+# The repository's CI runs with -mod=readonly; a fresh module needs go mod tidy to write go.mod and
+# go.sum, as xcaddy's does. Other flags are kept.
+GOFLAGS="$(printf '%s' "${GOFLAGS:-}" | sed -E 's/(^| )-mod=[a-z]+//g') -mod=mod"
+export GOFLAGS
+
+go mod init caddy >/dev/null 2>&1
+# xcaddy pins the unpublished plugin at the zero pseudo-version and replaces it with the local path.
+go mod edit \
+	-require="github.com/caddyserver/caddy/v2@$caddy_version" \
+	-require="$plugin@v0.0.0-00010101000000-000000000000" \
+	-replace="$plugin=$repo"
+# The checksums of the dependencies the plugin already verified, so tidy needs no checksum database.
+cp "$repo/go.sum" go.sum
+cat >main.go <<EOF
+package main
+
+import (
+	caddycmd "github.com/caddyserver/caddy/v2/cmd"
+
+	_ "github.com/caddyserver/caddy/v2/modules/standard"
+	_ "$plugin"
+)
+
+func main() {
+	caddycmd.Main()
+}
+EOF
+go mod tidy
+go build -o caddy .
+
+modules=$(./caddy list-modules)
+for want in http.reverse_proxy.selection_policies.llm http.matchers.llm admin.api.llm; do
+	if ! grep -qx "$want" <<<"$modules"; then
+		echo "list-modules lacks $want"; exit 1
+	fi
+done
+if grep -q vllm_sim <<<"$modules"; then
+	echo "list-modules shows the simulator, which must stay out of a plugin build:"
+	grep vllm_sim <<<"$modules"; exit 1
+fi
+./caddy list-modules --versions | grep "llm" | sed "s/^/  /"
+
+# The command, against a running instance; admin and site on unix sockets, so no port can collide.
+cat >Caddyfile <<EOF
+{
+	admin unix/$work/admin.sock
+	persist_config off
+	auto_https off
+}
+http:// {
+	bind unix/$work/http.sock
+	reverse_proxy 127.0.0.1:9 {
+		lb_policy llm
+	}
+}
+EOF
+HOME=$work XDG_DATA_HOME=$work XDG_CONFIG_HOME=$work ./caddy run --config Caddyfile >caddy.log 2>&1 &
+caddy_pid=$!
+for _ in $(seq 100); do
+	[ -S "$work/admin.sock" ] && break
+	sleep 0.1
+done
+if ! out=$(./caddy llm upstreams --address "unix/$work/admin.sock"); then
+	cat caddy.log; exit 1
+fi
+echo "$out" | sed 's/^/  /'
+grep -q '^Routes: ' <<<"$out" || { echo "caddy llm upstreams printed no route counters"; exit 1; }
+./caddy stop --address "unix/$work/admin.sock" >/dev/null 2>&1
+wait "$caddy_pid" || true
+caddy_pid=
+echo "ok: a plugin build has the llm modules and command, and no simulator"
