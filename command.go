@@ -124,6 +124,19 @@ func plain(header, path string) upstreamColumn {
 	}}
 }
 
+// scraped is a column showing a scraped backend number; empty before the first good scrape, when
+// the report's zeros mean "not known yet".
+func scraped(c upstreamColumn) upstreamColumn {
+	value := c.value
+	c.value = func(fs fields) string {
+		if age, ok := number(fs, "metrics.age_seconds"); ok && age < 0 {
+			return ""
+		}
+		return value(fs)
+	}
+	return c
+}
+
 // upstreamColumns are the main table. Adding a field the report gains is one line here; a field not
 // listed still shows, under its JSON name.
 var upstreamColumns = []upstreamColumn{
@@ -132,15 +145,15 @@ var upstreamColumns = []upstreamColumn{
 	plain("TOKENS", "inflight_tokens"),
 	plain("SATURATED", "saturated"),
 	plain("ROUTES", "learned_routes"),
-	plain("RUNNING", "metrics.running"),
-	plain("WAITING", "metrics.waiting"),
-	{"KV", []string{"metrics.kv_cache_usage"}, func(fs fields) string {
+	scraped(plain("RUNNING", "metrics.running")),
+	scraped(plain("WAITING", "metrics.waiting")),
+	scraped(upstreamColumn{"KV", []string{"metrics.kv_cache_usage"}, func(fs fields) string {
 		f, ok := number(fs, "metrics.kv_cache_usage")
 		if !ok {
 			return ""
 		}
 		return strconv.FormatFloat(100*f, 'f', 1, 64) + "%"
-	}},
+	}}),
 	{"SCRAPE", []string{"metrics.flavor", "metrics.fresh", "metrics.age_seconds", "metrics.errors", "metrics.last_error"}, scrapeStatus},
 }
 

@@ -17,7 +17,7 @@ import (
 const upstreamsTable = `UPSTREAM        REQS  TOKENS  SATURATED  ROUTES  RUNNING  WAITING  KV     SCRAPE                      WEIGHT
 127.0.0.1:8001  1     4219    no         81      1        0        2.1%   vllm 0.4s                   1.5
 127.0.0.1:8002  0     0       yes        0       0        12       97.0%  sglang stale 12s, 3 errors  -
-10.0.0.9:8000   1     12      no         -       0        0        0.0%   never, 1 error              -
+10.0.0.9:8000   1     12      no         -       -        -        -      never, 1 error              -
 
 CACHE
 UPSTREAM        PREDICTED_HIT_RATE  OBSERVED_HIT_RATE  CORRECTIONS
