@@ -43,7 +43,7 @@ func upstreamsCommand() *cobra.Command {
 	c := &cobra.Command{
 		Use:   "upstreams [--address <interface>] [--config <path> [--adapter <name>]]",
 		Short: "Prints the upstreams the llm policy balances, as a table",
-		Long: `
+		Long: strings.TrimSpace(`
 Prints GET /llm/upstreams of the running Caddy as a table, one row per upstream:
 
   REQS, TOKENS  requests and tokens (prompt + expected output) in flight
@@ -57,7 +57,7 @@ Prints GET /llm/upstreams of the running Caddy as a table, one row per upstream:
 
 Fields the table does not know are shown too: numbers at the top level as
 extra columns, nested objects as a table of their own.
-`,
+`),
 		RunE: caddycmd.WrapCommandFuncForCobra(func(fl caddycmd.Flags) (int, error) {
 			return cmdUpstreams(fl, os.Stdout)
 		}),
