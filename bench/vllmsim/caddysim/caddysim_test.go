@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -225,5 +226,70 @@ func TestEngineSurvivesReload(t *testing.T) {
 	}
 	if code := serve(); code != http.StatusServiceUnavailable {
 		t.Errorf("after the last Cleanup: status %d, want 503 (the simulator is closed)", code)
+	}
+}
+
+// TestEnginePoolFailedProvision: a handler whose settings are invalid takes no pool reference, so
+// its Cleanup (which Caddy calls after a failed Provision) deletes nothing.
+func TestEnginePoolFailedProvision(t *testing.T) {
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	ctx.Context = context.WithValue(ctx.Context, caddyhttp.ServerCtxKey, &caddyhttp.Server{Listen: []string{":8001"}})
+	bad := &Handler{Metrics: "prometheus"}
+	if err := bad.Provision(ctx); err == nil {
+		t.Fatal("Provision() = nil error, want one")
+	}
+	if err := bad.Cleanup(); err != nil {
+		t.Errorf("Cleanup() after a failed Provision = %v", err)
+	}
+	key, err := bad.engineKey([]string{":8001"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if refs, ok := engines.References(key); ok {
+		t.Errorf("pool holds the failed engine with %d references, want none", refs)
+	}
+}
+
+// TestEnginePoolStress provisions and cleans up handlers of one engine from several goroutines, as
+// overlapping reloads would, while a long-lived handler keeps it: the engine must stay open until
+// that last user's Cleanup. Run with -race.
+func TestEnginePoolStress(t *testing.T) {
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	holder := &Handler{Model: "m", TimeScale: 1000}
+	provisionIn(t, ctx, holder, ":9001")
+
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Go(func() {
+			for range 50 {
+				h := &Handler{Model: "m", TimeScale: 1000}
+				provisionIn(t, ctx, h, ":9001")
+				if h.Server() != holder.Server() {
+					t.Error("a new engine while the holder keeps the old one")
+				}
+				h.Cleanup()
+			}
+		})
+	}
+	wg.Wait()
+
+	body := `{"model":"m","prompt":"hi","max_tokens":1}`
+	serve := func() int {
+		rec := httptest.NewRecorder()
+		holder.ServeHTTP(rec, httptest.NewRequest(http.MethodPost, "/v1/completions", strings.NewReader(body)), nil)
+		return rec.Code
+	}
+	if code := serve(); code != http.StatusOK {
+		t.Errorf("while held: status %d, want 200", code)
+	}
+	key, _ := holder.engineKey([]string{":9001"})
+	if refs, _ := engines.References(key); refs != 1 {
+		t.Errorf("engine references = %d, want 1 (the holder's)", refs)
+	}
+	holder.Cleanup()
+	if code := serve(); code != http.StatusServiceUnavailable {
+		t.Errorf("after the last Cleanup: status %d, want 503", code)
 	}
 }
