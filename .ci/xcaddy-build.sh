@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Builds Caddy with this plugin the way `xcaddy build --with github.com/tokenrouter/caddy-llm=<checkout>`
-# does, without xcaddy (it is not on the module proxy CI reaches): a temporary module outside the
-# repository that requires the plugin with a replace to this checkout, a generated main with Caddy's
-# standard modules and the plugin, go mod tidy, go build. Then checks what users get: list-modules shows
-# the plugin's modules and not the simulator (vllm_sim belongs to this repository's cmd/caddy only), and
-# `caddy llm upstreams` answers from a running instance.
+# Builds Caddy with this plugin the way `xcaddy build --with
+# github.com/tokenrouter/caddy-llm@v0.0.0-00010101000000-000000000000=<checkout>` does, without xcaddy (it
+# is not on the module proxy CI reaches): a temporary module outside the repository that requires the
+# plugin with a replace to this checkout, a generated main with Caddy's standard modules and the plugin,
+# go mod tidy, go build. Then checks what users get: list-modules shows the plugin's modules and not the
+# simulator (vllm_sim belongs to this repository's cmd/caddy only), and `caddy llm upstreams` answers
+# from a running instance.
 #
 #   .ci/xcaddy-build.sh            build in a temporary directory, check, remove it
 #   KEEP=1 .ci/xcaddy-build.sh     keep the directory (and the binary) and print its path
@@ -22,19 +23,16 @@ cleanup() {
 trap cleanup EXIT
 cd "$work"
 
-# The repository's CI runs with -mod=readonly; a fresh module needs go mod tidy to write go.mod and
-# go.sum, as xcaddy's does. Other flags are kept.
+# The repository's CI runs with -mod=readonly; a fresh module needs go get and go mod tidy to write
+# go.mod and go.sum, as xcaddy's does. Other flags are kept.
 GOFLAGS="$(printf '%s' "${GOFLAGS:-}" | sed -E 's/(^| )-mod=[a-z]+//g') -mod=mod"
 export GOFLAGS
 
-go mod init caddy >/dev/null 2>&1
-# xcaddy pins the unpublished plugin at the zero pseudo-version and replaces it with the local path.
-go mod edit \
-	-require="github.com/caddyserver/caddy/v2@$caddy_version" \
-	-require="$plugin@v0.0.0-00010101000000-000000000000" \
-	-replace="$plugin=$repo"
-# The checksums of the dependencies the plugin already verified, so tidy needs no checksum database.
-cp "$repo/go.sum" go.sum
+# quiet runs a go command, showing its output only when it fails.
+quiet() {
+	"$@" >"$work/go.log" 2>&1 || { cat "$work/go.log"; echo "failed: $*"; return 1; }
+}
+
 cat >main.go <<EOF
 package main
 
@@ -49,8 +47,19 @@ func main() {
 	caddycmd.Main()
 }
 EOF
-go mod tidy
-go build -o caddy .
+go mod init caddy >/dev/null 2>&1
+# The checksums of the dependencies the plugin already verified, so no checksum database is needed.
+cp "$repo/go.sum" go.sum
+# xcaddy's steps: the replace first, then `go get` pins Caddy and each plugin. The plugin is unpublished,
+# so it is pinned at the zero pseudo-version, which Go resolves through the replace (README, Building).
+go mod edit -replace="$plugin=$repo"
+quiet go get "github.com/caddyserver/caddy/v2@$caddy_version"
+quiet go get "$plugin@v0.0.0-00010101000000-000000000000" "github.com/caddyserver/caddy/v2@$caddy_version"
+if [ "$(go list -m -f '{{.Version}}' "$plugin")" != v0.0.0-00010101000000-000000000000 ]; then
+	echo "go.mod does not require the plugin at the zero pseudo-version:"; cat go.mod; exit 1
+fi
+quiet go mod tidy
+quiet go build -o caddy .
 
 modules=$(./caddy list-modules)
 for want in http.reverse_proxy.selection_policies.llm http.matchers.llm admin.api.llm; do
@@ -80,12 +89,15 @@ http:// {
 EOF
 HOME=$work XDG_DATA_HOME=$work XDG_CONFIG_HOME=$work ./caddy run --config Caddyfile >caddy.log 2>&1 &
 caddy_pid=$!
+# Ready once the admin API reports the policy provisioned (the socket comes up before the config).
 for _ in $(seq 100); do
-	[ -S "$work/admin.sock" ] && break
+	if out=$(./caddy llm upstreams --address "unix/$work/admin.sock" 2>&1) && ! grep -q '^No loaded config' <<<"$out"; then
+		break
+	fi
 	sleep 0.1
 done
-if ! out=$(./caddy llm upstreams --address "unix/$work/admin.sock"); then
-	cat caddy.log; exit 1
+if ! out=$(./caddy llm upstreams --address "unix/$work/admin.sock") || grep -q '^No loaded config' <<<"$out"; then
+	echo "caddy llm upstreams failed or saw no policy:"; echo "$out"; cat caddy.log; exit 1
 fi
 echo "$out" | sed 's/^/  /'
 grep -q '^Routes: ' <<<"$out" || { echo "caddy llm upstreams printed no route counters"; exit 1; }
