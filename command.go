@@ -47,6 +47,10 @@ func upstreamsCommand() *cobra.Command {
 Prints GET /llm/upstreams of the running Caddy as a table, one row per upstream:
 
   REQS, TOKENS  requests and tokens (prompt + expected output) in flight
+  PREFILL, DECODE
+                in-flight requests by phase
+  TO_PREFILL, QUEUED
+                prompt tokens still to prefill, and how long that takes
   SATURATED     yes while the upstream is in its 429 backoff
   ROUTES        learned prefix routes pointing at it
   RUNNING, WAITING, KV
@@ -142,7 +146,16 @@ func scraped(c upstreamColumn) upstreamColumn {
 var upstreamColumns = []upstreamColumn{
 	plain("UPSTREAM", "upstream"),
 	plain("REQS", "inflight_requests"),
+	plain("PREFILL", "prefilling"),
+	plain("DECODE", "decoding"),
 	plain("TOKENS", "inflight_tokens"),
+	plain("TO_PREFILL", "prefill_tokens"),
+	{"QUEUED", []string{"queued_prefill_seconds"}, func(fs fields) string {
+		if f, ok := number(fs, "queued_prefill_seconds"); ok {
+			return formatSeconds(f)
+		}
+		return ""
+	}},
 	plain("SATURATED", "saturated"),
 	plain("ROUTES", "learned_routes"),
 	scraped(plain("RUNNING", "metrics.running")),
@@ -447,9 +460,13 @@ func formatFloat(f float64) string {
 	return s
 }
 
-// formatSeconds renders an age: "0.4s", "12s", "3m5s".
+// formatSeconds renders a duration in seconds: "0s", "42ms", "3.4s", "12s", "3m5s".
 func formatSeconds(s float64) string {
 	switch {
+	case s == 0:
+		return "0s"
+	case s < 1:
+		return strconv.FormatFloat(1000*s, 'f', 0, 64) + "ms"
 	case s < 10:
 		return strconv.FormatFloat(s, 'f', 1, 64) + "s"
 	case s < 60:

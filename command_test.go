@@ -13,23 +13,23 @@ import (
 )
 
 // upstreamsTable is testdata/upstreams.json as `caddy llm upstreams` prints it. The fixture has
-// fields the table does not know (cache, model, weight, a list): they show generically.
-const upstreamsTable = `UPSTREAM        REQS  TOKENS  SATURATED  ROUTES  RUNNING  WAITING  KV     SCRAPE                      WEIGHT
-127.0.0.1:8001  1     4219    no         81      1        0        2.1%   vllm 0.4s                   1.5
-127.0.0.1:8002  0     0       yes        0       0        12       97.0%  sglang stale 12s, 3 errors  -
-10.0.0.9:8000   1     12      no         -       -        -        -      never, 1 error              -
+// fields the table does not name (model, cache, weight, a list): they show generically.
+const upstreamsTable = `UPSTREAM        REQS  PREFILL  DECODE  TOKENS  TO_PREFILL  QUEUED  SATURATED  ROUTES  RUNNING  WAITING  KV     SCRAPE                      WEIGHT
+127.0.0.1:8001  3     1        2       4219    3100        388ms   no         81      3        0        2.1%   vllm 400ms                  1.5
+127.0.0.1:8002  0     0        0       0       0           0s      yes        0       0        12       97.0%  sglang stale 12s, 3 errors  -
+10.0.0.9:8000   1     -        -       12      -           -       no         -       -        -        -      never, 1 error              -
+
+MODEL
+UPSTREAM        PREFILL_TOKENS_PER_SEC  OVERHEAD_MS  MS_PER_OUTPUT_TOKEN  SLOTS  MEAN_REQUEST_SECONDS
+127.0.0.1:8001  8124                    30.2         30.5                 64     2.12
+127.0.0.1:8002  0                       0            0                    -      0
+10.0.0.9:8000   -                       -            -                    -      -
 
 CACHE
 UPSTREAM        PREDICTED_HIT_RATE  OBSERVED_HIT_RATE  CORRECTIONS
 127.0.0.1:8001  0.823               0.79               3
 127.0.0.1:8002  0                   -                  0
 10.0.0.9:8000   -                   -                  -
-
-MODEL
-UPSTREAM        PREFILL_TOKENS_PER_SEC  DECODE_STEP_MS  SAMPLES
-127.0.0.1:8001  8124                    30.2            512
-127.0.0.1:8002  -                       -               -
-10.0.0.9:8000   -                       -               -
 
 Last scrape errors:
   127.0.0.1:8002: scraping 127.0.0.1:8002: connection refused
@@ -61,8 +61,8 @@ func TestRenderUpstreams(t *testing.T) {
 		{
 			name: "before scraping, no routes object",
 			body: `{"upstreams":[{"upstream":"a:1","inflight_tokens":7,"inflight_requests":1,"saturated":false}]}`,
-			want: "UPSTREAM  REQS  TOKENS  SATURATED  ROUTES  RUNNING  WAITING  KV  SCRAPE\n" +
-				"a:1       1     7       no         -       -        -        -   -\n",
+			want: "UPSTREAM  REQS  PREFILL  DECODE  TOKENS  TO_PREFILL  QUEUED  SATURATED  ROUTES  RUNNING  WAITING  KV  SCRAPE\n" +
+				"a:1       1     -        -       7       -           -       no         -       -        -        -   -\n",
 		},
 	}
 	for _, tt := range tests {
@@ -169,4 +169,12 @@ func TestUpstreamsCommand(t *testing.T) {
 			t.Error("an unreachable admin API gave no error")
 		}
 	})
+}
+
+func TestFormatSeconds(t *testing.T) {
+	for s, want := range map[float64]string{0: "0s", 0.0421: "42ms", 0.4: "400ms", 3.42: "3.4s", 12.3: "12s", 185: "3m5s"} {
+		if got := formatSeconds(s); got != want {
+			t.Errorf("formatSeconds(%v) = %q, want %q", s, got, want)
+		}
+	}
 }
