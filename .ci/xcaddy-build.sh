@@ -89,18 +89,17 @@ http:// {
 EOF
 HOME=$work XDG_DATA_HOME=$work XDG_CONFIG_HOME=$work ./caddy run --config Caddyfile >caddy.log 2>&1 &
 caddy_pid=$!
-# Ready once the admin API reports the policy provisioned (the socket comes up before the config).
+# Ready once the report lists the configured upstream (the admin socket comes up before the config).
 for _ in $(seq 100); do
-	if out=$(./caddy llm upstreams --address "unix/$work/admin.sock" 2>&1) && ! grep -q '^No loaded config' <<<"$out"; then
+	if out=$(./caddy llm upstreams --address "unix/$work/admin.sock" 2>&1) && grep -q '^127\.0\.0\.1:9 ' <<<"$out"; then
 		break
 	fi
 	sleep 0.1
 done
-if ! out=$(./caddy llm upstreams --address "unix/$work/admin.sock") || grep -q '^No loaded config' <<<"$out"; then
-	echo "caddy llm upstreams failed or saw no policy:"; echo "$out"; cat caddy.log; exit 1
-fi
 echo "$out" | sed 's/^/  /'
-grep -q '^Routes: ' <<<"$out" || { echo "caddy llm upstreams printed no route counters"; exit 1; }
+if ! grep -q '^UPSTREAM ' <<<"$out" || ! grep -q '^127\.0\.0\.1:9 ' <<<"$out" || ! grep -q '^Routes: ' <<<"$out"; then
+	echo "caddy llm upstreams did not print the configured upstream and the route counters"; cat caddy.log; exit 1
+fi
 ./caddy stop --address "unix/$work/admin.sock" >/dev/null 2>&1
 wait "$caddy_pid" || true
 caddy_pid=
