@@ -5,9 +5,14 @@
 package caddysim
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
 	"fmt"
 	"net/http"
+	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -24,10 +29,32 @@ func init() {
 	httpcaddyfile.RegisterDirectiveOrder("vllm_sim", httpcaddyfile.Before, "respond")
 }
 
+// engines holds the simulators of every provisioned Handler, keyed by engineKey, so that a reload
+// keeps a backend that did not change: its KV cache, counters and in-flight streams live on, as a real
+// vLLM server's would when only the proxy in front of it reloads. Each Provision takes one reference
+// (LoadOrNew) and its Cleanup drops exactly that one (Delete); the last Delete closes the engine.
+var engines = caddy.NewUsagePool()
+
+// engine is a pooled simulator; the pool closes it when its last user is cleaned up.
+type engine struct{ *vllmsim.Server }
+
+// Destruct stops the engine goroutine, ending whatever requests still run on it.
+func (e engine) Destruct() error {
+	e.Close()
+	return nil
+}
+
 // Handler answers every request it gets with a simulated vLLM server: the OpenAI API under /v1/,
-// /health and /metrics. It is terminal (it never calls the next handler). Each config load provisions
-// a fresh simulator with an empty cache; Cleanup closes it, ending its in-flight requests with an
-// error. Safe for concurrent use; memory is bounded as documented on vllmsim.Server.
+// /health and /metrics. It is terminal (it never calls the next handler).
+//
+// A simulator's identity is the server it is configured in (its listener addresses) plus a hash of
+// its settings. A reload that keeps both keeps the same running simulator, with its cache and its
+// in-flight streams; changing either starts a fresh one and closes the old one once the old config is
+// cleaned up (its in-flight requests then end with an error). Two vllm_sim handlers with identical
+// settings in one server are one simulator; give one a different seed to keep them apart. A handler
+// provisioned outside an HTTP server (a unit test) gets a simulator of its own.
+//
+// Safe for concurrent use; memory is bounded as documented on vllmsim.Server.
 type Handler struct {
 	// Model is the served model name. Default: "sim-model".
 	Model string `json:"model,omitempty"`
@@ -65,7 +92,8 @@ type Handler struct {
 	// Seed seeds the fault RNG. Default: 0.
 	Seed int64 `json:"seed,omitempty"`
 
-	server *vllmsim.Server
+	server  *vllmsim.Server
+	poolKey string // engineKey when the simulator is pooled; Cleanup deletes it
 }
 
 // CaddyModule returns the Caddy module information.
@@ -99,19 +127,56 @@ func (h *Handler) Config() vllmsim.Config {
 	}
 }
 
-// Provision starts the simulator (its engine goroutine; Cleanup stops it). Configuration errors are
-// returned, never panicked.
-func (h *Handler) Provision(caddy.Context) error {
-	s, err := vllmsim.New(h.Config())
+// Provision finds the simulator this handler's server and settings already run, or starts one (its
+// engine goroutine; the last Cleanup stops it). Configuration errors are returned, never panicked.
+func (h *Handler) Provision(ctx caddy.Context) error {
+	srv, _ := ctx.Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server)
+	if srv == nil {
+		s, err := vllmsim.New(h.Config())
+		if err != nil {
+			return fmt.Errorf("provisioning vllm_sim: %w", err)
+		}
+		h.server = s
+		return nil
+	}
+	key, err := h.engineKey(srv.Listen)
 	if err != nil {
 		return fmt.Errorf("provisioning vllm_sim: %w", err)
 	}
-	h.server = s
+	v, _, err := engines.LoadOrNew(key, func() (caddy.Destructor, error) {
+		s, err := vllmsim.New(h.Config())
+		if err != nil {
+			return nil, err
+		}
+		return engine{s}, nil
+	})
+	if err != nil {
+		return fmt.Errorf("provisioning vllm_sim: %w", err)
+	}
+	h.server, h.poolKey = v.(engine).Server, key
 	return nil
 }
 
-// Cleanup stops the simulator.
+// engineKey names a simulator by the listener addresses of its server and a hash of the handler's
+// settings (its JSON).
+func (h *Handler) engineKey(listen []string) (string, error) {
+	settings, err := json.Marshal(h)
+	if err != nil {
+		return "", fmt.Errorf("hashing settings: %w", err)
+	}
+	sum := sha256.Sum256(settings)
+	addrs := slices.Sorted(slices.Values(listen))
+	return strings.Join(addrs, ",") + "/" + hex.EncodeToString(sum[:16]), nil
+}
+
+// Cleanup releases this handler's use of its simulator; the last user's Cleanup stops it.
 func (h *Handler) Cleanup() error {
+	if h.poolKey != "" {
+		key := h.poolKey
+		h.poolKey = ""
+		_, err := engines.Delete(key)
+		return err
+	}
 	if h.server != nil {
 		h.server.Close()
 	}

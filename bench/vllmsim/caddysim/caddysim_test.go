@@ -7,12 +7,14 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
 func TestUnmarshalCaddyfile(t *testing.T) {
@@ -167,5 +169,127 @@ func TestProvisionServeCleanup(t *testing.T) {
 	h.ServeHTTP(rec, httptest.NewRequest(http.MethodPost, "/v1/chat/completions", strings.NewReader(body)), nil)
 	if rec.Code != http.StatusServiceUnavailable {
 		t.Errorf("after Cleanup: status %d, want 503", rec.Code)
+	}
+}
+
+// provisionIn provisions h as if it were a handler of an HTTP server listening on listen.
+func provisionIn(t *testing.T, ctx caddy.Context, h *Handler, listen ...string) {
+	t.Helper()
+	ctx.Context = context.WithValue(ctx.Context, caddyhttp.ServerCtxKey, &caddyhttp.Server{Listen: listen})
+	if err := h.Provision(ctx); err != nil {
+		t.Fatalf("Provision() error = %v", err)
+	}
+}
+
+// TestEngineSurvivesReload pins issue 13 item 1 (a reload cut open streams in the demo): a handler
+// provisioned again with the same server and settings gets the same simulator, and cleaning up the
+// old config leaves it running; changed settings or another listener get a fresh one.
+func TestEngineSurvivesReload(t *testing.T) {
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+
+	old := &Handler{Model: "m", TimeScale: 1000}
+	provisionIn(t, ctx, old, ":8001")
+	same := &Handler{Model: "m", TimeScale: 1000}
+	provisionIn(t, ctx, same, ":8001") // the reloaded config provisions before the old one cleans up
+	changed := &Handler{Model: "m", TimeScale: 1000, Seed: 7}
+	provisionIn(t, ctx, changed, ":8001")
+	elsewhere := &Handler{Model: "m", TimeScale: 1000}
+	provisionIn(t, ctx, elsewhere, ":8002")
+	defer changed.Cleanup()
+	defer elsewhere.Cleanup()
+
+	if same.Server() != old.Server() {
+		t.Errorf("same listener and settings: a new simulator, want the running one")
+	}
+	if changed.Server() == old.Server() {
+		t.Errorf("changed settings: the old simulator, want a new one")
+	}
+	if elsewhere.Server() == old.Server() {
+		t.Errorf("another listener: the same simulator, want its own")
+	}
+
+	if err := old.Cleanup(); err != nil {
+		t.Fatal(err)
+	}
+	body := `{"model":"m","messages":[{"role":"user","content":"hello"}],"max_tokens":3}`
+	serve := func() int {
+		rec := httptest.NewRecorder()
+		same.ServeHTTP(rec, httptest.NewRequest(http.MethodPost, "/v1/chat/completions", strings.NewReader(body)), nil)
+		return rec.Code
+	}
+	if code := serve(); code != http.StatusOK {
+		t.Errorf("after the old config's Cleanup: status %d, want 200", code)
+	}
+	if err := same.Cleanup(); err != nil {
+		t.Fatal(err)
+	}
+	if code := serve(); code != http.StatusServiceUnavailable {
+		t.Errorf("after the last Cleanup: status %d, want 503 (the simulator is closed)", code)
+	}
+}
+
+// TestEnginePoolFailedProvision: a handler whose settings are invalid takes no pool reference, so
+// its Cleanup (which Caddy calls after a failed Provision) deletes nothing.
+func TestEnginePoolFailedProvision(t *testing.T) {
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	ctx.Context = context.WithValue(ctx.Context, caddyhttp.ServerCtxKey, &caddyhttp.Server{Listen: []string{":8001"}})
+	bad := &Handler{Metrics: "prometheus"}
+	if err := bad.Provision(ctx); err == nil {
+		t.Fatal("Provision() = nil error, want one")
+	}
+	if err := bad.Cleanup(); err != nil {
+		t.Errorf("Cleanup() after a failed Provision = %v", err)
+	}
+	key, err := bad.engineKey([]string{":8001"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if refs, ok := engines.References(key); ok {
+		t.Errorf("pool holds the failed engine with %d references, want none", refs)
+	}
+}
+
+// TestEnginePoolStress provisions and cleans up handlers of one engine from several goroutines, as
+// overlapping reloads would, while a long-lived handler keeps it: the engine must stay open until
+// that last user's Cleanup. Run with -race.
+func TestEnginePoolStress(t *testing.T) {
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	holder := &Handler{Model: "m", TimeScale: 1000}
+	provisionIn(t, ctx, holder, ":9001")
+
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Go(func() {
+			for range 50 {
+				h := &Handler{Model: "m", TimeScale: 1000}
+				provisionIn(t, ctx, h, ":9001")
+				if h.Server() != holder.Server() {
+					t.Error("a new engine while the holder keeps the old one")
+				}
+				h.Cleanup()
+			}
+		})
+	}
+	wg.Wait()
+
+	body := `{"model":"m","prompt":"hi","max_tokens":1}`
+	serve := func() int {
+		rec := httptest.NewRecorder()
+		holder.ServeHTTP(rec, httptest.NewRequest(http.MethodPost, "/v1/completions", strings.NewReader(body)), nil)
+		return rec.Code
+	}
+	if code := serve(); code != http.StatusOK {
+		t.Errorf("while held: status %d, want 200", code)
+	}
+	key, _ := holder.engineKey([]string{":9001"})
+	if refs, _ := engines.References(key); refs != 1 {
+		t.Errorf("engine references = %d, want 1 (the holder's)", refs)
+	}
+	holder.Cleanup()
+	if code := serve(); code != http.StatusServiceUnavailable {
+		t.Errorf("after the last Cleanup: status %d, want 503", code)
 	}
 }
