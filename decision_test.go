@@ -159,3 +159,35 @@ func TestRouteBoundariesBounded(t *testing.T) {
 		t.Errorf("a short request's boundaries were thinned")
 	}
 }
+
+// TestRouteTablesPerSettings: two policies with different table settings get different tables (before,
+// the last provisioned one's block_size, capacity and TTL silently applied to both); the same settings
+// share one, and each table lives while a policy holds it.
+func TestRouteTablesPerSettings(t *testing.T) {
+	small := affinity.Config{Capacity: 10, TTL: time.Minute, BlockSize: 16}
+	big := affinity.Config{Capacity: 1000, TTL: time.Hour, BlockSize: 32}
+	a, keyA, err := acquireRoutes(small)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer releaseRoutes(keyA)
+	b, keyB, _ := acquireRoutes(big)
+	defer releaseRoutes(keyB)
+	a2, keyA2, _ := acquireRoutes(small)
+	defer releaseRoutes(keyA2)
+	if a == b || keyA == keyB {
+		t.Error("different settings share one route table")
+	}
+	if a != a2 {
+		t.Error("the same settings got two route tables")
+	}
+	found := 0
+	for _, tb := range allRoutes() {
+		if tb == a || tb == b {
+			found++
+		}
+	}
+	if found != 2 {
+		t.Errorf("allRoutes lists %d of the 2 tables in use", found)
+	}
+}

@@ -349,3 +349,86 @@ func TestHangingMetricsDoNotBlockRouting(t *testing.T) {
 	}
 	tester.Client.Transport.(*http.Transport).CloseIdleConnections()
 }
+
+// TestBarePolicyScrapesFromProvision: a bare `lb_policy llm` scrapes every configured upstream from the
+// moment it is provisioned (before any request) and reports it in /llm/upstreams with its metrics; an
+// upstream without usable metrics (a generic OpenAI-compatible server: /metrics is 404) is dropped from
+// scraping, logged once, and still routed to. Issue 13 item 5; issue 9 item 4.
+func TestBarePolicyScrapesFromProvision(t *testing.T) {
+	_, a := simBackend(t, vllmsim.Config{TimeScale: 1000, Seed: 1})
+	plain := newBackend(t) // answers /metrics with 404
+	tester := caddytest.NewTester(t)
+	tester.InitServer(globalOptions+fmt.Sprintf(`
+%s {
+	reverse_proxy %s %s {
+		lb_policy llm {
+			metrics {
+				interval 50ms
+			}
+		}
+	}
+}
+`, site, a, plain.dial), "caddyfile")
+
+	waitFor(t, "the simulator scraped before any request", func() bool {
+		m := adminUpstreams(t)[a].Metrics
+		return m != nil && m.Fresh && m.Flavor == "vllm"
+	})
+	waitFor(t, "the upstream without metrics dropped from scraping", func() bool {
+		u, listed := adminUpstreams(t)[plain.dial]
+		return listed && u.Metrics == nil
+	})
+	if n := plain.requests.Load(); n != 0 {
+		t.Errorf("the plain backend counted %d requests before any was sent", n)
+	}
+	// Both are still routed to: the plain one on this proxy's own signals.
+	seen := map[bool]bool{}
+	for i := range 40 {
+		res, body := post(t, tester.Client, "/v1/chat/completions", chatBody("sim-model", 20+i, false))
+		if res.StatusCode != http.StatusOK {
+			t.Fatalf("request %d: status %d: %s", i, res.StatusCode, body)
+		}
+		seen[strings.Contains(body, plain.dial)] = true
+	}
+	if !seen[true] || !seen[false] {
+		t.Errorf("40 requests used only one of the two upstreams (plain backend used: %v)", seen)
+	}
+}
+
+// TestMetricsOff: `metrics off` scrapes nothing.
+func TestMetricsOff(t *testing.T) {
+	metricsHits := make(chan struct{}, 10)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/metrics" {
+			metricsHits <- struct{}{}
+			http.NotFound(w, r)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		io.WriteString(w, `{"id":"x","object":"chat.completion"}`)
+	}))
+	t.Cleanup(srv.Close)
+	dial := strings.TrimPrefix(srv.URL, "http://")
+	tester := caddytest.NewTester(t)
+	tester.InitServer(globalOptions+fmt.Sprintf(`
+%s {
+	reverse_proxy %s {
+		lb_policy llm {
+			metrics off
+		}
+	}
+}
+`, site, dial), "caddyfile")
+	res, body := post(t, tester.Client, "/v1/chat/completions", chatBody("m", 10, false))
+	if res.StatusCode != http.StatusOK {
+		t.Fatalf("status %d: %s", res.StatusCode, body)
+	}
+	if u := adminUpstreams(t)[dial]; u.Metrics != nil {
+		t.Errorf("metrics off, yet /llm/upstreams shows scraped metrics: %+v", u.Metrics)
+	}
+	select {
+	case <-metricsHits:
+		t.Error("metrics off, yet /metrics was requested")
+	default:
+	}
+}
