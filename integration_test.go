@@ -219,7 +219,9 @@ func TestHeavyAndLightRequests(t *testing.T) {
 				}()
 				return <-a.arrivedOrB(b)
 			}
-			heavy := send(chatBody("m", 4000, false))
+			// 40,000 tokens: its prefill (seconds at any plausible speed) lasts the whole test, and a
+			// request is heavy while it prefills (once decoding, it is one sequence among others).
+			heavy := send(chatBody("m", 40000, false))
 			onHeavy := 0
 			for i := range 10 {
 				if send(chatBody("m", 10, false)+strings.Repeat(" ", i)) == heavy {

@@ -244,7 +244,7 @@ func upstreamReport(withRoutes bool) []upstreamStatus {
 			if out[i].Metrics != nil {
 				continue
 			}
-			sc.load(dial) // lets an upstream whose metrics never answered be dropped without traffic
+			sc.dropUnusable(dial) // an upstream whose metrics never answered is dropped without traffic too
 			if st, ok := sc.status(dial); ok {
 				out[i].Metrics = reportScrape(st)
 			}

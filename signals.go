@@ -6,6 +6,7 @@ import (
 	"net/url"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -92,6 +93,8 @@ type scrapes struct {
 	handles map[string]*scraper.Handle // by dial; nil value: the dial has no valid target
 	closed  bool
 	logger  *zap.Logger
+	// lastCheck (unix nanoseconds) is when an upstream that never answered was last checked.
+	lastCheck atomic.Int64
 }
 
 // maxScrapeTargets bounds the handles one policy takes (dynamic upstreams could name endless addresses).
@@ -123,10 +126,31 @@ func (sc *scrapes) load(dial string) (scraper.Snapshot, bool) {
 		return scraper.Snapshot{}, false
 	}
 	snap, fresh := h.Load()
-	if snap.At.IsZero() {
+	if snap.At.IsZero() && sc.checkDue() {
 		sc.checkUsable(dial, h)
 	}
 	return snap, fresh
+}
+
+// checkDue reports whether it is time for one more check of an upstream whose metrics never answered:
+// once a second per policy, so the hot path pays one atomic load otherwise.
+func (sc *scrapes) checkDue() bool {
+	now := time.Now().UnixNano()
+	last := sc.lastCheck.Load()
+	return now-last >= int64(time.Second) && sc.lastCheck.CompareAndSwap(last, now)
+}
+
+// dropUnusable checks dial now (the admin report calls it, off the request path).
+func (sc *scrapes) dropUnusable(dial string) {
+	sc.mu.RLock()
+	h := sc.handles[dial]
+	sc.mu.RUnlock()
+	if h == nil {
+		return
+	}
+	if snap, _ := h.Load(); snap.At.IsZero() {
+		sc.checkUsable(dial, h)
+	}
 }
 
 // unusableAfter is how many failed scrapes, with none good, show that an upstream has no usable metrics.
