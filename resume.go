@@ -2,9 +2,11 @@ package caddyllm
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"mime"
 	"net/http"
 	"strconv"
@@ -121,7 +123,11 @@ func (h *LLMResume) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddy
 	rl := &relay{client: w, r: r, req: req, maxText: max(h.MaxBodyBytes-int64(len(orig)), 0)}
 	for attempt := 1; ; attempt++ {
 		rl.begin()
-		err, aborted := rl.serve(next)
+		req := r
+		if attempt > 1 {
+			req = ownVars(r)
+		}
+		err, aborted := rl.serve(next, req)
 		if attempt == 1 {
 			rl.promptTokens = parsedPromptTokens(lr, orig)
 		}
@@ -397,7 +403,7 @@ func (rl *relay) begin() {
 
 // serve runs one attempt, recovering the panic with which the reverse proxy aborts a response whose body
 // it could not copy. Any other panic goes on.
-func (rl *relay) serve(next caddyhttp.Handler) (err error, aborted bool) {
+func (rl *relay) serve(next caddyhttp.Handler, r *http.Request) (err error, aborted bool) {
 	defer func() {
 		if v := recover(); v != nil {
 			if v != http.ErrAbortHandler { //nolint:errorlint // the sentinel is panicked as is
@@ -406,7 +412,19 @@ func (rl *relay) serve(next caddyhttp.Handler) (err error, aborted bool) {
 			aborted = true
 		}
 	}()
-	return next.ServeHTTP(rl, rl.r), false
+	return next.ServeHTTP(rl, r), false
+}
+
+// ownVars returns r with a copy of its request variables, for an attempt after the first. reverse_proxy
+// writes a variable on every call, while the transport may still be dialing for an earlier attempt on
+// another goroutine, reading them. The copy shares the values: the policy's llmRequest (the upstreams
+// tried, the reservation) is the same.
+func ownVars(r *http.Request) *http.Request {
+	vars, ok := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
+	if !ok {
+		return r
+	}
+	return r.WithContext(context.WithValue(r.Context(), caddyhttp.VarsCtxKey, maps.Clone(vars)))
 }
 
 // outcome classifies the attempt that just returned err, or aborted.
@@ -441,17 +459,18 @@ func (rl *relay) outcome(err error, aborted bool) attemptOutcome {
 		return attemptPassedThrough
 	}
 	// modeStream
+	if !rl.attemptDone && !aborted && err == nil && len(rl.pending) > 0 {
+		// The upstream ended the stream cleanly without the blank line after its last event. (Of a stream
+		// that broke, the incomplete event is dropped: the client never gets half an event.)
+		rl.relayEvent(append(rl.pending, "\n\n"...))
+		rl.pending = rl.pending[:0]
+	}
 	if rl.attemptDone {
 		return attemptSucceeded
 	}
 	rl.failStatus = http.StatusBadGateway
 	if rl.upstreamFailed {
 		rl.failStatus = http.StatusServiceUnavailable
-	}
-	if !aborted && !rl.upstreamFailed && len(rl.pending) > 0 && err == nil {
-		// The stream ended with an event that lacks its blank line: the upstream ended it, not a failure.
-		rl.writeClient(rl.pending)
-		rl.pending = rl.pending[:0]
 	}
 	return attemptRetryable
 }

@@ -871,3 +871,17 @@ func TestResumeHandlerPanics(t *testing.T) {
 		}()
 	}
 }
+
+// TestResumeHandlerLastEventUnterminated: a stream whose [DONE] lacks the blank line after it is complete.
+func TestResumeHandlerLastEventUnterminated(t *testing.T) {
+	next := &fakeProxy{script: []func(http.ResponseWriter, string) error{func(w http.ResponseWriter, _ string) error {
+		sse(w, false, chatChunk("a", `{"role":"assistant","content":"x"}`, `"stop"`))
+		io.WriteString(w, "data: [DONE]")
+		return nil
+	}}}
+	rec := httptest.NewRecorder()
+	serveResume(t, `{"stream":true,"messages":[{"role":"user","content":"hi"}]}`, rec, next)
+	if got := rec.Body.String(); !strings.HasSuffix(got, "data: [DONE]\n\n") || strings.Contains(got, "error") || len(next.bodies) != 1 {
+		t.Errorf("client got %q after %d attempts, want the stream and its [DONE] after one", got, len(next.bodies))
+	}
+}
