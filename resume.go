@@ -878,7 +878,8 @@ func (rl *relay) relayEvent(ev []byte) {
 	if content != "" {
 		rl.keepText(content)
 		if rl.attemptTokens == 0 {
-			noteFirstToken(rl.r)
+			noteFirstToken(rl.r)      // this attempt leaves its prefill phase: one token
+			noteToken(rl.r, tokens-1) // and the rest of the chunk's, if any
 		} else {
 			noteToken(rl.r, tokens)
 		}
