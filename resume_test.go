@@ -379,12 +379,12 @@ func (rt *resumeTest) postStream(path string, body []byte, header ...string) str
 		rt.t.Fatalf("POST %s: %v", path, err)
 	}
 	defer res.Body.Close()
-	return readSSE(res)
+	return readSSE(res.StatusCode, res.Body)
 }
 
-func readSSE(res *http.Response) streamResult {
-	sr := streamResult{status: res.StatusCode, ids: map[string]bool{}}
-	sc := bufio.NewScanner(res.Body)
+func readSSE(status int, body io.Reader) streamResult {
+	sr := streamResult{status: status, ids: map[string]bool{}}
+	sc := bufio.NewScanner(body)
 	sc.Buffer(make([]byte, 1<<20), 1<<20)
 	for sc.Scan() {
 		data, ok := strings.CutPrefix(sc.Text(), "data: ")
@@ -883,5 +883,74 @@ func TestResumeHandlerLastEventUnterminated(t *testing.T) {
 	serveResume(t, `{"stream":true,"messages":[{"role":"user","content":"hi"}]}`, rec, next)
 	if got := rec.Body.String(); !strings.HasSuffix(got, "data: [DONE]\n\n") || strings.Contains(got, "error") || len(next.bodies) != 1 {
 		t.Errorf("client got %q after %d attempts, want the stream and its [DONE] after one", got, len(next.bodies))
+	}
+}
+
+// TestResumeBackendKilled: an upstream dies (its engine stopped, every connection closed, the port shut)
+// while streams to it are open. Each of them is continued on the other upstream, and the client sees
+// every stream complete.
+func TestResumeBackendKilled(t *testing.T) {
+	// Slower than the other tests (1.5 ms a token), so that the streams are still open when one dies.
+	ups := []*resumeUpstream{
+		newResumeUpstream(t, vllmsim.Config{TimeScale: 20, Seed: 1}),
+		newResumeUpstream(t, vllmsim.Config{TimeScale: 20, Seed: 2}),
+	}
+	rt := newResumeTest(t, "", ups...)
+
+	const streams, maxTokens = 6, 200
+	type open struct {
+		body  io.ReadCloser
+		first string
+	}
+	var opened []open
+	for i := range streams {
+		req, _ := http.NewRequest(http.MethodPost, rt.url+"/v1/chat/completions", bytes.NewReader(resumeChat(maxTokens, fmt.Sprintf("stream %d", i))))
+		req.Header.Set("Content-Type", "application/json")
+		res, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.StatusCode != http.StatusOK {
+			t.Fatalf("stream %d: status %d", i, res.StatusCode)
+		}
+		// Read up to the first event: the stream is under way.
+		br := bufio.NewReader(res.Body)
+		var first strings.Builder
+		for !strings.HasPrefix(first.String(), "data: ") || !strings.HasSuffix(first.String(), "\n\n") {
+			line, err := br.ReadString('\n')
+			if err != nil {
+				t.Fatalf("stream %d: %v after %q", i, err, first.String())
+			}
+			first.WriteString(line)
+		}
+		opened = append(opened, open{struct {
+			io.Reader
+			io.Closer
+		}{br, res.Body}, first.String()})
+	}
+	victim, survivor := ups[0], ups[1]
+	if _, n := loads.get(ups[1].dial); n > 0 {
+		victim, survivor = ups[1], ups[0]
+	}
+	if _, n := loads.get(victim.dial); n == 0 {
+		t.Fatalf("no stream open to either upstream")
+	}
+	victim.sim.Close()
+	victim.srv.CloseClientConnections()
+	victim.srv.Close()
+
+	for i, o := range opened {
+		sr := readSSE(http.StatusOK, io.MultiReader(strings.NewReader(o.first), o.body))
+		o.body.Close()
+		checkComplete(t, fmt.Sprintf("stream %d", i), sr, maxTokens, true)
+	}
+	continued := 0
+	for _, body := range survivor.received() {
+		if bytes.Contains(body, []byte(`"continue_final_message":true`)) {
+			continued++
+		}
+	}
+	if continued == 0 {
+		t.Errorf("no stream was continued on the surviving upstream: the test did not test that")
 	}
 }
