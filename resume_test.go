@@ -3,6 +3,7 @@ package caddyllm
 import (
 	"bufio"
 	"bytes"
+	"compress/gzip"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -597,66 +598,72 @@ func TestResumeFaultyBackend(t *testing.T) {
 	good := newResumeUpstream(t, vllmsim.Config{Seed: 8})
 	rt := newResumeTest(t, "", flaky, good)
 
-	const requests, workers = 48, 4
+	// Rounds of 48 requests until both kinds of failure were met: how much traffic reaches the flaky
+	// upstream is the policy's choice (a round sends it from 10 to 45 requests).
+	const perRound, rounds, workers = 48, 3, 4
 	rng := rand.New(rand.NewPCG(1, 2))
-	maxTokens := make([]int, requests)
+	maxTokens := make([]int, perRound*rounds)
 	for i := range maxTokens {
 		maxTokens[i] = 8 + rng.IntN(40)
 	}
 	client := openai.NewClient(option.WithBaseURL(rt.url+"/v1/"), option.WithAPIKey("test"), option.WithMaxRetries(0))
-	var wg sync.WaitGroup
-	jobs := make(chan int)
-	for range workers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for i := range jobs {
-				n := maxTokens[i]
-				user := fmt.Sprintf("request %d: %s", i, strings.Repeat("words ", 10+i))
-				switch i % 4 {
-				case 0:
-					checkComplete(t, fmt.Sprintf("raw chat %d", i), rt.postStream("/v1/chat/completions", resumeChat(n, user)), n, true)
-				case 1:
-					body := fmt.Appendf(nil, `{"model":"sim-model","stream":true,"max_tokens":%d,"prompt":%q}`, n, user)
-					checkComplete(t, fmt.Sprintf("raw completions %d", i), rt.postStream("/v1/completions", body), n, false)
-				case 2:
-					openAIChat(t, &client, i, user, n)
-				case 3:
-					body := fmt.Appendf(nil, `{"model":"sim-model","max_tokens":%d,"messages":[{"role":"user","content":%q}]}`, n, user)
-					res, err := http.Post(rt.url+"/v1/chat/completions", "application/json", bytes.NewReader(body))
-					if err != nil {
-						t.Errorf("non-streaming %d: %v", i, err)
-						continue
-					}
-					var whole struct {
-						Choices []struct{ Message struct{ Content string } }
-					}
-					err = json.NewDecoder(res.Body).Decode(&whole)
-					res.Body.Close()
-					if res.StatusCode != http.StatusOK || err != nil || len(whole.Choices) != 1 || len(whole.Choices[0].Message.Content) != 4*n {
-						t.Errorf("non-streaming %d: status %d, %v, %+v", i, res.StatusCode, err, whole)
+	requests, continuations, sent := 0, 0, 0
+	for round := 0; round < rounds && (continuations == 0 || sent-continuations <= requests); round++ {
+		var wg sync.WaitGroup
+		jobs := make(chan int)
+		for range workers {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for i := range jobs {
+					n := maxTokens[i]
+					user := fmt.Sprintf("request %d: %s", i, strings.Repeat("words ", 10+i))
+					switch i % 4 {
+					case 0:
+						checkComplete(t, fmt.Sprintf("raw chat %d", i), rt.postStream("/v1/chat/completions", resumeChat(n, user)), n, true)
+					case 1:
+						body := fmt.Appendf(nil, `{"model":"sim-model","stream":true,"max_tokens":%d,"prompt":%q}`, n, user)
+						checkComplete(t, fmt.Sprintf("raw completions %d", i), rt.postStream("/v1/completions", body), n, false)
+					case 2:
+						openAIChat(t, &client, i, user, n)
+					case 3:
+						body := fmt.Appendf(nil, `{"model":"sim-model","max_tokens":%d,"messages":[{"role":"user","content":%q}]}`, n, user)
+						res, err := http.Post(rt.url+"/v1/chat/completions", "application/json", bytes.NewReader(body))
+						if err != nil {
+							t.Errorf("non-streaming %d: %v", i, err)
+							continue
+						}
+						var whole struct {
+							Choices []struct{ Message struct{ Content string } }
+						}
+						err = json.NewDecoder(res.Body).Decode(&whole)
+						res.Body.Close()
+						if res.StatusCode != http.StatusOK || err != nil || len(whole.Choices) != 1 || len(whole.Choices[0].Message.Content) != 4*n {
+							t.Errorf("non-streaming %d: status %d, %v, %+v", i, res.StatusCode, err, whole)
+						}
 					}
 				}
+			}()
+		}
+		for i := round * perRound; i < (round+1)*perRound; i++ {
+			jobs <- i
+		}
+		close(jobs)
+		wg.Wait()
+		requests += perRound
+		continuations, sent = 0, 0
+		for _, body := range append(flaky.received(), good.received()...) {
+			sent++
+			if bytes.Contains(body, []byte(`"continue_final_message":true`)) {
+				continuations++
 			}
-		}()
-	}
-	for i := range requests {
-		jobs <- i
-	}
-	close(jobs)
-	wg.Wait()
-	continuations, sent := 0, 0
-	for _, body := range append(flaky.received(), good.received()...) {
-		sent++
-		if bytes.Contains(body, []byte(`"continue_final_message":true`)) {
-			continuations++
 		}
 	}
 	if continuations == 0 || sent-continuations <= requests {
 		t.Errorf("%d requests upstream for %d from clients, %d continuations: want whole retries and continuations",
 			sent, requests, continuations)
 	}
-	t.Logf("%d requests upstream for %d from clients, %d of them continuations", sent, requests, continuations)
+	t.Logf("%d requests upstream for %d from clients (%d to the flaky one), %d of them continuations", sent, requests, len(flaky.received()), continuations)
 }
 
 // openAIChat streams a chat completion through the official client and its accumulator, which rejects a
@@ -953,4 +960,76 @@ func TestResumeBackendKilled(t *testing.T) {
 	if continued == 0 {
 		t.Errorf("no stream was continued on the surviving upstream: the test did not test that")
 	}
+}
+
+// TestResumeHandlerGzipBody: a gzip request is first sent as received; its continuation is plain JSON,
+// without the Content-Encoding header.
+func TestResumeHandlerGzipBody(t *testing.T) {
+	const body = `{"stream":true,"max_tokens":5,"messages":[{"role":"user","content":"hi"}]}`
+	var zipped bytes.Buffer
+	zw := gzip.NewWriter(&zipped)
+	io.WriteString(zw, body)
+	zw.Close()
+	var encodings []string
+	next := &fakeProxy{}
+	next.script = []func(http.ResponseWriter, string) error{
+		func(w http.ResponseWriter, got string) error {
+			if got != zipped.String() {
+				t.Errorf("first attempt's body is not the client's gzip bytes")
+			}
+			return sse(w, true, chatChunk("a", `{"role":"assistant","content":"x"}`, ""))
+		},
+		func(w http.ResponseWriter, got string) error {
+			if !strings.Contains(got, `"continue_final_message":true`) || !strings.Contains(got, `"max_tokens":4`) {
+				t.Errorf("continuation %q, want plain JSON continuing the answer", got)
+			}
+			return sse(w, false, chatChunk("b", `{"content":"y"}`, `"length"`), "[DONE]")
+		},
+	}
+	r := httptest.NewRequest(http.MethodPost, "/v1/chat/completions", bytes.NewReader(zipped.Bytes()))
+	r.Header.Set("Content-Type", "application/json")
+	r.Header.Set("Content-Encoding", "gzip")
+	r = r.WithContext(context.WithValue(r.Context(), caddyhttp.VarsCtxKey, map[string]any{}))
+	h := &LLMResume{MaxAttempts: 3, MaxBodyBytes: defaultMaxBodyBytes, logger: zap.NewNop()}
+	rec := httptest.NewRecorder()
+	wrapped := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		encodings = append(encodings, r.Header.Get("Content-Encoding"))
+		return next.ServeHTTP(w, r)
+	})
+	if err := h.ServeHTTP(rec, r, wrapped); err != nil {
+		t.Fatal(err)
+	}
+	if strings.Join(encodings, ",") != "gzip," || !strings.HasSuffix(rec.Body.String(), "data: [DONE]\n\n") {
+		t.Errorf("Content-Encoding per attempt %q, client got %q", encodings, rec.Body)
+	}
+}
+
+// discardWriter is a client that reads everything.
+type discardWriter struct{ h http.Header }
+
+func (d discardWriter) Header() http.Header       { return d.h }
+func (discardWriter) Write(p []byte) (int, error) { return len(p), nil }
+func (discardWriter) WriteHeader(int)             {}
+func (discardWriter) Flush()                      {}
+
+// BenchmarkResumeRelayChunk is the handler's cost per streamed chunk: reading it as SSE, decoding it,
+// keeping its text and relaying it.
+func BenchmarkResumeRelayChunk(b *testing.B) {
+	chunk := []byte("data: " + chatChunk("chatcmpl-0123456789abcdef", `{"content":" the"}`, "") + "\n\n")
+	rl := &relay{client: discardWriter{h: http.Header{}}, r: httptest.NewRequest(http.MethodPost, "/", nil),
+		req: &resumeRequest{api: tokenize.APIChat, stream: true, continuable: true}, maxText: 1 << 30}
+	rl.begin()
+	rl.header.Set("Content-Type", "text/event-stream")
+	rl.WriteHeader(http.StatusOK)
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		if i%4096 == 0 {
+			rl.text = rl.text[:0] // keep memory flat across b.N
+		}
+		if _, err := rl.Write(chunk); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.ReportMetric(float64(len(chunk)), "bytes/chunk")
 }
