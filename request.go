@@ -157,6 +157,22 @@ func (lr *llmRequest) installBody(r *http.Request) {
 	r.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
 }
 
+// replaceRequestBody makes body the request's body from now on, for the policy as for the upstream: the
+// next Select parses and sends body instead of the one received. What the request has done so far is kept:
+// the upstreams it tried and its reservation holder. It is for llm_resume, which re-issues a request with
+// a changed body (a continuation); body must be plain JSON (the caller removes any Content-Encoding), and
+// must not be modified afterwards.
+func replaceRequestBody(r *http.Request, body []byte) {
+	lr, ok := caddyhttp.GetVar(r.Context(), varKey).(*llmRequest)
+	if !ok {
+		return
+	}
+	lr.body, lr.decoded = body, body
+	lr.tooLarge, lr.readErr, lr.bodyErr, lr.streamed = false, nil, nil, nil
+	lr.parses = nil
+	lr.installBody(r)
+}
+
 // parse returns the request parsed with opts, parsing at most once per distinct opts.
 func (lr *llmRequest) parse(opts tokenize.Options) (*tokenize.Request, error) {
 	for _, p := range lr.parses {

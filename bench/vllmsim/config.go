@@ -28,6 +28,7 @@ type Config struct {
 	Metrics             string        // "vllm" (default), "vllm-legacy" (gpu_cache_usage_perc, gpu_prefix_cache_*), "sglang"
 	ErrorRate           float64       // fraction of requests answered 500 (seeded RNG)
 	DropMidStreamRate   float64       // fraction of streams whose connection is dropped mid-stream (panic(http.ErrAbortHandler))
+	CutStreamAfter      int           // drop every stream's connection after this many output tokens (if it has more); 0 = never
 	MetricsDelay        time.Duration // /metrics handler sleeps this long (slow metrics fault)
 	MetricsFail         bool          // /metrics answers 500
 	Seed                int64
@@ -41,6 +42,7 @@ type Config struct {
 // Faults are the failure knobs that can change while a server runs (see Server.SetFaults).
 type Faults struct {
 	ErrorRate, DropMidStreamRate float64
+	CutStreamAfter               int
 	MetricsDelay                 time.Duration
 	MetricsFail                  bool
 }
@@ -98,6 +100,7 @@ func (cfg Config) withDefaults() (Config, error) {
 	positive("block_size", cfg.BlockSize)
 	positive("num_gpu_blocks", cfg.NumGPUBlocks)
 	positive("tokens_per_chunk", cfg.TokensPerChunk)
+	positive("cut_stream_after", cfg.CutStreamAfter)
 	if cfg.MaxNumBatchedTokens < -1 {
 		errs = append(errs, fmt.Errorf("max_num_batched_tokens must be positive or -1, got %d", cfg.MaxNumBatchedTokens))
 	}

@@ -130,6 +130,7 @@ func newServer(cfg Config) (*Server, error) {
 	s.faults.Store(&Faults{
 		ErrorRate:         cfg.ErrorRate,
 		DropMidStreamRate: cfg.DropMidStreamRate,
+		CutStreamAfter:    cfg.CutStreamAfter,
 		MetricsDelay:      cfg.MetricsDelay,
 		MetricsFail:       cfg.MetricsFail,
 	})
@@ -150,6 +151,7 @@ func (s *Server) Close() {
 func (s *Server) SetFaults(f Faults) {
 	f.ErrorRate = min(max(f.ErrorRate, 0), 1)
 	f.DropMidStreamRate = min(max(f.DropMidStreamRate, 0), 1)
+	f.CutStreamAfter = max(f.CutStreamAfter, 0)
 	s.faults.Store(&f)
 }
 

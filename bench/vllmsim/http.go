@@ -21,7 +21,7 @@ var outputWords = [...]string{" the", " sim", " ran", " and", " one", " new", " 
 // ServeHTTP serves the OpenAI-compatible API (POST /v1/chat/completions, POST /v1/completions,
 // GET /v1/models), GET /health and GET /metrics. Headers: "X-Sim-Status: <code>" answers that status
 // (codes >= 400 with an OpenAI error body), "X-Sim-Drop: mid-stream" drops the connection after some
-// output. The request goroutine waits on the engine through channels; it never holds the engine
+// output, "X-Sim-Cut-After: <n>" drops a stream's connection after n output tokens. The request goroutine waits on the engine through channels; it never holds the engine
 // mutex while writing.
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	switch r.URL.Path {
@@ -119,6 +119,10 @@ func (s *Server) serveCompletion(w http.ResponseWriter, r *http.Request, chat bo
 	}
 	defer s.abort(req) // no-op once the request has left the engine
 	drop := r.Header.Get("X-Sim-Drop") == "mid-stream" || p.stream && s.chance(faults.DropMidStreamRate)
+	cutAfter := faults.CutStreamAfter
+	if v, err := strconv.Atoi(r.Header.Get("X-Sim-Cut-After")); err == nil && v > 0 {
+		cutAfter = v
+	}
 	rs := responseShape{
 		chat:    chat,
 		id:      s.responseID(chat),
@@ -128,7 +132,7 @@ func (s *Server) serveCompletion(w http.ResponseWriter, r *http.Request, chat bo
 		req:     req,
 	}
 	if p.stream {
-		s.serveStream(w, r, &rs, drop)
+		s.serveStream(w, r, &rs, drop, cutAfter)
 	} else {
 		s.serveWhole(w, r, &rs, drop)
 	}
@@ -144,8 +148,9 @@ func (s *Server) responseID(chat bool) string {
 
 // serveStream writes the SSE stream: headers once the request is queued, then a chunk per
 // TokensPerChunk output tokens (the first token at once), the finish reason on the last content chunk,
-// the usage chunk if asked for, and "data: [DONE]".
-func (s *Server) serveStream(w http.ResponseWriter, r *http.Request, rs *responseShape, drop bool) {
+// the usage chunk if asked for, and "data: [DONE]". A dropped stream ends after a random number of
+// tokens; cutAfter > 0 (below max_tokens) drops it after exactly that many, or earlier if drop says so.
+func (s *Server) serveStream(w http.ResponseWriter, r *http.Request, rs *responseShape, drop bool, cutAfter int) {
 	h := w.Header()
 	h.Set("Content-Type", "text/event-stream; charset=utf-8")
 	h.Set("Cache-Control", "no-cache")
@@ -155,6 +160,9 @@ func (s *Server) serveStream(w http.ResponseWriter, r *http.Request, rs *respons
 	dropAt := 0
 	if drop {
 		dropAt = 1 + s.intN(rs.p.maxTokens)
+	}
+	if cutAfter > 0 && cutAfter < rs.p.maxTokens && (!drop || cutAfter < dropAt) {
+		drop, dropAt = true, cutAfter
 	}
 	req := rs.req
 	sent := 0
