@@ -49,7 +49,8 @@
 //
 // A Table is safe for concurrent use. Match, Pinned, RouteCount, Stats and Export share a read lock
 // and do not modify the table (Match does not refresh recency: the Learn after every routed request does);
-// Learn, Pin, Forget, Clear, Expire, Import and Reconfigure take the exclusive lock. Learn is
+// Learn, Pin, Forget, Clear, Expire, Import, ImportChanges, Restore, DrainFeed and Reconfigure take the
+// exclusive lock; AppendSnapshot holds the shared lock only to copy. Learn is
 // O(len(bounds)) LRU operations; Match is O(len(bounds)) map lookups (each compared with the few
 // candidates) and does not allocate; Forget and Export are O(routes + pins). Since recency is the order of
 // the last Learn, the expired routes are exactly a tail of the LRU: each Learn removes a bounded number
@@ -58,8 +59,18 @@
 // # Reloads, snapshots and sharing
 //
 // Reconfigure changes the shape of a live Table, so a config reload keeps what was learned. Keys use
-// fixed seeds, so two proxies compute the same key for the same prefix: Export returns the live routes as
-// RouteRecords (key, upstream names, last-seen times, least recently learned first) and Import merges
-// them, keeping the later time per upstream. Encoding them to storage, or gossiping them between
-// instances, is left to the caller.
+// fixed seeds, so two proxies compute the same key for the same prefix or conversation.
+//
+// AppendSnapshot writes the live routes and pins in a versioned, checksummed binary format (about 11-13
+// bytes a route, see snapshot.go) after copying them under the shared lock, so storage I/O never holds
+// it; Restore merges one back, skipping what its TTL has expired, and refuses a damaged or later-version
+// snapshot (ErrSnapshotCorrupt, ErrSnapshotVersion) without changing the table.
+//
+// For sharing between instances, EnableFeed makes Learn and Pin record what they learn in a bounded
+// buffer that DrainFeed empties (a full feed drops, it never blocks); a peer applies the Changes with
+// ImportChanges. Routes known only from peers live in a second, remote LRU: Match consults both, a
+// remote route learned here becomes local, and when the table is full remote routes are evicted before
+// any local one - this instance's observations are ground truth, a peer's are second-hand. Pins are
+// global: the latest pin of a conversation wins wherever it was made. Capacity bounds local plus remote
+// routes. Export and Import move RouteRecords (names and times, no encoding) for callers that want them.
 package affinity

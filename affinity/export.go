@@ -16,7 +16,7 @@ type UpstreamSeen struct {
 	LastSeen time.Time
 }
 
-// Export returns the routes whose newest entry is within TTL, least recently learned first (so that
+// Export returns the routes learned here (not those known only from peers) whose newest entry is within TTL, least recently learned first (so that
 // importing them in order reproduces the LRU order), with expired entries left out. It allocates the
 // whole snapshot and holds the shared lock for O(routes); meant for occasional snapshots, not the hot path.
 func (t *Table) Export() []RouteRecord {
@@ -53,6 +53,7 @@ func (t *Table) Export() []RouteRecord {
 func (t *Table) Import(routes []RouteRecord) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	t.stats.Changes++
 	now := t.cfg.Now().UnixNano()
 	for _, rec := range routes {
 		// Oldest first, so that ties keep the record's order.
@@ -64,7 +65,7 @@ func (t *Table) Import(routes []RouteRecord) {
 			seen := min(u.LastSeen.UnixNano(), now)
 			id := t.ups.intern(u.Upstream)
 			t.ups.ref(id)
-			t.mergeLocked(rec.Key, id, seen, now)
+			t.mergeLocked(rec.Key, id, seen, now, false)
 			t.ups.unref(id)
 		}
 	}

@@ -35,7 +35,33 @@ func (t *Table) Pin(model, conversationID, upstream string) {
 	if t.pins.Add(key, pin{id: id, seen: now}) {
 		t.stats.Evictions++
 	}
+	if t.feed.on && (!existed || old.id != id || t.feed.news(old.seen, now, t.feed.pinRefresh)) {
+		t.feed.add(Change{Key: key, Upstream: upstream, Seen: now, Pin: true})
+	}
+	t.stats.Changes++
 	t.sweepLocked(now, 8)
+}
+
+// importPinLocked sets the pin at key to (id, seen) unless the pin held is at least as recent: the latest
+// decision about a conversation wins, wherever it was made. Expired pins are skipped. Must hold t.mu.
+func (t *Table) importPinLocked(key uint64, id uint32, seen, now int64) {
+	if now-seen > int64(t.cfg.ConversationTTL) {
+		return
+	}
+	old, existed := t.pins.Peek(key)
+	if existed && old.seen >= seen {
+		return
+	}
+	switch {
+	case !existed:
+		t.ups.ref(id)
+	case old.id != id:
+		t.ups.ref(id)
+		t.ups.unref(old.id)
+	}
+	if t.pins.Add(key, pin{id: id, seen: seen}) {
+		t.stats.Evictions++
+	}
 }
 
 // Pinned returns the upstream the conversation was last pinned to, if that pin is not older than

@@ -23,16 +23,21 @@ func checkInvariants(t *testing.T, tb *Table) {
 	t.Helper()
 	tb.mu.Lock()
 	defer tb.mu.Unlock()
-	if n := tb.routes.Len(); n > tb.cfg.Capacity {
-		t.Errorf("routes = %d, above Capacity %d", n, tb.cfg.Capacity)
+	if n := tb.routes.Len() + tb.remote.Len(); n > tb.cfg.Capacity {
+		t.Errorf("routes = %d local + %d remote, above Capacity %d", tb.routes.Len(), tb.remote.Len(), tb.cfg.Capacity)
 	}
 	if n := tb.pins.Len(); n > tb.cfg.ConversationCapacity {
 		t.Errorf("pins = %d, above ConversationCapacity %d", n, tb.cfg.ConversationCapacity)
 	}
 	refs := make(map[uint32]int32)
 	routes := make(map[uint32]int32)
-	for _, k := range tb.routes.Keys() {
-		r, _ := tb.routes.Peek(k)
+	keys := append(tb.routes.Keys(), tb.remote.Keys()...)
+	values := append(tb.routes.Values(), tb.remote.Values()...)
+	for i, k := range keys {
+		r := values[i]
+		if tb.routes.Contains(k) && tb.remote.Contains(k) {
+			t.Errorf("route %x is both local and remote", k)
+		}
 		seen := make(map[uint32]bool)
 		n := 0
 		for _, id := range r.ids {
@@ -76,13 +81,15 @@ func checkInvariants(t *testing.T, tb *Table) {
 	}
 }
 
-// TestStress runs Learn, Match, Pin, Pinned, Forget, Expire and Reconfigure from 8 goroutines under -race,
+// TestStress runs Learn, Match, Pin, Pinned, Forget, Expire, Reconfigure, ImportChanges, DrainFeed and
+// AppendSnapshot/Restore from 8 goroutines under -race,
 // with a small capacity so that eviction, expiry and slot reuse all happen, then checks the bookkeeping.
 func TestStress(t *testing.T) {
 	clock := &atomicClock{}
 	clock.nanos.Store(time.Unix(1_700_000_000, 0).UnixNano())
 	cfg := Config{Capacity: 200, ConversationCapacity: 50, TTL: time.Second, ConversationTTL: time.Second, MaxUpstreamsPerRoute: 3, Now: clock.Now}
 	tb := New(cfg)
+	tb.EnableFeed(100)
 
 	// A pool of conversations: 20 system prompts, each continued by several turns.
 	var prompts [][]tokenize.Boundary
@@ -103,12 +110,25 @@ func TestStress(t *testing.T) {
 		wg.Go(func() {
 			rng := rand.New(rand.NewPCG(uint64(g), 1))
 			cached := make([]int, 4)
+			var changes []Change
 			for i := range iterations {
 				p := prompts[rng.IntN(len(prompts))]
 				u := upstreams[rng.IntN(len(upstreams))]
 				switch op := rng.IntN(100); {
-				case op < 40:
+				case op < 34:
 					tb.Learn("m", p, u)
+				case op < 38:
+					now := clock.Now().UnixNano()
+					tb.ImportChanges([]Change{
+						{Key: RouteKey(ModelHash("m"), p[rng.IntN(len(p))].Hash), Upstream: u, Seen: now},
+						{Key: uint64(rng.IntN(80)), Upstream: u, Seen: now, Pin: true},
+					})
+				case op < 39:
+					changes, _ = tb.DrainFeed(changes[:0])
+				case op < 40:
+					if _, _, err := tb.Restore(tb.AppendSnapshot(nil)); err != nil {
+						t.Errorf("Restore(AppendSnapshot()) = %v", err)
+					}
 				case op < 80:
 					cand := upstreams[rng.IntN(7):][:4]
 					longest := tb.Match("m", p, cand, cached)

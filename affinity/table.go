@@ -116,19 +116,24 @@ type pin struct {
 type Table struct {
 	mu     sync.RWMutex
 	cfg    Config
-	routes *simplelru.LRU[uint64, route]
+	routes *simplelru.LRU[uint64, route] // learned here (Learn, Import, Restore)
+	remote *simplelru.LRU[uint64, route] // known only from peers (ImportChanges); evicted first
 	pins   *simplelru.LRU[uint64, pin]
 	ups    upstreamTable
 	stats  Stats
+	feed   feed
 }
 
 // Stats is a snapshot of a Table's size and cumulative counters.
 type Stats struct {
-	Routes    int    // learned routes held now (including ones past TTL not yet swept)
-	Pins      int    // conversation pins held now
-	Upstreams int    // interned upstream names held now
-	Evictions uint64 // routes and pins evicted by capacity since New
-	Expired   uint64 // routes and pins removed for being older than their TTL since New
+	Routes       int    // learned routes held now, local and remote (including ones past TTL not yet swept)
+	RemoteRoutes int    // of Routes, those known only from peers (ImportChanges), evicted before local ones
+	Pins         int    // conversation pins held now
+	Upstreams    int    // interned upstream names held now
+	Evictions    uint64 // routes and pins evicted by capacity since New
+	Expired      uint64 // routes and pins removed for being older than their TTL since New
+	Changes      uint64 // Learn, Pin, Import, ImportChanges and Restore calls since New: unchanged means nothing to save
+	FeedDropped  uint64 // changes not recorded because the feed was full (see EnableFeed)
 }
 
 // New returns an empty Table shaped by cfg (zero fields take defaults).
@@ -140,6 +145,7 @@ func New(cfg Config) *Table {
 	if err != nil {
 		panic("affinity: " + err.Error()) // unreachable: Capacity > 0 after withDefaults
 	}
+	t.remote, _ = simplelru.NewLRU(cfg.Capacity, t.onRouteRemoved)
 	t.pins, err = simplelru.NewLRU(cfg.ConversationCapacity, t.onPinRemoved)
 	if err != nil {
 		panic("affinity: " + err.Error()) // unreachable: ConversationCapacity > 0 after withDefaults
@@ -198,22 +204,42 @@ func (t *Table) Learn(model string, bounds []tokenize.Boundary, upstream string)
 			continue
 		}
 		prev = a
-		t.mergeLocked(RouteKey(mh, b.Hash), id, now, now)
+		key := RouteKey(mh, b.Hash)
+		if before := t.mergeLocked(key, id, now, now, false); t.feed.on && t.feed.news(before, now, t.feed.routeRefresh) {
+			t.feed.add(Change{Key: key, Upstream: upstream, Seen: now})
+		}
 	}
+	t.stats.Changes++
 	t.sweepLocked(now, sweepBatch+len(bounds))
 	t.ups.unref(id)
 }
 
 // mergeLocked adds (id, seen) to the route at key, keeping entries most recent first, dropping dead and
-// expired ones and those beyond MaxUpstreamsPerRoute, and moves the route to the LRU front. A route left
-// empty (only possible when seen itself is expired, from Import) is removed. Must hold t.mu.
-func (t *Table) mergeLocked(key uint64, id uint32, seen, now int64) {
+// expired ones and those beyond MaxUpstreamsPerRoute, and moves the route to the front of its LRU. A route
+// left empty (only possible when seen itself is expired, from an import) is removed. A local merge
+// (remote false) of a route known only from peers makes it local; a remote merge of a route known locally
+// stays local. It returns the time id was last seen on the route before (0 if it was not listed), so
+// that Learn can tell news from a refresh. Must hold t.mu.
+func (t *Table) mergeLocked(key uint64, id uint32, seen, now int64, remote bool) (before int64) {
+	lru := t.routes
 	old, existed := t.routes.Peek(key)
+	promote := false
+	if !existed {
+		if old, existed = t.remote.Peek(key); existed {
+			promote = !remote
+			if remote {
+				lru = t.remote
+			}
+		} else if remote {
+			lru = t.remote
+		}
+	}
 	ttl := int64(t.cfg.TTL)
 	had := false
 	for e, x := range old.ids {
 		if x == id {
 			had = true
+			before = old.seen[e]
 			if old.seen[e] > seen {
 				seen = old.seen[e]
 			}
@@ -254,15 +280,34 @@ func (t *Table) mergeLocked(key uint64, id uint32, seen, now int64) {
 	case !keptID && had:
 		t.ups.unrefRoute(id)
 	}
-	if n == 0 {
-		if existed {
-			// Entries were released above; remove without releasing them twice.
-			t.routes.Add(key, route{})
-			t.routes.Remove(key)
+	if existed && (n == 0 || promote) {
+		// Entries were released or carried over above; remove without releasing them twice.
+		from := lru
+		if promote {
+			from = t.remote
 		}
-		return
+		from.Add(key, route{})
+		from.Remove(key)
 	}
-	if t.routes.Add(key, nr) {
+	if n == 0 {
+		return before
+	}
+	if lru.Add(key, nr) {
+		t.stats.Evictions++
+	}
+	t.boundLocked()
+	return before
+}
+
+// boundLocked keeps local plus remote routes within Capacity, evicting the least recently learned remote
+// routes first: a peer's observations are second-hand, this instance's are ground truth. Must hold t.mu.
+func (t *Table) boundLocked() {
+	for t.routes.Len()+t.remote.Len() > t.cfg.Capacity {
+		if t.remote.Len() > 0 {
+			t.remote.RemoveOldest()
+		} else {
+			t.routes.RemoveOldest()
+		}
 		t.stats.Evictions++
 	}
 }
@@ -271,13 +316,16 @@ func (t *Table) mergeLocked(key uint64, id uint32, seen, now int64) {
 // both LRUs is the order of the last Learn (Pin), so the expired ones are exactly a tail. Must hold t.mu.
 func (t *Table) sweepLocked(now int64, limit int) (removed int) {
 	ttl := int64(t.cfg.TTL)
-	for ; removed < limit; removed++ {
-		_, r, ok := t.routes.GetOldest()
-		if !ok || now-r.newest() <= ttl {
-			break
+	for _, lru := range [2]*simplelru.LRU[uint64, route]{t.routes, t.remote} {
+		for i := 0; i < limit; i++ {
+			_, r, ok := lru.GetOldest()
+			if !ok || now-r.newest() <= ttl {
+				break
+			}
+			lru.RemoveOldest()
+			t.stats.Expired++
+			removed++
 		}
-		t.routes.RemoveOldest()
-		t.stats.Expired++
 	}
 	pinTTL := int64(t.cfg.ConversationTTL)
 	for i := 0; i < limit; i++ {
@@ -340,7 +388,11 @@ func (t *Table) Match(model string, bounds []tokenize.Boundary, upstreams []stri
 		if j > 0 && align(bounds[j-1].Tokens, bs) == a {
 			continue // Learn keyed this block by its earliest boundary
 		}
-		r, ok := t.routes.Peek(RouteKey(mh, bounds[j].Hash))
+		key := RouteKey(mh, bounds[j].Hash)
+		r, ok := t.routes.Peek(key)
+		if !ok && t.remote.Len() > 0 {
+			r, ok = t.remote.Peek(key)
+		}
 		if !ok {
 			continue
 		}
@@ -372,9 +424,12 @@ func (t *Table) Forget(upstream string) {
 		return
 	}
 	t.ups.ref(id) // hold while scanning so the slot is not reused mid-way
-	if t.ups.slots[id].routes > 0 {
-		for _, k := range t.routes.Keys() {
-			r, _ := t.routes.Peek(k)
+	for _, lru := range [2]*simplelru.LRU[uint64, route]{t.routes, t.remote} {
+		if t.ups.slots[id].routes == 0 {
+			break
+		}
+		for _, k := range lru.Keys() {
+			r, _ := lru.Peek(k)
 			mine, others := false, false
 			for _, x := range r.ids {
 				switch {
@@ -386,7 +441,7 @@ func (t *Table) Forget(upstream string) {
 				}
 			}
 			if mine && !others {
-				t.routes.Remove(k)
+				lru.Remove(k)
 			}
 		}
 	}
@@ -406,6 +461,7 @@ func (t *Table) Clear() {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.routes.Purge()
+	t.remote.Purge()
 	t.pins.Purge()
 	t.ups = newUpstreamTable() // release the grown slices and map too
 }
@@ -424,7 +480,9 @@ func (t *Table) Stats() Stats {
 	t.mu.RLock()
 	defer t.mu.RUnlock()
 	s := t.stats
-	s.Routes = t.routes.Len()
+	s.Routes = t.routes.Len() + t.remote.Len()
+	s.RemoteRoutes = t.remote.Len()
+	s.FeedDropped += t.feed.dropped
 	s.Pins = t.pins.Len()
 	s.Upstreams = t.ups.inUse()
 	return s
@@ -457,7 +515,10 @@ func (t *Table) Reconfigure(cfg Config) {
 	cfg = cfg.withDefaults()
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	t.stats.Evictions += uint64(t.remote.Resize(cfg.Capacity))
 	t.stats.Evictions += uint64(t.routes.Resize(cfg.Capacity))
 	t.stats.Evictions += uint64(t.pins.Resize(cfg.ConversationCapacity))
 	t.cfg = cfg
+	t.boundLocked()
+	t.feed.refresh(cfg)
 }
