@@ -36,6 +36,14 @@ import (
 //			model          <model_name>
 //		}
 //		fallback            <policy> [<args...>] [{ ... }]
+//		persist             [<interval>] {
+//			key <name>
+//		}
+//		share               <redis-url> {
+//			prefix         <key prefix>
+//			flush_interval <duration>
+//			max_batch      <changes>
+//		}
 //	}
 //
 // capacity may be repeated, once per upstream. Metrics are scraped by default (every upstream's /metrics
@@ -76,6 +84,16 @@ func (s *LLMSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				continue
 			}
 			if err := s.Metrics.unmarshalCaddyfile(d); err != nil {
+				return err
+			}
+			continue
+		case "persist":
+			if err := s.parsePersist(d); err != nil {
+				return err
+			}
+			continue
+		case "share":
+			if err := s.parseShare(d); err != nil {
 				return err
 			}
 			continue

@@ -123,6 +123,8 @@ type LLMSelection struct {
 	// FallbackRaw is the policy for requests this one cannot read. Default least_conn.
 	FallbackRaw json.RawMessage `json:"fallback,omitempty" caddy:"namespace=http.reverse_proxy.selection_policies inline_key=policy"`
 
+	stateConfig // persist and share: learned state across restarts and instances (persist.go, share.go)
+
 	fallback  reverseproxy.Selector
 	decider   *decider
 	tokOpts   tokenize.Options
@@ -228,7 +230,7 @@ func (s *LLMSelection) Provision(ctx caddy.Context) error {
 		routes = nil
 	}
 	s.decider = newDecider(cfg, routes, loads, s.OutputTokens, s.scrapes)
-	return nil
+	return s.provisionState(ctx, s.routes)
 }
 
 // Validate checks the configuration.
@@ -282,6 +284,7 @@ func (s *LLMSelection) Cleanup() error {
 		removeLiveScrapes(s.scrapes)
 		s.scrapes.release()
 	}
+	s.cleanupState()
 	if s.routes != nil {
 		releaseRoutes(s.routesKey)
 	}
