@@ -37,12 +37,12 @@ func TestUnmarshalStateOptions(t *testing.T) {
 	}
 
 	for input, want := range map[string]string{
-		"llm {\n persist 1s 2s\n}":                 "wrong argument count",
-		"llm {\n persist nope\n}":                  "persist interval must be a positive duration",
-		"llm {\n persist\n persist\n}":             "persist already specified",
-		"llm {\n persist {\n color red\n }\n}":     "unrecognized persist option 'color'",
-		"llm {\n share\n}":                         "wrong argument count",
-		"llm {\n share redis://a:1 {\n x 1\n }\n}": "unrecognized share option 'x'",
+		"llm {\n persist 1s 2s\n}":                         "wrong argument count",
+		"llm {\n persist nope\n}":                          "persist interval must be a positive duration",
+		"llm {\n persist\n persist\n}":                     "persist already specified",
+		"llm {\n persist {\n color red\n }\n}":             "unrecognized persist option 'color'",
+		"llm {\n share\n}":                                 "wrong argument count",
+		"llm {\n share redis://a:1 {\n x 1\n }\n}":         "unrecognized share option 'x'",
 		"llm {\n share redis://a:1\n share redis://b:1\n}": "share already specified",
 	} {
 		var s LLMSelection

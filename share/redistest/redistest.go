@@ -92,4 +92,3 @@ func (s *Server) Client() *redis.Client {
 	s.t.Cleanup(func() { c.Close() })
 	return c
 }
-
