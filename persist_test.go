@@ -125,9 +125,10 @@ func upstreamOf(t *testing.T, body string) string {
 	return v.Upstream
 }
 
-// TestPersistAcrossStop: routes and pins learned, the last config using the policy unloaded (Caddy's
-// graceful stop path: Cleanup writes the last snapshot), a config with the policy loaded again: the
-// conversations continue on their upstreams, by affinity or pin rather than by load.
+// TestPersistAcrossStop: routes and pins learned, a reload (which keeps the table and writes nothing), the
+// last config using the policy unloaded (Caddy's graceful stop path: Cleanup writes the last snapshot), a
+// config with the policy loaded again: the conversations continue on their upstreams, by affinity or pin
+// rather than by load.
 func TestPersistAcrossStop(t *testing.T) {
 	dir := t.TempDir()
 	ups := []*backend{newBackend(t), newBackend(t), newBackend(t)}
@@ -144,9 +145,15 @@ func TestPersistAcrossStop(t *testing.T) {
 		where[id] = upstreamOf(t, body)
 	}
 
+	// A reload keeps the table: nothing is restored or written.
+	tester.InitServer(persistConfig(dir, ups...), "caddyfile")
+	if s := adminState(t, adminURL).Tables[0]; s.Pins != 6 || s.Persist.Snapshots != 0 || s.Persist.RestoredPins != 0 {
+		t.Errorf("/llm/state after a reload = %+v, want the 6 pins kept, nothing restored or saved", s)
+	}
+
 	// Unload: no config uses the policy, so the table is dropped after its last snapshot.
 	tester.InitServer(globalOptions+site+" {\n\trespond ok\n}\n", "caddyfile")
-	if currentRoutes() != nil {
+	if len(allRoutes()) != 0 {
 		t.Fatal("the route table outlived the last config using it")
 	}
 	if _, err := os.Stat(filepath.Join(dir, "caddy-llm", "routes.snapshot")); err != nil {
