@@ -216,14 +216,15 @@ func (s *LLMSelection) Provision(ctx caddy.Context) error {
 	for dial, c := range s.Capacities {
 		loads.entry(dial, time.Now().UnixNano()).model.SetPrior(scaledPrior(c))
 	}
+	routeCfg := affinity.Config{Capacity: s.RouteCapacity, TTL: time.Duration(s.RouteTTL), BlockSize: s.BlockSize}
 	var err2 error
-	s.routes, s.routesKey, err2 = acquireRoutes(affinity.Config{
-		Capacity:  s.RouteCapacity,
-		TTL:       time.Duration(s.RouteTTL),
-		BlockSize: s.BlockSize,
-	})
+	s.routes, s.routesKey, err2 = acquireRoutes(routeCfg)
 	if err2 != nil {
 		return err2
+	}
+	if s.Persist != nil && s.Persist.Key == "" {
+		// One snapshot per route table: two pools with different settings never overwrite each other's.
+		s.Persist.Key = fmt.Sprintf("routes-%d-%d-%s", routeCfg.BlockSize, routeCfg.Capacity, routeCfg.TTL)
 	}
 	routes := s.routes
 	if cfg.Mode == selection.LeastTokens {

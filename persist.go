@@ -60,8 +60,9 @@ type PersistConfig struct {
 	// Default 30s.
 	Interval caddy.Duration `json:"interval,omitempty"`
 
-	// Key names the snapshot in storage: caddy-llm/<key>.snapshot. Give each route table its own key
-	// when several policies with different route settings persist. Default "routes".
+	// Key names the snapshot in storage: caddy-llm/<key>.snapshot. Default: derived from the route
+	// table's settings (routes-<block_size>-<route_capacity>-<route_ttl>), so each route table has its own
+	// snapshot; changing those settings starts from an empty table unless the key is set.
 	Key string `json:"key,omitempty"`
 }
 

@@ -156,7 +156,7 @@ func TestPersistAcrossStop(t *testing.T) {
 	if len(allRoutes()) != 0 {
 		t.Fatal("the route table outlived the last config using it")
 	}
-	if _, err := os.Stat(filepath.Join(dir, "caddy-llm", "routes.snapshot")); err != nil {
+	if _, err := os.Stat(filepath.Join(dir, "caddy-llm", "routes-16-100000-10m0s.snapshot")); err != nil {
 		t.Fatalf("no snapshot written at shutdown: %v", err)
 	}
 
@@ -450,7 +450,7 @@ func TestPersistProcessRestart(t *testing.T) {
 
 	// A corrupt snapshot: Caddy starts, empty, and says so once.
 	p.kill()
-	snap := filepath.Join(dir, "caddy", "caddy-llm", "routes.snapshot")
+	snap := filepath.Join(dir, "caddy", "caddy-llm", "routes-16-100000-10m0s.snapshot")
 	if err := os.WriteFile(snap, []byte("LLMR\x01 this is not a snapshot"), 0o600); err != nil {
 		t.Fatal(err)
 	}
