@@ -1,6 +1,8 @@
 package vllmsim
 
 import (
+	crand "crypto/rand"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -70,7 +72,7 @@ type Server struct {
 	exited chan struct{}
 	once   sync.Once
 	nextID atomic.Uint64
-	idBase uint32 // distinguishes response IDs of servers in one process
+	idBase uint32 // distinguishes response IDs of servers (see nextIDBase)
 
 	requests, failed429, failed5xx atomic.Int64
 	// modelJSON is the served model name as a JSON string literal.
@@ -126,7 +128,7 @@ func newServer(cfg Config) (*Server, error) {
 		watermark: cfg.NumGPUBlocks / 100,
 	}
 	s.modelJSON = appendJSONString(nil, cfg.Model)
-	s.idBase = s.rng.Uint32()
+	s.idBase = nextIDBase()
 	s.faults.Store(&Faults{
 		ErrorRate:         cfg.ErrorRate,
 		DropMidStreamRate: cfg.DropMidStreamRate,
@@ -136,6 +138,21 @@ func newServer(cfg Config) (*Server, error) {
 	})
 	return s, nil
 }
+
+// idBases numbers the servers of this process from a random start.
+var idBases = func() *atomic.Uint32 {
+	var b [4]byte
+	_, _ = crand.Read(b[:])
+	var n atomic.Uint32
+	n.Store(binary.LittleEndian.Uint32(b[:]))
+	return &n
+}()
+
+// nextIDBase returns the ID prefix of a new server: distinct for every server of one process (the
+// counter times an odd constant is a bijection on uint32, so no two of 2^32 servers share it) and
+// random across processes. It used to be drawn from the seeded RNG, so servers with the same Seed
+// (every vllm_sim in one Caddy config leaves it at 0) returned the same response IDs.
+func nextIDBase() uint32 { return idBases.Add(1) * 0x9e3779b1 }
 
 // Config returns the configuration with defaults filled in.
 func (s *Server) Config() Config { return s.cfg }

@@ -376,3 +376,23 @@ func TestMetricsFaults(t *testing.T) {
 		t.Errorf("slow metrics: err = %v, want a client timeout", err)
 	}
 }
+
+// TestResponseIDsDifferAcrossServers pins issue 13's "different simulated backends return the
+// same response id": servers with the same Seed (the vllm_sim default) drew their ID prefix from
+// the same seeded RNG.
+func TestResponseIDsDifferAcrossServers(t *testing.T) {
+	seen := map[string]int{}
+	for i := range 3 {
+		_, ts := newTestServer(t, Config{Seed: 7})
+		for range 2 {
+			id := chat(t, ts, chatBodyJSON(t, "system", "question", 2, false)).ID
+			if id == "" {
+				t.Fatalf("server %d: empty response id", i)
+			}
+			if j, ok := seen[id]; ok {
+				t.Errorf("server %d returned id %s, already returned by server %d", i, id, j)
+			}
+			seen[id] = i
+		}
+	}
+}
