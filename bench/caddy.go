@@ -25,6 +25,7 @@ var allPolicies = []policy{
 	{"least_conn", `{"policy":"least_conn"}`},
 	{"random", `{"policy":"random"}`},
 	{"header", `{"policy":"header","field":"X-Conversation-ID"}`},
+	{"llm", `{"policy":"llm"}`},
 	{"llm-least_tokens", `{"policy":"llm","mode":"least_tokens"}`},
 	{"llm-prefix", `{"policy":"llm","mode":"prefix"}`},
 	{"llm-combined", `{"policy":"llm","mode":"combined"}`},
@@ -38,6 +39,20 @@ var extraPolicies = []policy{
 	{"llm-combined+metrics", `{"policy":"llm","mode":"combined","metrics":{"interval":"200ms"}}`},
 	{"llm-prefix+metrics", `{"policy":"llm","mode":"prefix","metrics":{"interval":"200ms"}}`},
 }
+
+// matrixPolicies are the policies of -matrix: Caddy's stock policies (stockPolicies), this
+// plugin's bare default and the oracle.
+var matrixPolicies = []string{"round_robin", "least_conn", "header", "llm", "oracle"}
+
+// stockPolicies are the policies llm is judged against: a matrix cell passes when llm's TTFT is
+// no worse than the best of them.
+var stockPolicies = []string{"round_robin", "least_conn", "header"}
+
+// judgedPolicy is the policy the matrix and the verdicts judge: a bare `lb_policy llm`.
+const judgedPolicy = "llm"
+
+// goodputPolicies are the policies -goodput compares.
+var goodputPolicies = []string{"least_conn", "llm"}
 
 // baselinePolicy is the policy every figure is compared with.
 const baselinePolicy = "least_conn"

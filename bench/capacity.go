@@ -42,15 +42,19 @@ func templatedTokens(msgs []Message) int {
 
 // capacityEstimate is the estimated sustainable request rate of the cluster and what it rests on.
 type capacityEstimate struct {
-	// PerBackendRPS and ClusterRPS are in requests per simulated second.
+	// PerBackendRPS and ClusterRPS are in requests per simulated second; PerBackendRPS is the mean
+	// over backends, BackendRPS each backend's own.
 	PerBackendRPS, ClusterRPS float64
+	BackendRPS                []float64
 	// MeanPrompt and MeanUncached are the mean prompt tokens and the mean tokens left to prefill
-	// with an ideal cache; MeanOutput the mean output tokens; Batch the decode batch assumed.
+	// with an ideal cache; MeanOutput the mean output tokens; Batch the decode batch assumed (of
+	// the first backend).
 	MeanPrompt, MeanUncached, MeanOutput, Batch float64
 }
 
-// estimateCapacity returns the cluster's capacity for workload w. The simulator runs steps of
-// duration prefill/P + D0 + Dseq*B for a batch of B sequences, so a backend sustains
+// estimateCapacity returns the capacity for workload w of a cluster of backends with the given
+// settings (one entry per backend, so heterogeneous clusters add up their members). The simulator
+// runs steps of duration prefill/P + D0 + Dseq*B for a batch of B sequences, so a backend sustains
 //
 //	rate = 1 / (U/P + out * (D0 + Dseq*B) / B)
 //
@@ -60,9 +64,38 @@ type capacityEstimate struct {
 // an ideal router that prefills every distinct prefix once in the whole cluster (a prefix is
 // cached at each message boundary, block-aligned), so the load fraction is relative to what a
 // cache-perfect router could sustain: a router that recomputes shared prefixes saturates earlier.
-func estimateCapacity(w Workload, sim simSettings, backends int) capacityEstimate {
+func estimateCapacity(w Workload, sims []simSettings) capacityEstimate {
+	if len(sims) == 0 {
+		return capacityEstimate{}
+	}
+	var e capacityEstimate
+	for i, sim := range sims {
+		prompt, uncached, output := meanTokens(w, sim.BlockSize)
+		if i == 0 {
+			e.MeanPrompt, e.MeanUncached, e.MeanOutput = prompt, uncached, output
+		}
+		if prompt == 0 {
+			return capacityEstimate{}
+		}
+		kvSeqs := float64(sim.NumGPUBlocks*sim.BlockSize) / (prompt + output)
+		batch := min(float64(sim.MaxNumSeqs), max(kvSeqs, 1))
+		if i == 0 {
+			e.Batch = batch
+		}
+		step := sim.DecodeStep.Seconds() + sim.DecodeStepPerSeq.Seconds()*batch
+		perRequest := uncached/sim.PrefillTokensPerSec + output*step/batch
+		e.BackendRPS = append(e.BackendRPS, 1/perRequest)
+		e.ClusterRPS += 1 / perRequest
+	}
+	e.PerBackendRPS = e.ClusterRPS / float64(len(sims))
+	return e
+}
+
+// meanTokens returns w's mean prompt tokens, mean tokens left to prefill under an ideal
+// cluster-wide prefix cache of blockSize-token blocks, and mean output tokens.
+func meanTokens(w Workload, blockSize int) (prompt, uncached, output float64) {
 	seen := map[uint64]bool{}
-	var prompt, uncached, output, n float64
+	n := 0.0
 	for _, req := range w.Requests() {
 		tokens := templatedTokens(req.Messages)
 		// longest earlier prefix ending at a message boundary (not the whole prompt)
@@ -79,22 +112,15 @@ func estimateCapacity(w Workload, sim simSettings, backends int) capacityEstimat
 			}
 			seen[key] = true
 		}
-		maxBlocks := (tokens - 1) / sim.BlockSize
-		cached := min(matched/sim.BlockSize, maxBlocks) * sim.BlockSize
+		maxBlocks := (tokens - 1) / blockSize
+		cached := min(matched/blockSize, maxBlocks) * blockSize
 		prompt += float64(tokens)
 		uncached += float64(tokens - cached)
 		output += float64(req.MaxTokens)
 		n++
 	}
 	if n == 0 {
-		return capacityEstimate{}
+		return 0, 0, 0
 	}
-	e := capacityEstimate{MeanPrompt: prompt / n, MeanUncached: uncached / n, MeanOutput: output / n}
-	kvSeqs := float64(sim.NumGPUBlocks*sim.BlockSize) / (e.MeanPrompt + e.MeanOutput)
-	e.Batch = min(float64(sim.MaxNumSeqs), max(kvSeqs, 1))
-	step := sim.DecodeStep.Seconds() + sim.DecodeStepPerSeq.Seconds()*e.Batch
-	perRequest := e.MeanUncached/sim.PrefillTokensPerSec + e.MeanOutput*step/e.Batch
-	e.PerBackendRPS = 1 / perRequest
-	e.ClusterRPS = e.PerBackendRPS * float64(backends)
-	return e
+	return prompt / n, uncached / n, output / n
 }

@@ -25,6 +25,8 @@ type driver struct {
 	model   string
 	// rate is the session arrival rate per wall-clock second.
 	rate float64
+	// timeScale converts a request's simulated think time to wall time (divided by it); 0 means 1.
+	timeScale float64
 	seed int64
 	// warmup is the number of requests, in send order, excluded from the statistics.
 	warmup int
@@ -63,6 +65,13 @@ func (d *driver) run(ctx context.Context, w Workload) []requestResult {
 		go func(s Session, lag time.Duration) {
 			defer wg.Done()
 			for i, req := range s.Requests {
+				if req.Think > 0 {
+					select {
+					case <-time.After(d.wall(req.Think)):
+					case <-ctx.Done():
+						return
+					}
+				}
 				n := int(seq.Add(1)) - 1
 				if n == d.warmup && d.onMeasure != nil {
 					measured.Do(d.onMeasure)
@@ -89,6 +98,14 @@ func (d *driver) run(ctx context.Context, w Workload) []requestResult {
 		measured.Do(d.onMeasure) // fewer requests than the warm-up: measure nothing, but snapshot
 	}
 	return results
+}
+
+// wall converts a simulated duration to wall time.
+func (d *driver) wall(simulated time.Duration) time.Duration {
+	if d.timeScale <= 0 {
+		return simulated
+	}
+	return time.Duration(float64(simulated) / d.timeScale)
 }
 
 // chatRequest is the JSON body of a streaming chat completion.

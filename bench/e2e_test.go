@@ -39,7 +39,7 @@ func TestEndToEnd(t *testing.T) {
 	// cache-aware choice about once. Low load keeps queueing from outweighing the cache.
 	w := sharedPrefix(rand.New(rand.NewPCG(7, 7)), 8, 5, 1500, 100, 16)
 	prog := newProgress(os.Stderr, 2*w.NumRequests())
-	wls := []WorkloadResult{runWorkload(context.Background(), o, w, prog)}
+	wls := []WorkloadResult{runWorkload(context.Background(), o, uniformCluster(o.backends, o.sim), w, prog)}
 	prog.finish()
 	if err := writeOutputs(o.out, Results{Command: "test", Backends: 2, Load: o.load, Sim: o.sim, Workloads: wls}); err != nil {
 		t.Fatal(err)

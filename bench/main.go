@@ -9,6 +9,9 @@
 //	go run ./bench -quick               # the same, small enough for CI
 //	go run ./bench -workloads shared-prefix -policies least_conn,llm-combined,oracle
 //	go run ./bench -overhead            # Caddy's own cost: round_robin vs llm on instant backends
+//	go run ./bench -matrix              # backend regimes x workloads, pass/fail of llm per cell (~40 min)
+//	go run ./bench -quick -matrix       # 2 regimes x 5 workloads, one seed (CI, ~4 min)
+//	go run ./bench -goodput             # highest load with TTFT p99 < 2 s: least_conn vs llm
 //
 // For each workload and policy it starts fresh simulated backends (cold caches) on 127.0.0.1, loads
 // a Caddy config in this process (reverse_proxy with that policy, flush_interval -1), sends the
@@ -51,6 +54,21 @@ type options struct {
 	// overheadSeconds overrides the measuring time per policy of -overhead (tests).
 	overheadSeconds float64
 	sim             simSettings
+	// matrix runs regimes x workloads (matrix.go), goodput steps the load (goodput.go); both run
+	// every cell with seeds seed, seed+1, ... and take medians.
+	matrix, goodput bool
+	regimes         []regime
+	seeds           int
+	// timeScaleSet is true when -timescale was given: the matrix then uses it for every workload.
+	timeScaleSet bool
+}
+
+// size returns the workload size the options ask for.
+func (o options) size() workloadSize {
+	if o.matrix || o.goodput {
+		return workloadSize{matrix: true}
+	}
+	return workloadSize{quick: o.quick}
 }
 
 // defaultSim is the simulated GPU: vLLM-like speeds (8k prefill tokens/s, 30 ms decode steps),
@@ -79,10 +97,14 @@ func main() {
 func parseOptions(args []string) (options, error) {
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	o := options{sim: defaultSim}
-	var workloads, policies string
+	var workloads, policies, regimeList string
 	fs.BoolVar(&o.quick, "quick", false, "small run of every workload and policy (for CI, ~2 minutes on 2 cores)")
-	fs.StringVar(&workloads, "workloads", "all", "comma-separated workloads: "+strings.Join(workloadNames, ","))
+	fs.StringVar(&workloads, "workloads", "all", "comma-separated workloads: "+strings.Join(knownWorkloads, ",")+" (all: "+strings.Join(workloadNames, ",")+"; with -matrix "+strings.Join(matrixWorkloads, ",")+")")
 	fs.StringVar(&policies, "policies", "all", "comma-separated policies: "+strings.Join(policyNames(), ","))
+	fs.BoolVar(&o.matrix, "matrix", false, "run backend regimes x workloads with round_robin, least_conn, header, llm and oracle, and judge llm per cell")
+	fs.BoolVar(&o.goodput, "goodput", false, "step the load on shared-prefix and report the highest at which TTFT p99 stays under 2 s, least_conn vs llm")
+	fs.StringVar(&regimeList, "regimes", "all", "with -matrix or -goodput: comma-separated regimes: "+strings.Join(regimeNames(), ","))
+	fs.IntVar(&o.seeds, "seeds", 3, "with -matrix or -goodput: seeds per cell (medians over them); 1 with -quick or -goodput unless set")
 	fs.IntVar(&o.backends, "backends", 4, "number of simulated backends")
 	fs.Float64Var(&o.load, "load", 0.75, "offered load as a fraction of the estimated cluster capacity")
 	fs.Int64Var(&o.seed, "seed", 1, "seed of the workloads, arrivals and simulators")
@@ -105,16 +127,32 @@ func parseOptions(args []string) (options, error) {
 	if !(o.load > 0) {
 		return o, fmt.Errorf("-load must be positive")
 	}
-	if o.quick && !isSet(fs, "timescale") {
+	if o.matrix && o.goodput {
+		return o, fmt.Errorf("-matrix and -goodput are separate modes")
+	}
+	if (o.quick || o.goodput) && !isSet(fs, "seeds") {
+		o.seeds = 1
+	}
+	if o.seeds < 1 {
+		return o, fmt.Errorf("-seeds must be at least 1")
+	}
+	o.timeScaleSet = isSet(fs, "timescale")
+	if (o.quick || o.matrix || o.goodput) && !o.timeScaleSet {
 		o.sim.TimeScale = 10
 	}
 	if st, err := os.Stat("bench"); !isSet(fs, "out") && (err != nil || !st.IsDir()) {
 		o.out = "out" // run from inside bench/
 	}
-	if o.quick && !isSet(fs, "reruns") {
+	if (o.quick || o.matrix || o.goodput) && !isSet(fs, "reruns") {
 		o.maxReruns = 1
 	}
 	o.workloads = workloadNames
+	switch {
+	case o.matrix:
+		o.workloads = matrixWorkloads
+	case o.goodput:
+		o.workloads = []string{"shared-prefix"}
+	}
 	if workloads != "all" {
 		o.workloads = nil
 		for _, w := range strings.Split(workloads, ",") {
@@ -125,6 +163,12 @@ func parseOptions(args []string) (options, error) {
 		}
 	}
 	o.policies = allPolicies
+	switch {
+	case o.matrix:
+		o.policies = policiesNamed(matrixPolicies)
+	case o.goodput:
+		o.policies = policiesNamed(goodputPolicies)
+	}
 	if policies != "all" {
 		o.policies = nil
 		for _, name := range strings.Split(policies, ",") {
@@ -135,7 +179,43 @@ func parseOptions(args []string) (options, error) {
 			o.policies = append(o.policies, p)
 		}
 	}
+	switch {
+	case regimeList != "all":
+		for _, name := range strings.Split(regimeList, ",") {
+			r, err := findRegime(name)
+			if err != nil {
+				return o, err
+			}
+			o.regimes = append(o.regimes, r)
+		}
+	case o.goodput:
+		o.regimes = []regime{mustRegime("default")}
+	case o.matrix && o.quick:
+		o.regimes = []regime{mustRegime("small-batch"), mustRegime("default")}
+	default:
+		o.regimes = regimes
+	}
 	return o, nil
+}
+
+// mustRegime returns a regime of the table by name (the name is a constant of this package).
+func mustRegime(name string) regime {
+	r, err := findRegime(name)
+	if err != nil {
+		panic(err)
+	}
+	return r
+}
+
+// policiesNamed returns the policies of the given names (known names only).
+func policiesNamed(names []string) []policy {
+	var out []policy
+	for _, n := range names {
+		if p, ok := findPolicy(n); ok {
+			out = append(out, p)
+		}
+	}
+	return out
 }
 
 func isSet(fs *flag.FlagSet, name string) bool {
@@ -193,6 +273,9 @@ func run(args []string) error {
 		Load:      o.load,
 		BypassRPS: o.bypassRate,
 		Sim:       o.sim,
+	}
+	if o.matrix || o.goodput {
+		return runMatrixMode(context.Background(), o, res, started)
 	}
 	if o.overhead {
 		oh, err := runOverhead(context.Background(), o)

@@ -19,6 +19,7 @@ type WorkloadResult struct {
 	// CapacityRPS is the estimated cluster capacity in requests per simulated second and
 	// RateRPS the offered request rate (load x capacity); see capacity.go for the formula.
 	CapacityRPS float64   `json:"capacity_rps"`
+	BackendRPS  []float64 `json:"backend_capacity_rps,omitempty"`
 	RateRPS     float64   `json:"rate_rps"`
 	Policies    []Summary `json:"policies"`
 	Notes       []string  `json:"notes,omitempty"`

@@ -36,10 +36,11 @@ func (b simBackend) Load() oracle.Load {
 
 func (b simBackend) Cached(body []byte) (int, int, error) { return b.s.Cached(body) }
 
-// startCluster starts n fresh simulators (cold caches) and registers them with the oracle.
-func startCluster(n int, sim simSettings, seed int64) (*cluster, error) {
+// startCluster starts a fresh simulator (cold cache) per entry of sims and registers them with
+// the oracle.
+func startCluster(sims []simSettings, seed int64) (*cluster, error) {
 	c := &cluster{}
-	for i := range n {
+	for i, sim := range sims {
 		s, err := vllmsim.New(vllmsim.Config{
 			Model:               benchModel,
 			MaxNumSeqs:          sim.MaxNumSeqs,
@@ -106,7 +107,7 @@ func (c *cluster) close() {
 
 // runWorkloads runs every selected workload with every selected policy.
 func runWorkloads(ctx context.Context, o options, progressOut *os.File) ([]WorkloadResult, error) {
-	size := workloadSize{quick: o.quick}
+	size := o.size()
 	var wls []Workload
 	total := 0
 	for _, name := range o.workloads {
@@ -120,20 +121,22 @@ func runWorkloads(ctx context.Context, o options, progressOut *os.File) ([]Workl
 	prog := newProgress(progressOut, total)
 	defer prog.finish()
 	var out []WorkloadResult
+	sims := uniformCluster(o.backends, o.sim)
 	for _, w := range wls {
-		out = append(out, runWorkload(ctx, o, w, prog))
+		out = append(out, runWorkload(ctx, o, sims, w, prog))
 	}
 	return out, nil
 }
 
-// runWorkload runs one workload with every selected policy.
-func runWorkload(ctx context.Context, o options, w Workload, prog *progress) WorkloadResult {
-	est := estimateCapacity(w, o.sim, o.backends)
+// runWorkload runs one workload with every selected policy on backends with the settings sims.
+func runWorkload(ctx context.Context, o options, sims []simSettings, w Workload, prog *progress) WorkloadResult {
+	est := estimateCapacity(w, sims)
 	wr := WorkloadResult{
 		Workload:    w.Name,
 		Requests:    w.NumRequests(),
 		Warmup:      warmupCount(w.NumRequests()),
 		CapacityRPS: est.ClusterRPS,
+		BackendRPS:  est.BackendRPS,
 		RateRPS:     o.load * est.ClusterRPS,
 	}
 	wr.Notes = append(wr.Notes, fmt.Sprintf("capacity estimate: mean prompt %.0f tokens, %.0f to prefill with an ideal cache, %.0f output, decode batch %.0f: %.2f req/s per backend",
@@ -144,13 +147,13 @@ func runWorkload(ctx context.Context, o options, w Workload, prog *progress) Wor
 	for _, p := range o.policies {
 		label := w.Name + "/" + p.Name
 		prog.setLabel(label)
-		s, err := runPolicy(ctx, o, w, wr.RateRPS, p, prog)
+		s, err := runPolicy(ctx, o, sims, w, wr.RateRPS, p, prog)
 		// Other processes on a shared machine can stall the load generator: run again (up to
 		// maxReruns times) while the arrivals left late, and keep the least disturbed run.
 		for rerun := 1; err == nil && s.LagP99 > lagRerunMS && rerun <= o.maxReruns; rerun++ {
 			prog.grow(w.NumRequests())
 			wr.Notes = append(wr.Notes, fmt.Sprintf("%s: run %d had scheduling lag p99 %.1f ms (wall), running it again", p.Name, rerun, s.LagP99))
-			again, err2 := runPolicy(ctx, o, w, wr.RateRPS, p, prog)
+			again, err2 := runPolicy(ctx, o, sims, w, wr.RateRPS, p, prog)
 			if err2 == nil && again.LagP99 < s.LagP99 {
 				s = again
 			}
@@ -175,13 +178,13 @@ func warmupCount(n int) int { return int(float64(n) * warmupFraction) }
 // errSkipped marks a policy that could not run in this binary.
 var errSkipped = errors.New("policy unavailable")
 
-// runPolicy runs workload w through a fresh Caddy with policy p in front of fresh simulators, at
-// rate requests per simulated second.
-func runPolicy(ctx context.Context, o options, w Workload, rate float64, p policy, prog *progress) (Summary, error) {
+// runPolicy runs workload w through a fresh Caddy with policy p in front of fresh simulators (one
+// per entry of sims), at rate requests per simulated second.
+func runPolicy(ctx context.Context, o options, sims []simSettings, w Workload, rate float64, p policy, prog *progress) (Summary, error) {
 	if err := policyAvailable(p); err != nil {
 		return Summary{}, fmt.Errorf("%w: %w", errSkipped, err)
 	}
-	c, err := startCluster(o.backends, o.sim, o.seed)
+	c, err := startCluster(sims, o.seed)
 	if err != nil {
 		return Summary{}, err
 	}
@@ -209,8 +212,9 @@ func runPolicy(ctx context.Context, o options, w Workload, rate float64, p polic
 		baseURL: url,
 		client:  client,
 		model:   benchModel,
-		rate:    rate / turns * o.sim.TimeScale,
-		seed:    o.seed,
+		rate:      rate / turns * o.sim.TimeScale,
+		timeScale: o.sim.TimeScale,
+		seed:      o.seed,
 		warmup:  warmupCount(w.NumRequests()),
 		onMeasure: func() {
 			st := c.states()
@@ -264,13 +268,13 @@ func runPolicy(ctx context.Context, o options, w Workload, rate float64, p polic
 // runBypass sends another seeded copy of the workload straight to one backend, open-loop at
 // o.bypassRate requests per simulated second, until ctx ends: load the balancer does not see.
 func runBypass(ctx context.Context, o options, workload, dial string, client *http.Client) {
-	w, err := generateWorkload(workload, o.seed+7919, workloadSize{quick: o.quick})
+	w, err := generateWorkload(workload, o.seed+7919, o.size())
 	if err != nil {
 		return
 	}
 	turns := float64(w.NumRequests()) / float64(len(w.Sessions))
 	d := &driver{baseURL: "http://" + dial, client: client, model: benchModel,
-		rate: o.bypassRate / turns * o.sim.TimeScale, seed: o.seed + 7919}
+		rate: o.bypassRate / turns * o.sim.TimeScale, timeScale: o.sim.TimeScale, seed: o.seed + 7919}
 	for ctx.Err() == nil {
 		d.run(ctx, w)
 	}

@@ -5,6 +5,8 @@ import (
 	"hash/fnv"
 	"math/rand/v2"
 	"slices"
+	"strings"
+	"time"
 )
 
 // Message is one chat message of a request.
@@ -22,6 +24,9 @@ type Request struct {
 	Messages []Message
 	// MaxTokens is the number of tokens to generate.
 	MaxTokens int
+	// Think is the simulated time the client waits after the previous turn of its session ended
+	// before it sends this one (a user reading and typing, a tool running); zero for a first turn.
+	Think time.Duration
 }
 
 // Session is a sequence of requests sent one after another: each request is sent only after the
@@ -54,12 +59,19 @@ func (w Workload) Requests() []Request {
 	return out
 }
 
-// workloadNames lists the workloads in the order they run and are reported.
+// workloadNames lists the workloads a plain run runs, in the order they run and are reported.
 var workloadNames = []string{"shared-prefix", "multi-turn", "mixed", "hot-prefix"}
 
-// workloadSize scales a workload: quick runs are small enough for CI.
+// matrixWorkloads lists the workloads of -matrix, in report order.
+var matrixWorkloads = []string{"shared-prefix", "hot-prefix", "multi-turn-think", "mixed", "agentic"}
+
+// knownWorkloads lists every workload generateWorkload knows.
+var knownWorkloads = []string{"shared-prefix", "multi-turn", "mixed", "hot-prefix", "multi-turn-think", "agentic"}
+
+// workloadSize scales a workload: quick runs are small enough for CI, matrix runs small enough
+// that 525 of them fit in about 40 minutes on 2 cores (120-160 requests, agentic fewer).
 type workloadSize struct {
-	quick bool
+	quick, matrix bool
 }
 
 // generateWorkload builds the named workload deterministically from seed.
@@ -69,6 +81,9 @@ func generateWorkload(name string, seed int64, size workloadSize) (Workload, err
 	rng := rand.New(rand.NewPCG(uint64(seed), h.Sum64()))
 	switch name {
 	case "shared-prefix":
+		if size.matrix {
+			return sharedPrefix(rng, 16, 8, 1500, 100, 64), nil
+		}
 		// 64 groups as in SGLang's generated-shared-prefix; 5 prompts each as in llm-d's shared_prefix.
 		// Their prefixes (96k tokens) overflow one backend's KV cache (32k) three times, but a quarter of
 		// them fit: routing decides the hit rate (round robin ~20%, as SGLang measured on GPUs).
@@ -77,6 +92,26 @@ func generateWorkload(name string, seed int64, size workloadSize) (Workload, err
 			groups, perGroup = 8, 8
 		}
 		return sharedPrefix(rng, groups, perGroup, 1500, 100, 64), nil
+	case "multi-turn-think":
+		// 3-6 turns behind a 500-token system prompt, a think time of mean 2 s (simulated) before
+		// each follow-up: sessions overlap less, a conversation's cache may age out in between.
+		convs := 48
+		if size.quick || size.matrix {
+			convs = 36
+		}
+		w := multiTurn(rng, convs, 3, 6, 500, 150, 64)
+		addThinkTime(rng, &w, 2*time.Second)
+		w.Name = "multi-turn-think"
+		return w, nil
+	case "agentic":
+		// A coding agent: a 20k-token first prompt (system prompt, tools, files), then turns that each
+		// append the agent's reply and a 1-3k-token tool result, up to 40k tokens; a tool runs for a
+		// mean 1 s (simulated) between turns. Few sessions, long contexts.
+		sessions, minTurns, maxTurns := 12, 6, 10
+		if size.quick || size.matrix {
+			sessions, minTurns, maxTurns = 8, 5, 8
+		}
+		return agentic(rng, sessions, minTurns, maxTurns, 20000, 1000, 3000, 40000, 64, time.Second), nil
 	case "multi-turn":
 		convs := 64
 		if size.quick {
@@ -85,18 +120,24 @@ func generateWorkload(name string, seed int64, size workloadSize) (Workload, err
 		return multiTurn(rng, convs, 6, 10, 500, 150, 64), nil
 	case "mixed":
 		n := 320
-		if size.quick {
+		switch {
+		case size.matrix:
+			n = 144
+		case size.quick:
 			n = 64
 		}
 		return mixed(rng, n, 10, 4000, 64), nil
 	case "hot-prefix":
 		n, others := 320, 16
-		if size.quick {
+		switch {
+		case size.matrix:
+			n, others = 144, 8
+		case size.quick:
 			n, others = 64, 6
 		}
 		return hotPrefix(rng, n, 0.8, others, 1500, 100, 64), nil
 	}
-	return Workload{}, fmt.Errorf("unknown workload %q (known: %v)", name, workloadNames)
+	return Workload{}, fmt.Errorf("unknown workload %q (known: %s)", name, strings.Join(knownWorkloads, ","))
 }
 
 // sharedPrefix is SGLang's generated-shared-prefix shape: groups of prompts behind a long system
@@ -181,4 +222,46 @@ func hotPrefix(rng *rand.Rand, n int, hotFraction float64, others, systemTokens,
 		}}}
 	}
 	return Workload{Name: "hot-prefix", Sessions: sessions}
+}
+
+// addThinkTime gives every follow-up turn of w an exponentially distributed think time of the
+// given mean.
+func addThinkTime(rng *rand.Rand, w *Workload, mean time.Duration) {
+	for _, s := range w.Sessions {
+		for i := 1; i < len(s.Requests); i++ {
+			s.Requests[i].Think = time.Duration(rng.ExpFloat64() * float64(mean)).Round(time.Millisecond)
+		}
+	}
+}
+
+// agentic builds agent sessions: a firstTokens-token prompt (a shared system prompt with tool
+// definitions, then the session's task and files), then minTurns..maxTurns turns, each appending the agent's previous reply and a tool
+// result of minTool..maxTool tokens, and sent after the tool's run time (exponential, mean
+// toolTime). A session stops growing before its context would pass maxContext tokens.
+func agentic(rng *rand.Rand, sessions, minTurns, maxTurns, firstTokens, minTool, maxTool, maxContext, outTokens int, toolTime time.Duration) Workload {
+	// Every session starts with the same system prompt and tool definitions (a quarter of the
+	// first prompt), then its own task and files.
+	system := Message{Role: "system", Content: textOfTokens(rng, firstTokens/4)}
+	out := make([]Session, sessions)
+	for i := range out {
+		history := []Message{system, {Role: "user", Content: fmt.Sprintf("Task %d. ", i) + textOfTokens(rng, firstTokens-firstTokens/4)}}
+		turns := minTurns + rng.IntN(maxTurns-minTurns+1)
+		conv := fmt.Sprintf("agent-%d", i)
+		var reqs []Request
+		for t := range turns {
+			req := Request{Conversation: conv, Messages: slices.Clip(slices.Clone(history)), MaxTokens: outTokens}
+			if t > 0 {
+				req.Think = time.Duration(rng.ExpFloat64() * float64(toolTime)).Round(time.Millisecond)
+			}
+			reqs = append(reqs, req)
+			reply := Message{Role: "assistant", Content: textOfTokens(rng, outTokens)}
+			tool := Message{Role: "tool", Content: textOfTokens(rng, minTool+rng.IntN(maxTool-minTool+1))}
+			if templatedTokens(append(slices.Clip(history), reply, tool))+outTokens > maxContext {
+				break
+			}
+			history = append(history, reply, tool)
+		}
+		out[i] = Session{Requests: reqs}
+	}
+	return Workload{Name: "agentic", Sessions: out}
 }

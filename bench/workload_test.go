@@ -147,20 +147,20 @@ func TestTextOfTokens(t *testing.T) {
 func TestEstimateCapacity(t *testing.T) {
 	shared, _ := generateWorkload("shared-prefix", 1, workloadSize{})
 	mixedW, _ := generateWorkload("mixed", 1, workloadSize{})
-	s := estimateCapacity(shared, defaultSim, 4)
-	m := estimateCapacity(mixedW, defaultSim, 4)
+	s := estimateCapacity(shared, uniformCluster(4, defaultSim))
+	m := estimateCapacity(mixedW, uniformCluster(4, defaultSim))
 	if !(s.MeanUncached < s.MeanPrompt/3) {
 		t.Errorf("shared-prefix: ideal uncached %.0f of %.0f tokens, want most of the prompt shared", s.MeanUncached, s.MeanPrompt)
 	}
 	if m.MeanUncached != m.MeanPrompt {
 		t.Errorf("mixed: ideal uncached %.0f, want all %.0f (no sharing)", m.MeanUncached, m.MeanPrompt)
 	}
-	if two := estimateCapacity(shared, defaultSim, 2); two.ClusterRPS*2 < s.ClusterRPS*0.999 || two.ClusterRPS*2 > s.ClusterRPS*1.001 {
+	if two := estimateCapacity(shared, uniformCluster(2, defaultSim)); two.ClusterRPS*2 < s.ClusterRPS*0.999 || two.ClusterRPS*2 > s.ClusterRPS*1.001 {
 		t.Errorf("capacity with 2 backends = %.2f, want half of 4 backends' %.2f", two.ClusterRPS, s.ClusterRPS)
 	}
 	// the formula by hand for a single request of 100 uncached tokens and 10 output tokens
 	one := Workload{Sessions: []Session{{Requests: []Request{{Messages: []Message{{Role: "user", Content: strings.Repeat("abcd", 100-3)}}, MaxTokens: 10}}}}}
-	e := estimateCapacity(one, defaultSim, 1)
+	e := estimateCapacity(one, uniformCluster(1, defaultSim))
 	step := defaultSim.DecodeStep.Seconds() + defaultSim.DecodeStepPerSeq.Seconds()*e.Batch
 	want := 1 / (100/defaultSim.PrefillTokensPerSec + 10*step/e.Batch)
 	if e.MeanPrompt != 100 || e.PerBackendRPS < want*0.999 || e.PerBackendRPS > want*1.001 {

@@ -1,0 +1,544 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"text/tabwriter"
+	"time"
+)
+
+// Pass thresholds of a matrix cell: llm's median TTFT p99 at most the best stock policy's, its
+// p50 at most 5% above.
+const (
+	passP99Ratio = 1.0
+	passP50Ratio = 1.05
+)
+
+// MatrixRun is one seed of one matrix cell: every policy's figures.
+type MatrixRun struct {
+	Regime      string    `json:"regime"`
+	Workload    string    `json:"workload"`
+	Seed        int64     `json:"seed"`
+	Load        float64   `json:"load"`
+	TimeScale   float64   `json:"time_scale"`
+	Requests    int       `json:"requests"`
+	Warmup      int       `json:"warmup_requests"`
+	CapacityRPS float64   `json:"capacity_rps"`
+	BackendRPS  []float64 `json:"backend_capacity_rps"`
+	RateRPS     float64   `json:"rate_rps"`
+	Policies    []Summary `json:"policies"`
+	Notes       []string  `json:"notes,omitempty"`
+}
+
+// PolicyMedian is one policy's figures in a cell, each the median over the cell's seeds.
+type PolicyMedian struct {
+	Policy  string  `json:"policy"`
+	Seeds   int     `json:"seeds"`
+	TTFTP50 float64 `json:"ttft_p50_ms"`
+	TTFTP99 float64 `json:"ttft_p99_ms"`
+	E2EP50  float64 `json:"e2e_p50_ms"`
+	HitRate float64 `json:"cache_hit_rate"`
+	// MaxShare is the busiest backend's requests divided by its fair share, the share its
+	// estimated capacity gives it (equal shares on a uniform cluster).
+	MaxShare float64 `json:"max_backend_share"`
+	Failed   int     `json:"failed"`
+}
+
+// MatrixCell is the verdict on llm in one regime and workload.
+type MatrixCell struct {
+	Regime   string `json:"regime"`
+	Workload string `json:"workload"`
+	// Requests are the measured (non-warm-up) requests of one run of one policy.
+	Requests int            `json:"requests_per_run"`
+	Seeds    int            `json:"seeds"`
+	RateRPS  float64        `json:"rate_rps"`
+	Policies []PolicyMedian `json:"policies"`
+	// BestP50 and BestP99 are the best stock policy's median TTFT p50 and p99, and which policy
+	// that was (they may differ); P50Ratio and P99Ratio are llm's divided by them.
+	BestP50       float64 `json:"best_stock_ttft_p50_ms"`
+	BestP50Policy string  `json:"best_stock_p50_policy"`
+	BestP99       float64 `json:"best_stock_ttft_p99_ms"`
+	BestP99Policy string  `json:"best_stock_p99_policy"`
+	P50Ratio      float64 `json:"llm_p50_ratio"`
+	P99Ratio      float64 `json:"llm_p99_ratio"`
+	// Judged is false when llm or every stock policy is missing from the cell.
+	Judged bool `json:"judged"`
+	Pass   bool `json:"pass"`
+}
+
+// RegimeInfo is a regime as results.json records it.
+type RegimeInfo struct {
+	Name        string        `json:"name"`
+	Description string        `json:"description"`
+	Backends    []simSettings `json:"backends"`
+}
+
+// MatrixResults is results.json of -matrix and -goodput.
+type MatrixResults struct {
+	Command     string         `json:"command"`
+	Started     string         `json:"started"`
+	Machine     string         `json:"machine"`
+	Seeds       []int64        `json:"seeds"`
+	Backends    int            `json:"backends"`
+	Load        float64        `json:"load"`
+	TimeScale   float64        `json:"time_scale"`
+	Regimes     []RegimeInfo   `json:"regimes"`
+	Runs        []MatrixRun    `json:"runs"`
+	Cells       []MatrixCell   `json:"cells,omitempty"`
+	Goodput     []GoodputCurve `json:"goodput,omitempty"`
+	WallSeconds float64        `json:"wall_seconds"`
+	Notes       []string       `json:"notes,omitempty"`
+}
+
+// matrixJob is one cell and seed to run.
+type matrixJob struct {
+	regime   regime
+	workload Workload
+	seed     int64
+	load     float64
+}
+
+// runMatrixMode runs -matrix or -goodput and writes their outputs.
+func runMatrixMode(ctx context.Context, o options, res Results, started time.Time) error {
+	mr := MatrixResults{
+		Command:   res.Command,
+		Started:   res.Started,
+		Machine:   res.Machine,
+		Backends:  o.backends,
+		Load:      o.load,
+	}
+	if o.timeScaleSet {
+		mr.TimeScale = o.sim.TimeScale
+	}
+	for i := range o.seeds {
+		mr.Seeds = append(mr.Seeds, o.seed+int64(i))
+	}
+	for _, r := range o.regimes {
+		mr.Regimes = append(mr.Regimes, RegimeInfo{Name: r.Name, Description: r.Description, Backends: r.build(o.backends, o.sim)})
+	}
+	if o.goodput {
+		curves, err := runGoodput(ctx, o, &mr)
+		if err != nil {
+			return err
+		}
+		mr.Goodput = curves
+		for _, c := range curves {
+			fmt.Println(c.describe())
+		}
+	} else {
+		if err := runMatrix(ctx, o, &mr); err != nil {
+			return err
+		}
+		mr.Cells = judgeCells(mr.Runs)
+		fmt.Println()
+		writeMatrixTable(os.Stdout, mr.Cells)
+		fmt.Println(matrixVerdict(mr.Cells))
+	}
+	mr.WallSeconds = round3(time.Since(started).Seconds())
+	if err := writeMatrixOutputs(o.out, mr); err != nil {
+		return err
+	}
+	fmt.Printf("\nwall time %.1fs; results in %s\n", mr.WallSeconds, o.out)
+	return nil
+}
+
+// runMatrix runs every regime x workload x seed with every policy, appending to mr.Runs.
+func runMatrix(ctx context.Context, o options, mr *MatrixResults) error {
+	var jobs []matrixJob
+	total := 0
+	for _, r := range o.regimes {
+		for _, name := range o.workloads {
+			for _, seed := range mr.Seeds {
+				w, err := generateWorkload(name, seed, o.size())
+				if err != nil {
+					return err
+				}
+				jobs = append(jobs, matrixJob{regime: r, workload: w, seed: seed, load: o.load})
+				total += w.NumRequests() * len(o.policies)
+			}
+		}
+	}
+	prog := newProgress(os.Stderr, total)
+	defer prog.finish()
+	for _, j := range jobs {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		mr.Runs = append(mr.Runs, runMatrixJob(ctx, o, j, prog))
+	}
+	return nil
+}
+
+// matrixTimeScales are the time scales of the matrix workloads (unless -timescale is set): as fast
+// as the measurement allows. A wall millisecond of scheduling lag is timeScale simulated
+// milliseconds of error, so the workloads with TTFTs near 100 ms run at 5x, agentic (TTFTs of
+// seconds, 1 s prefill steps, few requests) at 20x.
+var matrixTimeScales = map[string]float64{"shared-prefix": 5, "hot-prefix": 5, "multi-turn-think": 10, "mixed": 10, "agentic": 20}
+
+// runMatrixJob runs one cell and seed with every policy.
+func runMatrixJob(ctx context.Context, o options, j matrixJob, prog *progress) MatrixRun {
+	oj := o
+	oj.seed, oj.load = j.seed, j.load
+	if ts, ok := matrixTimeScales[j.workload.Name]; ok && !o.timeScaleSet {
+		oj.sim.TimeScale = ts
+	}
+	sims, notes := fitKV(j.regime.build(o.backends, oj.sim), j.workload)
+	w := j.workload
+	name := w.Name
+	w.Name = fmt.Sprintf("%s/%s/seed %d/load %.2f", j.regime.Name, name, j.seed, j.load)
+	wr := runWorkload(ctx, oj, sims, w, prog)
+	return MatrixRun{
+		Regime:      j.regime.Name,
+		Workload:    name,
+		Seed:        j.seed,
+		Load:        j.load,
+		TimeScale:   oj.sim.TimeScale,
+		Requests:    wr.Requests,
+		Warmup:      wr.Warmup,
+		CapacityRPS: round3(wr.CapacityRPS),
+		BackendRPS:  roundAll(wr.BackendRPS),
+		RateRPS:     round3(wr.RateRPS),
+		Policies:    wr.Policies,
+		Notes:       append(notes, wr.Notes...),
+	}
+}
+
+func roundAll(xs []float64) []float64 {
+	out := make([]float64, len(xs))
+	for i, x := range xs {
+		out[i] = round3(x)
+	}
+	return out
+}
+
+// median returns the median of xs (the mean of the middle two for an even count), NaN for none.
+func median(xs []float64) float64 {
+	if len(xs) == 0 {
+		return math.NaN()
+	}
+	s := slices.Clone(xs)
+	slices.Sort(s)
+	if len(s)%2 == 1 {
+		return s[len(s)/2]
+	}
+	return (s[len(s)/2-1] + s[len(s)/2]) / 2
+}
+
+// maxShare returns the busiest backend's requests divided by its fair share: total requests
+// times its part of the cluster's capacity (equal parts when capacity is nil or does not match).
+func maxShare(requests []int, capacity []float64) float64 {
+	total, capSum := 0, 0.0
+	for _, n := range requests {
+		total += n
+	}
+	if len(capacity) == len(requests) {
+		for _, c := range capacity {
+			capSum += c
+		}
+	}
+	if total == 0 {
+		return 0
+	}
+	worst := 0.0
+	for i, n := range requests {
+		part := 1 / float64(len(requests))
+		if capSum > 0 {
+			part = capacity[i] / capSum
+		}
+		worst = max(worst, float64(n)/(float64(total)*part))
+	}
+	return worst
+}
+
+// judgeCells groups runs by regime and workload (in first-seen order), takes each policy's
+// medians over seeds and judges llm against the best stock policy.
+func judgeCells(runs []MatrixRun) []MatrixCell {
+	type key struct{ regime, workload string }
+	var order []key
+	byCell := map[key][]MatrixRun{}
+	for _, r := range runs {
+		k := key{r.Regime, r.Workload}
+		if _, ok := byCell[k]; !ok {
+			order = append(order, k)
+		}
+		byCell[k] = append(byCell[k], r)
+	}
+	cells := make([]MatrixCell, 0, len(order))
+	for _, k := range order {
+		cells = append(cells, judgeCell(k.regime, k.workload, byCell[k]))
+	}
+	return cells
+}
+
+// judgeCell computes one cell's medians and verdict from its runs (one per seed).
+func judgeCell(regime, workload string, runs []MatrixRun) MatrixCell {
+	c := MatrixCell{Regime: regime, Workload: workload, Seeds: len(runs)}
+	var rates []float64
+	var names []string
+	samples := map[string][]Summary{}
+	shares := map[string][]float64{}
+	for _, r := range runs {
+		c.Requests = r.Requests - r.Warmup
+		rates = append(rates, r.RateRPS)
+		for _, s := range r.Policies {
+			if s.Skipped != "" {
+				continue
+			}
+			if _, ok := samples[s.Policy]; !ok {
+				names = append(names, s.Policy)
+			}
+			samples[s.Policy] = append(samples[s.Policy], s)
+			shares[s.Policy] = append(shares[s.Policy], maxShare(s.BackendRequests, r.BackendRPS))
+		}
+	}
+	c.RateRPS = round3(median(rates))
+	for _, name := range names {
+		ss := samples[name]
+		pick := func(f func(Summary) float64) float64 {
+			xs := make([]float64, len(ss))
+			for i, s := range ss {
+				xs[i] = f(s)
+			}
+			return round3(median(xs))
+		}
+		pm := PolicyMedian{
+			Policy:   name,
+			Seeds:    len(ss),
+			TTFTP50:  pick(func(s Summary) float64 { return s.TTFTP50 }),
+			TTFTP99:  pick(func(s Summary) float64 { return s.TTFTP99 }),
+			E2EP50:   pick(func(s Summary) float64 { return s.E2EP50 }),
+			HitRate:  pick(func(s Summary) float64 { return s.CacheHitRate }),
+			MaxShare: round3(median(shares[name])),
+		}
+		for _, s := range ss {
+			pm.Failed += s.Failed
+		}
+		c.Policies = append(c.Policies, pm)
+	}
+	llm, ok := c.policy(judgedPolicy)
+	for _, name := range stockPolicies {
+		s, found := c.policy(name)
+		if !found {
+			continue
+		}
+		if c.BestP50Policy == "" || s.TTFTP50 < c.BestP50 {
+			c.BestP50, c.BestP50Policy = s.TTFTP50, name
+		}
+		if c.BestP99Policy == "" || s.TTFTP99 < c.BestP99 {
+			c.BestP99, c.BestP99Policy = s.TTFTP99, name
+		}
+	}
+	if !ok || c.BestP50Policy == "" || c.BestP50 <= 0 || c.BestP99 <= 0 {
+		return c
+	}
+	c.Judged = true
+	c.P50Ratio = round3(llm.TTFTP50 / c.BestP50)
+	c.P99Ratio = round3(llm.TTFTP99 / c.BestP99)
+	c.Pass = c.P99Ratio <= passP99Ratio && c.P50Ratio <= passP50Ratio && llm.Failed == 0
+	return c
+}
+
+// policy returns the cell's medians of the named policy.
+func (c MatrixCell) policy(name string) (PolicyMedian, bool) {
+	for _, p := range c.Policies {
+		if p.Policy == name {
+			return p, true
+		}
+	}
+	return PolicyMedian{}, false
+}
+
+// verdictWord is PASS, FAIL or "-" (not judged).
+func (c MatrixCell) verdictWord() string {
+	switch {
+	case !c.Judged:
+		return "-"
+	case c.Pass:
+		return "PASS"
+	}
+	return "FAIL"
+}
+
+// matrixVerdict is the one-line summary: how many judged cells pass.
+func matrixVerdict(cells []MatrixCell) string {
+	judged, passed := 0, 0
+	var failed []string
+	for _, c := range cells {
+		if !c.Judged {
+			continue
+		}
+		judged++
+		if c.Pass {
+			passed++
+		} else {
+			failed = append(failed, c.Regime+"/"+c.Workload)
+		}
+	}
+	v := fmt.Sprintf("verdict: %s passes %d of %d cells (TTFT p99 <= %.2fx and p50 <= %.2fx the best of %s)",
+		judgedPolicy, passed, judged, passP99Ratio, passP50Ratio, strings.Join(stockPolicies, "/"))
+	if len(failed) > 0 {
+		v += "; fails " + strings.Join(failed, ", ")
+	}
+	return v
+}
+
+// matrixHeader names the columns of the pass/fail table.
+var matrixHeader = []string{"regime", "workload", "req/run", "llm p50", "best stock p50", "p50 ratio",
+	"llm p99", "best stock p99", "p99 ratio", "llm hit", "llm max share", "oracle p99 ratio", "verdict"}
+
+// matrixRows returns the pass/fail table, one row per cell; times in simulated ms.
+func matrixRows(cells []MatrixCell) [][]string {
+	var rows [][]string
+	for _, c := range cells {
+		llm, _ := c.policy(judgedPolicy)
+		row := []string{c.Regime, c.Workload, fmt.Sprint(c.Requests)}
+		if !c.Judged {
+			rows = append(rows, append(row, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-"))
+			continue
+		}
+		oracle := "-"
+		if o, ok := c.policy("oracle"); ok && c.BestP99 > 0 {
+			oracle = fmt.Sprintf("%.2f", o.TTFTP99/c.BestP99)
+		}
+		rows = append(rows, append(row,
+			f0(llm.TTFTP50), fmt.Sprintf("%s (%s)", f0(c.BestP50), c.BestP50Policy), fmt.Sprintf("%.2f", c.P50Ratio),
+			f0(llm.TTFTP99), fmt.Sprintf("%s (%s)", f0(c.BestP99), c.BestP99Policy), fmt.Sprintf("%.2f", c.P99Ratio),
+			fmt.Sprintf("%.0f%%", 100*llm.HitRate), fmt.Sprintf("%.2f", llm.MaxShare), oracle, c.verdictWord()))
+	}
+	return rows
+}
+
+// writeMatrixTable prints the pass/fail table as aligned text.
+func writeMatrixTable(out io.Writer, cells []MatrixCell) {
+	fmt.Fprintf(out, "llm vs the best stock policy per cell (TTFT medians over seeds, simulated ms; PASS: p99 ratio <= %.2f and p50 ratio <= %.2f)\n", passP99Ratio, passP50Ratio)
+	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, strings.Join(matrixHeader, "\t"))
+	for _, r := range matrixRows(cells) {
+		fmt.Fprintln(tw, strings.Join(r, "\t"))
+	}
+	_ = tw.Flush()
+}
+
+// writeMatrixMarkdown writes report.md of -matrix or -goodput.
+func writeMatrixMarkdown(out io.Writer, mr MatrixResults) {
+	fmt.Fprintf(out, "# caddy-llm benchmark: backend-regime matrix\n\n`%s`  \n%s, %s; wall time %.0f s  \n", mr.Command, mr.Started, mr.Machine, mr.WallSeconds)
+	fmt.Fprintf(out, "%d simulated vLLM backends per cluster, load %.2f of each cell's estimated capacity, seeds %v, time scale %.0fx (0: per workload). "+
+		"Latencies are simulated milliseconds, each the median over seeds of a run's percentile; the first %.0f%% of each run's requests are warm-up.\n\n",
+		mr.Backends, mr.Load, mr.Seeds, mr.TimeScale, 100*warmupFraction)
+	if mr.TimeScale == 0 {
+		fmt.Fprintf(out, "Time scales per workload: %s.\n\n", describeTimeScales())
+	}
+	if len(mr.Cells) > 0 {
+		fmt.Fprintf(out, "**%s**\n\n", matrixVerdict(mr.Cells))
+		fmt.Fprintf(out, "![llm TTFT p99 / best stock policy](matrix.svg)\n\n")
+		fmt.Fprintf(out, "A cell passes when `llm`'s TTFT p99 is at most the best stock policy's (the lowest of %s in that cell) and its p50 at most %.2fx the best stock p50 (possibly another policy's). "+
+			"Max share is the busiest backend's requests over its fair share (by estimated capacity: equal on uniform clusters). "+
+			"The oracle column is the oracle's p99 over the best stock p99: what reading the true caches and queues could do.\n\n",
+			strings.Join(stockPolicies, ", "), passP50Ratio)
+		header := matrixHeader
+		fmt.Fprintf(out, "| %s |\n|%s\n", strings.Join(header, " | "), strings.Repeat("---|", len(header)))
+		for _, r := range matrixRows(mr.Cells) {
+			fmt.Fprintf(out, "| %s |\n", strings.Join(r, " | "))
+		}
+		fmt.Fprintf(out, "\n## Every policy, medians over seeds (TTFT p50 / p99 ms, hit rate)\n\n")
+		var pols []string
+		for _, c := range mr.Cells {
+			for _, p := range c.Policies {
+				if !slices.Contains(pols, p.Policy) {
+					pols = append(pols, p.Policy)
+				}
+			}
+		}
+		fmt.Fprintf(out, "| regime | workload | offered req/s | %s |\n|---|---|---|%s\n", strings.Join(pols, " | "), strings.Repeat("---|", len(pols)))
+		for _, c := range mr.Cells {
+			row := []string{c.Regime, c.Workload, f1(c.RateRPS)}
+			for _, name := range pols {
+				p, ok := c.policy(name)
+				if !ok {
+					row = append(row, "-")
+					continue
+				}
+				cell := fmt.Sprintf("%s / %s, %.0f%%", f0(p.TTFTP50), f0(p.TTFTP99), 100*p.HitRate)
+				if p.Failed > 0 {
+					cell += fmt.Sprintf(", %d failed", p.Failed)
+				}
+				row = append(row, cell)
+			}
+			fmt.Fprintf(out, "| %s |\n", strings.Join(row, " | "))
+		}
+		fmt.Fprintln(out)
+	}
+	for _, g := range mr.Goodput {
+		writeGoodputMarkdown(out, g)
+	}
+	fmt.Fprintf(out, "## Regimes\n\n")
+	for _, r := range mr.Regimes {
+		fmt.Fprintf(out, "- `%s`: %s\n", r.Name, r.Description)
+	}
+	var notes []string
+	for _, r := range mr.Runs {
+		for _, n := range r.Notes {
+			if strings.Contains(n, "KV cache raised") || strings.Contains(n, "scheduling lag") || strings.Contains(n, "skipped") {
+				notes = append(notes, fmt.Sprintf("%s/%s seed %d load %.2f: %s", r.Regime, r.Workload, r.Seed, r.Load, n))
+			}
+		}
+		for _, s := range r.Policies {
+			if s.Skipped == "" && s.LagP99 > lagRerunMS {
+				notes = append(notes, fmt.Sprintf("%s/%s seed %d load %.2f: %s had scheduling lag p99 %.1f ms (wall) even after re-runs: the machine was busy", r.Regime, r.Workload, r.Seed, r.Load, s.Policy, s.LagP99))
+			}
+		}
+	}
+	if len(notes) > 0 {
+		fmt.Fprintf(out, "\n## Notes\n\n")
+		for _, n := range notes {
+			fmt.Fprintf(out, "- %s\n", n)
+		}
+	}
+	for _, n := range mr.Notes {
+		fmt.Fprintf(out, "- %s\n", n)
+	}
+}
+
+// writeMatrixOutputs writes results.json, report.md and (for -matrix) matrix.svg into dir.
+func writeMatrixOutputs(dir string, mr MatrixResults) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return fmt.Errorf("creating output dir: %w", err)
+	}
+	js, err := json.MarshalIndent(mr, "", "  ")
+	if err != nil {
+		return fmt.Errorf("encoding results: %w", err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "results.json"), append(js, '\n'), 0o644); err != nil {
+		return fmt.Errorf("writing results.json: %w", err)
+	}
+	var md strings.Builder
+	writeMatrixMarkdown(&md, mr)
+	if err := os.WriteFile(filepath.Join(dir, "report.md"), []byte(md.String()), 0o644); err != nil {
+		return fmt.Errorf("writing report.md: %w", err)
+	}
+	if len(mr.Cells) == 0 {
+		return nil
+	}
+	var svg strings.Builder
+	writeHeatMap(&svg, mr.Cells, len(mr.Seeds))
+	if err := os.WriteFile(filepath.Join(dir, "matrix.svg"), []byte(svg.String()), 0o644); err != nil {
+		return fmt.Errorf("writing matrix.svg: %w", err)
+	}
+	return nil
+}
+
+// describeTimeScales lists matrixTimeScales in matrix order.
+func describeTimeScales() string {
+	var parts []string
+	for _, w := range matrixWorkloads {
+		parts = append(parts, fmt.Sprintf("%s %.0fx", w, matrixTimeScales[w]))
+	}
+	return strings.Join(parts, ", ")
+}

@@ -1,0 +1,157 @@
+package main
+
+import (
+	"fmt"
+	"strings"
+	"time"
+)
+
+// regime is a named backend configuration of the matrix: the engine parameters of every backend
+// of a cluster, so that a cluster can mix backends (hetero).
+type regime struct {
+	Name string
+	// Description says what the regime stands for, for the reports.
+	Description string
+	// backend returns the engine parameters of backend i (of n). TimeScale and TokensPerChunk are
+	// the run's (how fast the simulation runs, not what it simulates) and are set by build.
+	backend func(i, n int) simSettings
+}
+
+// build returns the settings of n backends under the regime, running at base's time scale and
+// SSE chunking.
+func (r regime) build(n int, base simSettings) []simSettings {
+	out := make([]simSettings, n)
+	for i := range out {
+		s := r.backend(i, n)
+		s.TimeScale, s.TokensPerChunk = base.TimeScale, base.TokensPerChunk
+		out[i] = s
+	}
+	return out
+}
+
+// uniform is a regime whose backends are all alike.
+func uniform(s simSettings) func(i, n int) simSettings {
+	return func(int, int) simSettings { return s }
+}
+
+// withSim returns defaultSim changed by f.
+func withSim(f func(*simSettings)) simSettings {
+	s := defaultSim
+	f(&s)
+	return s
+}
+
+// regimes are the backend configurations of the matrix, in report order. Each differs from
+// default in one respect, except small-batch, which is a different engine altogether: the one a
+// new user tried the policy on (issue 9).
+var regimes = []regime{
+	{
+		Name:        "small-batch",
+		Description: "max_num_seqs 8, no chunked prefill (a prompt is prefilled in one step that stalls decodes), 3.3k prefill tok/s (300 µs/token), decode step 18 ms",
+		backend: uniform(withSim(func(s *simSettings) {
+			s.MaxNumSeqs, s.MaxNumBatchedTokens = 8, -1
+			s.PrefillTokensPerSec, s.DecodeStep = 3300, 18*time.Millisecond
+		})),
+	},
+	{
+		Name:        "default",
+		Description: "the bench's usual simulator: max_num_seqs 64, chunked prefill 8192 tokens, 8k prefill tok/s, decode step 30 ms + 0.25 ms/seq, 32k-token KV cache",
+		backend:     uniform(defaultSim),
+	},
+	{
+		Name:        "large-batch",
+		Description: "max_num_seqs 256, 256k-token KV cache (16384 blocks)",
+		backend: uniform(withSim(func(s *simSettings) {
+			s.MaxNumSeqs, s.NumGPUBlocks = 256, 16384
+		})),
+	},
+	{
+		Name:        "hetero",
+		Description: "default, but the last backend is 3x slower (2.7k prefill tok/s, decode step 90 ms + 0.75 ms/seq)",
+		backend: func(i, n int) simSettings {
+			if i < n-1 {
+				return defaultSim
+			}
+			return withSim(func(s *simSettings) {
+				s.PrefillTokensPerSec /= 3
+				s.DecodeStep *= 3
+				s.DecodeStepPerSeq *= 3
+			})
+		},
+	},
+	{
+		Name:        "kv-pressure",
+		Description: "default with an 8k-token KV cache (512 blocks): far smaller than every workload's working set",
+		backend: uniform(withSim(func(s *simSettings) {
+			s.NumGPUBlocks = 512
+		})),
+	},
+	{
+		Name:        "fast-prefill",
+		Description: "default with 20k prefill tok/s",
+		backend: uniform(withSim(func(s *simSettings) {
+			s.PrefillTokensPerSec = 20000
+		})),
+	},
+	{
+		Name:        "slow-prefill",
+		Description: "default with 2k prefill tok/s",
+		backend: uniform(withSim(func(s *simSettings) {
+			s.PrefillTokensPerSec = 2000
+		})),
+	},
+}
+
+// regimeNames lists the regimes in report order.
+func regimeNames() []string {
+	names := make([]string, len(regimes))
+	for i, r := range regimes {
+		names[i] = r.Name
+	}
+	return names
+}
+
+// findRegime returns the named regime.
+func findRegime(name string) (regime, error) {
+	for _, r := range regimes {
+		if r.Name == name {
+			return r, nil
+		}
+	}
+	return regime{}, fmt.Errorf("unknown regime %q (known: %s)", name, strings.Join(regimeNames(), ","))
+}
+
+// uniformCluster returns n copies of s.
+func uniformCluster(n int, s simSettings) []simSettings {
+	out := make([]simSettings, n)
+	for i := range out {
+		out[i] = s
+	}
+	return out
+}
+
+// kvHeadroom is how much larger than a workload's largest request (prompt + output) fitKV makes
+// a backend's KV cache: the request itself, the simulator's 1% watermark, and room for a few
+// short requests beside it.
+const kvHeadroom = 1.25
+
+// fitKV grows the KV cache of every backend that cannot hold w's largest request with
+// kvHeadroom to spare (the simulator would answer 400, like vLLM's max_model_len check) and
+// returns the settings and a note for each change. Only agentic's 20-40k-token contexts need it.
+func fitKV(sims []simSettings, w Workload) ([]simSettings, []string) {
+	largest := 0
+	for _, req := range w.Requests() {
+		largest = max(largest, templatedTokens(req.Messages)+req.MaxTokens)
+	}
+	out := make([]simSettings, len(sims))
+	var notes []string
+	for i, s := range sims {
+		need := int(float64(largest)*kvHeadroom)/s.BlockSize + 1
+		if s.NumGPUBlocks < need {
+			notes = append(notes, fmt.Sprintf("backend %d: KV cache raised from %d to %d blocks to hold the largest request (%d tokens)", i, s.NumGPUBlocks, need, largest))
+			s.NumGPUBlocks = need
+		}
+		out[i] = s
+	}
+	return out, notes
+}
