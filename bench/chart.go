@@ -88,7 +88,9 @@ func writePanel(out io.Writer, wl WorkloadResult, x0, y0 int) {
 		fmt.Fprintf(out, `<line x1="%.0f" y1="%.1f" x2="%.0f" y2="%.1f" stroke="#eee"/>`+"\n", left, y, left+width, y)
 		fmt.Fprintf(out, `<text x="%.0f" y="%.1f" text-anchor="end">%g</text>`+"\n", left-4, y+4, q)
 	}
-	fmt.Fprintf(out, `<text x="%.0f" y="%.0f" text-anchor="middle">TTFT (ms)</text>`+"\n", left+width/2, top+height+32)
+	fmt.Fprintf(out, `<text x="%.0f" y="%.0f" text-anchor="middle">TTFT (simulated ms, log scale)</text>`+"\n", left+width/2, top+height+32)
+	yMid := top + height/2
+	fmt.Fprintf(out, `<text class="y-title" x="%.0f" y="%.0f" text-anchor="middle" transform="rotate(-90 %.0f %.0f)">fraction of requests (cumulative)</text>`+"\n", left-38, yMid, left-38, yMid)
 	// curves and legend
 	ly := top + 6
 	for _, s := range wl.Policies {

@@ -27,7 +27,7 @@ type driver struct {
 	rate float64
 	// timeScale converts a request's simulated think time to wall time (divided by it); 0 means 1.
 	timeScale float64
-	seed int64
+	seed      int64
 	// warmup is the number of requests, in send order, excluded from the statistics.
 	warmup int
 	// onMeasure runs once, when the first measured request is sent (to snapshot counters).

@@ -108,11 +108,11 @@ type matrixJob struct {
 // runMatrixMode runs -matrix or -goodput and writes their outputs.
 func runMatrixMode(ctx context.Context, o options, res Results, started time.Time) error {
 	mr := MatrixResults{
-		Command:   res.Command,
-		Started:   res.Started,
-		Machine:   res.Machine,
-		Backends:  o.backends,
-		Load:      o.load,
+		Command:  res.Command,
+		Started:  res.Started,
+		Machine:  res.Machine,
+		Backends: o.backends,
+		Load:     o.load,
 	}
 	if o.timeScaleSet {
 		mr.TimeScale = o.sim.TimeScale

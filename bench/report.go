@@ -87,6 +87,26 @@ func tableRows(w WorkloadResult) [][]string {
 func f0(x float64) string { return fmt.Sprintf("%.0f", x) }
 func f1(x float64) string { return fmt.Sprintf("%.1f", x) }
 
+// verdict is a workload's one-line verdict: its sample size and llm's TTFT against the best stock
+// policy, judged as a matrix cell is (judgeCell).
+func (w WorkloadResult) verdict() string {
+	c := judgeCell("", w.Workload, []MatrixRun{{Requests: w.Requests, Warmup: w.Warmup, BackendRPS: w.BackendRPS, Policies: w.Policies}})
+	head := fmt.Sprintf("%s: %d measured requests per policy (1 seed)", w.Workload, w.Requests-w.Warmup)
+	if !c.Judged {
+		return head + fmt.Sprintf("; not judged (needs %s and one of %s)", judgedPolicy, strings.Join(stockPolicies, "/"))
+	}
+	llm, _ := c.policy(judgedPolicy)
+	return head + fmt.Sprintf("; %s TTFT p50 %.2fx the best stock (%s), p99 %.2fx (%s), hit rate %.0f%%: %s",
+		judgedPolicy, c.P50Ratio, c.BestP50Policy, c.P99Ratio, c.BestP99Policy, 100*llm.HitRate, c.verdictWord())
+}
+
+// writeVerdicts prints one verdict line per workload.
+func writeVerdicts(out io.Writer, workloads []WorkloadResult, prefix string) {
+	for _, w := range workloads {
+		fmt.Fprintf(out, "%s%s\n", prefix, w.verdict())
+	}
+}
+
 // writeTable prints a workload's table as aligned text.
 func writeTable(out io.Writer, w WorkloadResult) {
 	fmt.Fprintf(out, "\n== %s: %d requests (%d warm-up), %.1f req/s offered = load x capacity %.1f req/s (simulated time, ms)\n",
@@ -128,6 +148,12 @@ func writeMarkdown(out io.Writer, res Results) {
 		"P the prefill rate, out the output tokens, D0 + Dseq x B the decode step at batch B (max_num_seqs, or fewer if the KV cache cannot hold them): "+
 		"a policy that recomputes shared prefixes saturates below load 1. Multi-turn sessions send each turn when the previous one ends. "+
 		"TTFT is the first chunk with content, TPOT (e2e - TTFT) / (output tokens - 1). The oracle routes on the simulators' true cache and queues, greedily per request.\n\n")
+	if len(res.Workloads) > 0 {
+		fmt.Fprintf(out, "Verdicts (%s against the best of %s; PASS when TTFT p99 <= %.2fx and p50 <= %.2fx; small samples are noisy, see `-matrix` for medians over seeds):\n\n",
+			judgedPolicy, strings.Join(stockPolicies, "/"), passP99Ratio, passP50Ratio)
+		writeVerdicts(out, res.Workloads, "- ")
+		fmt.Fprintln(out)
+	}
 	fmt.Fprintf(out, "![TTFT distribution](ttft.svg)\n\n")
 	for _, w := range res.Workloads {
 		fmt.Fprintf(out, "## %s\n\n%d requests (%d warm-up), offered %.1f req/s (capacity estimate %.1f req/s)\n\n",

@@ -209,13 +209,13 @@ func runPolicy(ctx context.Context, o options, sims []simSettings, w Workload, r
 	)
 	turns := float64(w.NumRequests()) / float64(len(w.Sessions))
 	d := &driver{
-		baseURL: url,
-		client:  client,
-		model:   benchModel,
+		baseURL:   url,
+		client:    client,
+		model:     benchModel,
 		rate:      rate / turns * o.sim.TimeScale,
 		timeScale: o.sim.TimeScale,
 		seed:      o.seed,
-		warmup:  warmupCount(w.NumRequests()),
+		warmup:    warmupCount(w.NumRequests()),
 		onMeasure: func() {
 			st := c.states()
 			mu.Lock()

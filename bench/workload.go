@@ -94,10 +94,13 @@ func generateWorkload(name string, seed int64, size workloadSize) (Workload, err
 		return sharedPrefix(rng, groups, perGroup, 1500, 100, 64), nil
 	case "multi-turn-think":
 		// 3-6 turns behind a 500-token system prompt, a think time of mean 2 s (simulated) before
-		// each follow-up: sessions overlap less, a conversation's cache may age out in between.
-		convs := 48
+		// each follow-up: sessions overlap less, a conversation's cache may age out in between. A
+		// session lasts ~10 s, so reaching the offered rate takes many sessions in flight: with
+		// fewer, the think time, not the arrival rate, would set the load (36 sessions reached
+		// only 0.16 of the default regime's capacity).
+		convs := 120
 		if size.quick || size.matrix {
-			convs = 36
+			convs = 80
 		}
 		w := multiTurn(rng, convs, 3, 6, 500, 150, 64)
 		addThinkTime(rng, &w, 2*time.Second)

@@ -7,7 +7,7 @@ import (
 )
 
 func TestWorkloadsAreDeterministic(t *testing.T) {
-	for _, name := range workloadNames {
+	for _, name := range knownWorkloads {
 		t.Run(name, func(t *testing.T) {
 			a, err := generateWorkload(name, 42, workloadSize{quick: true})
 			if err != nil {
@@ -165,5 +165,58 @@ func TestEstimateCapacity(t *testing.T) {
 	want := 1 / (100/defaultSim.PrefillTokensPerSec + 10*step/e.Batch)
 	if e.MeanPrompt != 100 || e.PerBackendRPS < want*0.999 || e.PerBackendRPS > want*1.001 {
 		t.Errorf("estimateCapacity(one) = %+v, want prompt 100 and %.3f req/s", e, want)
+	}
+}
+
+func TestMultiTurnThinkShape(t *testing.T) {
+	w, _ := generateWorkload("multi-turn-think", 1, workloadSize{matrix: true})
+	var thinks []float64
+	for _, s := range w.Sessions {
+		if len(s.Requests) < 3 || len(s.Requests) > 6 {
+			t.Errorf("session of %d turns, want 3-6", len(s.Requests))
+		}
+		for i, r := range s.Requests {
+			if i == 0 && r.Think != 0 {
+				t.Errorf("first turn thinks %v, want 0", r.Think)
+			}
+			if i > 0 {
+				thinks = append(thinks, r.Think.Seconds())
+			}
+		}
+	}
+	if m := mean(thinks); m < 1.5 || m > 2.5 {
+		t.Errorf("mean think time %.2f s, want about 2 s", m)
+	}
+}
+
+func TestAgenticShape(t *testing.T) {
+	w, _ := generateWorkload("agentic", 1, workloadSize{matrix: true})
+	if len(w.Sessions) != 8 {
+		t.Errorf("%d sessions, want 8", len(w.Sessions))
+	}
+	system := w.Sessions[0].Requests[0].Messages[0].Content
+	for i, s := range w.Sessions {
+		if s.Requests[0].Messages[0].Content != system {
+			t.Errorf("session %d has another system prompt, want one shared by every session", i)
+		}
+		prev := 0
+		for j, r := range s.Requests {
+			n := templatedTokens(r.Messages)
+			if j == 0 && (n < 19000 || n > 21000) {
+				t.Errorf("session %d first prompt %d tokens, want ~20k", i, n)
+			}
+			if j > 0 {
+				if grow := n - prev; grow < 1000 || grow > 3200 {
+					t.Errorf("session %d turn %d grew by %d tokens, want a reply and a 1-3k tool result", i, j, grow)
+				}
+				if !reflect.DeepEqual(r.Messages[:len(s.Requests[j-1].Messages)], s.Requests[j-1].Messages) {
+					t.Errorf("session %d turn %d does not extend the previous turn's messages", i, j)
+				}
+			}
+			if n+r.MaxTokens > 40000 {
+				t.Errorf("session %d turn %d: %d tokens, want at most 40k", i, j, n+r.MaxTokens)
+			}
+			prev = n
+		}
 	}
 }

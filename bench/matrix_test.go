@@ -1,0 +1,361 @@
+package main
+
+import (
+	"encoding/xml"
+	"io"
+	"math"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestRegimes(t *testing.T) {
+	base := defaultSim
+	base.TimeScale, base.TokensPerChunk = 7, 3
+	tests := []struct {
+		name  string
+		check func(t *testing.T, b []simSettings)
+	}{
+		{"small-batch", func(t *testing.T, b []simSettings) {
+			for _, s := range b {
+				if s.MaxNumSeqs != 8 || s.MaxNumBatchedTokens != -1 || s.PrefillTokensPerSec < 2500 || s.PrefillTokensPerSec > 5000 ||
+					s.DecodeStep < 15*time.Millisecond || s.DecodeStep > 20*time.Millisecond {
+					t.Errorf("small-batch backend = %+v, want max_num_seqs 8, unchunked, 2.5k-5k tok/s, 15-20 ms steps", s)
+				}
+			}
+		}},
+		{"default", func(t *testing.T, b []simSettings) {
+			want := defaultSim
+			want.TimeScale, want.TokensPerChunk = 7, 3
+			for _, s := range b {
+				if s != want {
+					t.Errorf("default backend = %+v, want defaultSim %+v", s, want)
+				}
+			}
+		}},
+		{"large-batch", func(t *testing.T, b []simSettings) {
+			for _, s := range b {
+				if s.MaxNumSeqs != 256 || s.NumGPUBlocks <= defaultSim.NumGPUBlocks {
+					t.Errorf("large-batch backend = %+v, want 256 sequences and a bigger KV cache", s)
+				}
+			}
+		}},
+		{"hetero", func(t *testing.T, b []simSettings) {
+			slow := b[len(b)-1]
+			if math.Abs(slow.PrefillTokensPerSec*3-defaultSim.PrefillTokensPerSec) > 1 || slow.DecodeStep != 3*defaultSim.DecodeStep {
+				t.Errorf("hetero slow backend = %+v, want 3x slower prefill and decode", slow)
+			}
+			for _, s := range b[:len(b)-1] {
+				if s.PrefillTokensPerSec != defaultSim.PrefillTokensPerSec {
+					t.Errorf("hetero fast backend = %+v, want default speed", s)
+				}
+			}
+		}},
+		{"kv-pressure", func(t *testing.T, b []simSettings) {
+			if b[0].NumGPUBlocks*b[0].BlockSize > 8192 {
+				t.Errorf("kv-pressure KV cache = %d tokens, want at most 8k", b[0].NumGPUBlocks*b[0].BlockSize)
+			}
+		}},
+		{"fast-prefill", func(t *testing.T, b []simSettings) {
+			if b[0].PrefillTokensPerSec != 20000 {
+				t.Errorf("fast-prefill = %v tok/s, want 20000", b[0].PrefillTokensPerSec)
+			}
+		}},
+		{"slow-prefill", func(t *testing.T, b []simSettings) {
+			if b[0].PrefillTokensPerSec != 2000 {
+				t.Errorf("slow-prefill = %v tok/s, want 2000", b[0].PrefillTokensPerSec)
+			}
+		}},
+	}
+	if len(tests) != len(regimes) {
+		t.Errorf("testing %d regimes, the table has %d", len(tests), len(regimes))
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r, err := findRegime(tt.name)
+			if err != nil {
+				t.Fatal(err)
+			}
+			b := r.build(4, base)
+			if len(b) != 4 {
+				t.Fatalf("build(4) returned %d backends", len(b))
+			}
+			for i, s := range b {
+				if s.TimeScale != 7 || s.TokensPerChunk != 3 {
+					t.Errorf("backend %d time scale %v, chunk %d; want the run's 7 and 3", i, s.TimeScale, s.TokensPerChunk)
+				}
+			}
+			tt.check(t, b)
+		})
+	}
+	if _, err := findRegime("nope"); err == nil {
+		t.Error("findRegime(nope) = nil error, want an error")
+	}
+}
+
+// TestCapacityPerRegime checks that the capacity estimate follows each regime's settings: a
+// heterogeneous cluster adds up its members, and each matrix workload's offered load is neither
+// trivial nor absurd (between 0.5 and 200 requests per simulated second).
+func TestCapacityPerRegime(t *testing.T) {
+	w, _ := generateWorkload("shared-prefix", 1, workloadSize{matrix: true})
+	def := estimateCapacity(w, mustRegime("default").build(4, defaultSim))
+	het := estimateCapacity(w, mustRegime("hetero").build(4, defaultSim))
+	if got, want := het.ClusterRPS, def.ClusterRPS*3/4+het.BackendRPS[3]; math.Abs(got-want) > 1e-9 {
+		t.Errorf("hetero capacity = %.3f, want the sum of its backends %.3f", got, want)
+	}
+	if het.BackendRPS[3] > het.BackendRPS[0]/2 {
+		t.Errorf("hetero slow backend capacity %.2f, fast %.2f; want the slow one well below", het.BackendRPS[3], het.BackendRPS[0])
+	}
+	for _, r := range regimes {
+		for _, name := range matrixWorkloads {
+			w, _ := generateWorkload(name, 1, workloadSize{matrix: true})
+			sims, _ := fitKV(r.build(4, defaultSim), w)
+			if e := estimateCapacity(w, sims); e.ClusterRPS < 0.5 || e.ClusterRPS > 200 {
+				t.Errorf("%s/%s: capacity %.2f req/s, want 0.5-200", r.Name, name, e.ClusterRPS)
+			}
+		}
+	}
+	fast := estimateCapacity(w, mustRegime("fast-prefill").build(4, defaultSim))
+	slow := estimateCapacity(w, mustRegime("slow-prefill").build(4, defaultSim))
+	if !(slow.ClusterRPS < def.ClusterRPS && def.ClusterRPS < fast.ClusterRPS) {
+		t.Errorf("capacity slow %.2f, default %.2f, fast %.2f; want increasing with the prefill rate", slow.ClusterRPS, def.ClusterRPS, fast.ClusterRPS)
+	}
+}
+
+func TestFitKV(t *testing.T) {
+	w, _ := generateWorkload("agentic", 1, workloadSize{matrix: true})
+	largest := 0
+	for _, r := range w.Requests() {
+		largest = max(largest, templatedTokens(r.Messages)+r.MaxTokens)
+	}
+	for _, r := range regimes {
+		sims, _ := fitKV(r.build(4, defaultSim), w)
+		for i, s := range sims {
+			// the simulator's 400: prompt + output over the cache, or prompt over cache - 1% watermark
+			if blocks := (largest + s.BlockSize - 1) / s.BlockSize; blocks > s.NumGPUBlocks-s.NumGPUBlocks/100 {
+				t.Errorf("%s backend %d: %d blocks cannot hold the largest agentic request (%d blocks)", r.Name, i, s.NumGPUBlocks, blocks)
+			}
+		}
+	}
+	big := mustRegime("large-batch").build(2, defaultSim)
+	if got, notes := fitKV(big, w); got[0] != big[0] || len(notes) != 0 {
+		t.Errorf("fitKV changed a cache that was big enough: %+v, %v", got[0], notes)
+	}
+}
+
+// summaryOf is a policy's figures with the fields the verdict reads.
+func summaryOf(policy string, p50, p99 float64, backends ...int) Summary {
+	return Summary{Policy: policy, TTFTP50: p50, TTFTP99: p99, BackendRequests: backends}
+}
+
+func TestJudgeCell(t *testing.T) {
+	stock := []Summary{summaryOf("round_robin", 200, 1000, 10, 10), summaryOf("least_conn", 150, 900, 10, 10), summaryOf("header", 100, 1200, 15, 5)}
+	tests := []struct {
+		name                string
+		runs                [][]Summary // per seed
+		wantPass, wantJudge bool
+		wantP50, wantP99    float64
+	}{
+		{"better on both", [][]Summary{append(slices.Clone(stock), summaryOf("llm", 90, 800, 10, 10))}, true, true, 0.9, 0.889},
+		{"p50 within 5%", [][]Summary{append(slices.Clone(stock), summaryOf("llm", 105, 900, 10, 10))}, true, true, 1.05, 1},
+		{"p50 over 5%", [][]Summary{append(slices.Clone(stock), summaryOf("llm", 106, 800, 10, 10))}, false, true, 1.06, 0.889},
+		{"p99 worse", [][]Summary{append(slices.Clone(stock), summaryOf("llm", 50, 901, 10, 10))}, false, true, 0.5, 1.001},
+		{"no llm", [][]Summary{stock}, false, false, 0, 0},
+		{"no stock", [][]Summary{{summaryOf("llm", 50, 500), summaryOf("oracle", 40, 400)}}, false, false, 0, 0},
+		{"median of three seeds", [][]Summary{
+			{summaryOf("least_conn", 100, 1000), summaryOf("llm", 50, 2000)},
+			{summaryOf("least_conn", 300, 3000), summaryOf("llm", 90, 900)},
+			{summaryOf("least_conn", 200, 2000), summaryOf("llm", 400, 1000)},
+		}, true, true, 0.45, 0.5},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var runs []MatrixRun
+			for i, ps := range tt.runs {
+				runs = append(runs, MatrixRun{Regime: "r", Workload: "w", Seed: int64(i), Requests: 110, Warmup: 10, Policies: ps})
+			}
+			c := judgeCell("r", "w", runs)
+			if c.Judged != tt.wantJudge || c.Pass != tt.wantPass {
+				t.Errorf("judged %v pass %v, want %v %v (cell %+v)", c.Judged, c.Pass, tt.wantJudge, tt.wantPass, c)
+			}
+			if c.P50Ratio != tt.wantP50 || c.P99Ratio != tt.wantP99 {
+				t.Errorf("ratios p50 %v p99 %v, want %v %v", c.P50Ratio, c.P99Ratio, tt.wantP50, tt.wantP99)
+			}
+			if c.Requests != 100 || c.Seeds != len(tt.runs) {
+				t.Errorf("requests %d seeds %d, want 100 and %d", c.Requests, c.Seeds, len(tt.runs))
+			}
+		})
+	}
+	c := judgeCell("r", "w", []MatrixRun{{Policies: append(slices.Clone(stock), summaryOf("llm", 90, 800, 10, 10))}})
+	if c.BestP50Policy != "header" || c.BestP99Policy != "least_conn" {
+		t.Errorf("best stock p50 %s, p99 %s; want header and least_conn", c.BestP50Policy, c.BestP99Policy)
+	}
+	if h, _ := c.policy("header"); h.MaxShare != 1.5 {
+		t.Errorf("header max share = %v, want 1.5 (15 of 20 requests on one of 2 backends)", h.MaxShare)
+	}
+}
+
+func TestMaxShare(t *testing.T) {
+	tests := []struct {
+		name     string
+		requests []int
+		capacity []float64
+		want     float64
+	}{
+		{"even", []int{25, 25, 25, 25}, nil, 1},
+		{"one hot", []int{70, 10, 10, 10}, nil, 2.8},
+		{"weighted by capacity", []int{30, 30, 30, 10}, []float64{3, 3, 3, 1}, 1},
+		{"slow backend overloaded", []int{25, 25, 25, 25}, []float64{3, 3, 3, 1}, 2.5},
+		{"capacity of another length ignored", []int{50, 50}, []float64{1}, 1},
+		{"nothing sent", []int{0, 0}, nil, 0},
+	}
+	for _, tt := range tests {
+		if got := maxShare(tt.requests, tt.capacity); math.Abs(got-tt.want) > 1e-9 {
+			t.Errorf("%s: maxShare(%v, %v) = %v, want %v", tt.name, tt.requests, tt.capacity, got, tt.want)
+		}
+	}
+}
+
+func TestMatrixVerdict(t *testing.T) {
+	cells := []MatrixCell{
+		{Regime: "a", Workload: "x", Judged: true, Pass: true},
+		{Regime: "a", Workload: "y", Judged: true},
+		{Regime: "b", Workload: "x"},
+	}
+	got := matrixVerdict(cells)
+	if !strings.Contains(got, "passes 1 of 2 cells") || !strings.Contains(got, "fails a/y") {
+		t.Errorf("matrixVerdict = %q, want 1 of 2 passing and a/y named", got)
+	}
+}
+
+func TestRatioColor(t *testing.T) {
+	tests := []struct {
+		ratio float64
+		want  string
+	}{
+		{1, "#ffffbf"}, {0.5, "#1a9850"}, {0.1, "#1a9850"}, {2, "#d73027"}, {50, "#d73027"}, {0, "#dddddd"}, {math.NaN(), "#dddddd"},
+	}
+	for _, tt := range tests {
+		if got := ratioColor(tt.ratio); got != tt.want {
+			t.Errorf("ratioColor(%v) = %s, want %s", tt.ratio, got, tt.want)
+		}
+	}
+}
+
+// TestHeatMap renders two regimes x two workloads (one cell missing) and checks that the SVG is
+// well-formed, has a rectangle per cell, prints each judged cell's p99 ratio and has axis titles.
+func TestHeatMap(t *testing.T) {
+	cells := []MatrixCell{
+		{Regime: "small-batch", Workload: "shared-prefix", Judged: true, Pass: true, P50Ratio: 0.4, P99Ratio: 0.83},
+		{Regime: "small-batch", Workload: "hot-prefix", Judged: true, P50Ratio: 1.1, P99Ratio: 2.4},
+		{Regime: "default", Workload: "shared-prefix", Judged: true, Pass: true, P50Ratio: 0.2, P99Ratio: 0.5},
+	}
+	var b strings.Builder
+	writeHeatMap(&b, cells, 3)
+	svg := b.String()
+	rects, texts := 0, []string{}
+	dec := xml.NewDecoder(strings.NewReader(svg))
+	for {
+		tok, err := dec.Token()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			t.Fatalf("matrix.svg is not well-formed XML: %v", err)
+		}
+		switch e := tok.(type) {
+		case xml.StartElement:
+			for _, a := range e.Attr {
+				if e.Name.Local == "rect" && a.Name.Local == "class" && a.Value == "cell" {
+					rects++
+				}
+			}
+		case xml.CharData:
+			texts = append(texts, string(e))
+		}
+	}
+	if rects != 4 {
+		t.Errorf("%d cell rectangles, want 4 (2 regimes x 2 workloads)", rects)
+	}
+	all := strings.Join(texts, "|")
+	for _, want := range []string{"0.83x", "2.40x", "0.50x", "n/a", "p50 1.10x FAIL", "workload", "backend regime", "small-batch", "hot-prefix"} {
+		if !strings.Contains(all, want) {
+			t.Errorf("matrix.svg lacks the text %q", want)
+		}
+	}
+	if !strings.Contains(svg, ratioColor(2.4)) || !strings.Contains(svg, ratioColor(0.83)) {
+		t.Error("matrix.svg does not colour the cells by their p99 ratio")
+	}
+}
+
+func TestParseMatrixOptions(t *testing.T) {
+	o, err := parseOptions([]string{"-matrix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var pols []string
+	for _, p := range o.policies {
+		pols = append(pols, p.Name)
+	}
+	if len(o.regimes) != len(regimes) || !slices.Equal(o.workloads, matrixWorkloads) || o.seeds != 3 ||
+		!slices.Equal(pols, matrixPolicies) {
+		t.Errorf("-matrix: %d regimes, workloads %v, %d seeds, policies %v; want all regimes, the matrix workloads, 3 seeds, %v",
+			len(o.regimes), o.workloads, o.seeds, pols, matrixPolicies)
+	}
+	o, err = parseOptions([]string{"-quick", "-matrix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(o.regimes) != 2 || o.regimes[0].Name != "small-batch" || o.regimes[1].Name != "default" || o.seeds != 1 || len(o.workloads) != 5 {
+		t.Errorf("-quick -matrix: regimes %v, %d seeds, %d workloads; want small-batch,default, 1 seed, 5 workloads", o.regimes, o.seeds, len(o.workloads))
+	}
+	o, err = parseOptions([]string{"-matrix", "-regimes", "hetero,kv-pressure", "-workloads", "agentic", "-seeds", "2"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(o.regimes) != 2 || o.regimes[0].Name != "hetero" || !slices.Equal(o.workloads, []string{"agentic"}) || o.seeds != 2 {
+		t.Errorf("filtered -matrix: regimes %v, workloads %v, seeds %d", o.regimes, o.workloads, o.seeds)
+	}
+	o, err = parseOptions([]string{"-goodput"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(o.regimes) != 1 || o.regimes[0].Name != "default" || !slices.Equal(o.workloads, []string{"shared-prefix"}) || len(o.policies) != 2 {
+		t.Errorf("-goodput: regimes %v, workloads %v, policies %v", o.regimes, o.workloads, o.policies)
+	}
+	for _, bad := range [][]string{{"-matrix", "-regimes", "nope"}, {"-matrix", "-seeds", "0"}, {"-matrix", "-goodput"}} {
+		if _, err := parseOptions(bad); err == nil {
+			t.Errorf("parseOptions(%q) = nil error, want an error", bad)
+		}
+	}
+}
+
+func TestGoodputStep(t *testing.T) {
+	run := func(p99 float64, failed int) MatrixRun {
+		return MatrixRun{RateRPS: 10, Policies: []Summary{{Policy: "llm", TTFTP99: p99, Failed: failed}}}
+	}
+	tests := []struct {
+		name string
+		runs []MatrixRun
+		ok   bool
+	}{
+		{"under the SLO", []MatrixRun{run(1500, 0)}, true},
+		{"over the SLO", []MatrixRun{run(2500, 0)}, false},
+		{"median under", []MatrixRun{run(1000, 0), run(5000, 0), run(1900, 0)}, true},
+		{"failures", []MatrixRun{run(1000, 1)}, false},
+		{"skipped", []MatrixRun{{Policies: []Summary{{Policy: "llm", Skipped: "x"}}}}, false},
+	}
+	for _, tt := range tests {
+		if got := goodputStep(1, tt.runs); got.OK != tt.ok {
+			t.Errorf("%s: goodputStep = %+v, want ok %v", tt.name, got, tt.ok)
+		}
+	}
+	c := GoodputCurve{Goodput: map[string]float64{"llm": 30, "least_conn": 20}, Order: []string{"least_conn", "llm"}}
+	if got := c.ratio("llm", "least_conn"); got != 1.5 {
+		t.Errorf("ratio = %v, want 1.5", got)
+	}
+	if d := c.describe(); !strings.Contains(d, "llm/least_conn = 1.50x") {
+		t.Errorf("describe = %q, want the ratio", d)
+	}
+}
