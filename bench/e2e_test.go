@@ -169,3 +169,51 @@ func TestOverhead(t *testing.T) {
 		}
 	}
 }
+
+// TestMatrixEndToEnd runs one small cell of the matrix (small-batch, a small shared-prefix, one
+// seed) with a stock policy and llm, judges it and writes the matrix outputs: results.json with
+// the run and the cell, report.md with the pass/fail table, and matrix.svg.
+func TestMatrixEndToEnd(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts Caddy and simulated backends")
+	}
+	t.Setenv("XDG_DATA_HOME", t.TempDir())
+	t.Setenv("XDG_CONFIG_HOME", t.TempDir())
+	o := options{matrix: true, backends: 2, load: 0.5, seed: 3, seeds: 1, out: t.TempDir(), sim: defaultSim, timeScaleSet: true}
+	o.sim.TimeScale = 20
+	o.policies = policiesNamed([]string{"least_conn", "llm"})
+	w := sharedPrefix(rand.New(rand.NewPCG(3, 3)), 4, 5, 1500, 100, 16)
+	prog := newProgress(os.Stderr, 2*w.NumRequests())
+	run := runMatrixJob(context.Background(), o, matrixJob{regime: mustRegime("small-batch"), workload: w, seed: 3, load: o.load}, prog)
+	prog.finish()
+	mr := MatrixResults{Command: "test", Seeds: []int64{3}, Backends: 2, Load: o.load, TimeScale: 20, Runs: []MatrixRun{run}}
+	mr.Cells = judgeCells(mr.Runs)
+	if len(mr.Cells) != 1 || !mr.Cells[0].Judged || mr.Cells[0].Regime != "small-batch" || mr.Cells[0].Workload != "shared-prefix" {
+		t.Fatalf("cells = %+v, want one judged small-batch/shared-prefix cell", mr.Cells)
+	}
+	if err := writeMatrixOutputs(o.out, mr); err != nil {
+		t.Fatal(err)
+	}
+	md, _ := os.ReadFile(filepath.Join(o.out, "report.md"))
+	for _, want := range []string{"| small-batch | shared-prefix |", "verdict: llm passes", "![llm TTFT p99 / best stock policy](matrix.svg)"} {
+		if !strings.Contains(string(md), want) {
+			t.Errorf("report.md lacks %q", want)
+		}
+	}
+	if st, err := os.Stat(filepath.Join(o.out, "matrix.svg")); err != nil || st.Size() == 0 {
+		t.Errorf("matrix.svg missing or empty: %v", err)
+	}
+	var doc MatrixResults
+	js, _ := os.ReadFile(filepath.Join(o.out, "results.json"))
+	if err := json.Unmarshal(js, &doc); err != nil {
+		t.Fatalf("decoding results.json: %v", err)
+	}
+	if len(doc.Runs) != 1 || len(doc.Runs[0].Policies) != 2 || len(doc.Cells) != 1 || len(doc.Runs[0].BackendRPS) != 2 {
+		t.Fatalf("results.json has %d runs, %d cells; want 1 run of 2 policies on 2 backends and 1 cell", len(doc.Runs), len(doc.Cells))
+	}
+	for _, s := range doc.Runs[0].Policies {
+		if s.Skipped != "" || s.Failed != 0 || s.TTFTP50 <= 0 {
+			t.Errorf("%s: skipped %q, %d failed, TTFT p50 %v; want it run, nothing failed", s.Policy, s.Skipped, s.Failed, s.TTFTP50)
+		}
+	}
+}
