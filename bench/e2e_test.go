@@ -71,8 +71,14 @@ func TestEndToEnd(t *testing.T) {
 	if polylines != 2 {
 		t.Errorf("ttft.svg has %d curves, want 2 (one per policy)", polylines)
 	}
+	raw, _ := os.ReadFile(filepath.Join(o.out, "ttft.svg"))
+	for _, title := range []string{"TTFT (simulated ms, log scale)", "fraction of requests (cumulative)"} {
+		if !strings.Contains(string(raw), title) {
+			t.Errorf("ttft.svg lacks the axis title %q", title)
+		}
+	}
 	md, _ := os.ReadFile(filepath.Join(o.out, "report.md"))
-	for _, want := range []string{"## shared-prefix", "| round_robin |", "| oracle |", "![TTFT distribution](ttft.svg)"} {
+	for _, want := range []string{"## shared-prefix", "| round_robin |", "| oracle |", "![TTFT distribution](ttft.svg)", "- shared-prefix: 36 measured requests per policy"} {
 		if !strings.Contains(string(md), want) {
 			t.Errorf("report.md lacks %q", want)
 		}

@@ -359,3 +359,18 @@ func TestGoodputStep(t *testing.T) {
 		t.Errorf("describe = %q, want the ratio", d)
 	}
 }
+
+func TestWorkloadVerdict(t *testing.T) {
+	w := WorkloadResult{Workload: "hot-prefix", Requests: 64, Warmup: 6, Policies: []Summary{
+		summaryOf("least_conn", 100, 1000, 16, 16, 16, 16), summaryOf("llm", 50, 800, 16, 16, 16, 16)}}
+	got := w.verdict()
+	for _, want := range []string{"hot-prefix: 58 measured requests per policy", "p50 0.50x", "p99 0.80x", "PASS"} {
+		if !strings.Contains(got, want) {
+			t.Errorf("verdict = %q, lacks %q", got, want)
+		}
+	}
+	w.Policies = w.Policies[:1]
+	if got := w.verdict(); !strings.Contains(got, "not judged") {
+		t.Errorf("verdict without llm = %q, want not judged", got)
+	}
+}
