@@ -38,6 +38,10 @@ var allPolicies = []policy{
 var extraPolicies = []policy{
 	{"llm-combined+metrics", `{"policy":"llm","mode":"combined","metrics":{"interval":"200ms"}}`},
 	{"llm-prefix+metrics", `{"policy":"llm","mode":"prefix","metrics":{"interval":"200ms"}}`},
+	// llm's default scrapes every second of wall time, 5-20 s simulated at the matrix's time
+	// scales: these two tell a stale scrape from the decision itself.
+	{"llm-nometrics", `{"policy":"llm","metrics":{"off":true}}`},
+	{"llm+metrics100ms", `{"policy":"llm","metrics":{"interval":"100ms"}}`},
 }
 
 // matrixPolicies are the policies of -matrix: Caddy's stock policies (stockPolicies), this

@@ -12,7 +12,7 @@ import (
 const goodputSLOMS = 2000
 
 // goodputLoads are the load multipliers -goodput steps through, lowest first.
-var goodputLoads = []float64{0.5, 0.75, 1, 1.25, 1.5, 1.75, 2}
+var goodputLoads = []float64{0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3}
 
 // GoodputStep is one policy at one load: the median over seeds of TTFT p99.
 type GoodputStep struct {
@@ -114,7 +114,11 @@ func (c GoodputCurve) ratio(a, b string) float64 {
 func (c GoodputCurve) describe() string {
 	var parts []string
 	for _, p := range c.Order {
-		parts = append(parts, fmt.Sprintf("%s %.1f req/s", p, c.Goodput[p]))
+		at := ""
+		if st := c.Steps[p]; len(st) == len(goodputLoads) && st[len(st)-1].OK {
+			at = ">= " // within the SLO at the top of the ladder: a lower bound
+		}
+		parts = append(parts, fmt.Sprintf("%s %s%.1f req/s", p, at, c.Goodput[p]))
 	}
 	s := fmt.Sprintf("goodput (%s, %s; highest offered rate with TTFT p99 < %d ms): %s", c.Regime, c.Workload, goodputSLOMS, strings.Join(parts, ", "))
 	if r := c.ratio(judgedPolicy, baselinePolicy); r > 0 {

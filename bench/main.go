@@ -64,9 +64,14 @@ type options struct {
 }
 
 // size returns the workload size the options ask for.
+// -goodput uses a plain run's size: past a policy's knee its queue grows with the length of the
+// run, and a matrix-sized run (128 requests, 2-3 s simulated at high load) ends before it shows.
 func (o options) size() workloadSize {
-	if o.matrix || o.goodput {
+	switch {
+	case o.matrix:
 		return workloadSize{matrix: true}
+	case o.goodput:
+		return workloadSize{}
 	}
 	return workloadSize{quick: o.quick}
 }
