@@ -6,6 +6,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 )
@@ -170,4 +171,30 @@ func isolateCaddyDirs() (cleanup func(), err error) {
 		}
 	}
 	return func() { _ = os.RemoveAll(dir) }, nil
+}
+
+// scaleScrapes returns p with the llm policy's default scrape interval (1 s of wall time) divided by the
+// simulators' time scale, when p does not set one: the simulated backends run timeScale times faster
+// than real time, so 1 s of wall time is timeScale simulated seconds, and the same 1 s interval would
+// show the policy a backend timeScale times staler than a real deployment does. Every other policy is
+// returned unchanged.
+func scaleScrapes(p policy, timeScale float64) policy {
+	var cfg map[string]any
+	if timeScale <= 1 || json.Unmarshal([]byte(p.JSON), &cfg) != nil || cfg["policy"] != "llm" {
+		return p
+	}
+	metrics, _ := cfg["metrics"].(map[string]any)
+	if metrics == nil {
+		metrics = map[string]any{}
+	}
+	if _, set := metrics["interval"]; set || metrics["off"] == true {
+		return p
+	}
+	metrics["interval"] = (time.Duration(float64(time.Second) / timeScale)).String()
+	cfg["metrics"] = metrics
+	b, err := json.Marshal(cfg)
+	if err != nil {
+		return p
+	}
+	return policy{Name: p.Name, JSON: string(b)}
 }

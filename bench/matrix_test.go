@@ -374,3 +374,18 @@ func TestWorkloadVerdict(t *testing.T) {
 		t.Errorf("verdict without llm = %q, want not judged", got)
 	}
 }
+
+// TestScaleScrapes: the bare llm policy scrapes every 1s/timeScale of wall time (1 s simulated), an
+// explicit interval or metrics off is kept, and other policies are untouched.
+func TestScaleScrapes(t *testing.T) {
+	for _, tc := range []struct{ in, want string }{
+		{`{"policy":"llm"}`, `{"metrics":{"interval":"200ms"},"policy":"llm"}`},
+		{`{"policy":"llm","metrics":{"interval":"1s"}}`, `{"policy":"llm","metrics":{"interval":"1s"}}`},
+		{`{"policy":"llm","metrics":{"off":true}}`, `{"policy":"llm","metrics":{"off":true}}`},
+		{`{"policy":"least_conn"}`, `{"policy":"least_conn"}`},
+	} {
+		if got := scaleScrapes(policy{Name: "p", JSON: tc.in}, 5).JSON; got != tc.want {
+			t.Errorf("scaleScrapes(%s) = %s, want %s", tc.in, got, tc.want)
+		}
+	}
+}

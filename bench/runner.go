@@ -189,7 +189,7 @@ func runPolicy(ctx context.Context, o options, sims []simSettings, w Workload, r
 		return Summary{}, err
 	}
 	defer c.close()
-	url, err := startCaddy(c.dials, p)
+	url, err := startCaddy(c.dials, scaleScrapes(p, o.sim.TimeScale))
 	if err != nil {
 		return Summary{}, err
 	}
