@@ -3,10 +3,12 @@ package caddyllm
 import (
 	"encoding/json"
 	"fmt"
+	"net/http"
 	"slices"
 	"strings"
 	"testing"
 
+	"github.com/caddyserver/caddy/v2/caddytest"
 	"github.com/cespare/xxhash/v2"
 
 	"github.com/tokenrouter/caddy-llm/affinity"
@@ -111,5 +113,56 @@ func TestTenantRetriesLandOnSecondChoice(t *testing.T) {
 			}
 			dec.commit(q, untried[d.Index], d).release(now, false)
 		}
+	}
+}
+
+// TestTenantFailingHomeIntegration: three real upstreams behind Caddy with lb_retries; the tenant's home
+// drops every connection. Every request of the tenant succeeds, all on its second choice: the third
+// upstream receives nothing. The home's availability counts the failures.
+func TestTenantFailingHomeIntegration(t *testing.T) {
+	backends := []*backend{newBackend(t), newBackend(t), newBackend(t)}
+	dials := make([]string, len(backends))
+	for i, b := range backends {
+		dials[i] = b.dial
+	}
+	chain := tenantChain("acme", dials, nil)
+	byDial := func(dial string) *backend { return backends[slices.Index(dials, dial)] }
+	byDial(chain[0]).handle = func(w http.ResponseWriter, r *http.Request, body []byte) {
+		if conn, _, err := w.(http.Hijacker).Hijack(); err == nil {
+			conn.Close()
+		}
+	}
+	tester := caddytest.NewTester(t)
+	tester.InitServer(proxyConfig("llm {\n\t\t\ttenant_header X-Tenant\n\t\t\tmetrics off\n\t\t}",
+		"lb_retries 2\n\t\tlb_retry_match {\n\t\t\tmethod POST\n\t\t}", backends...), "caddyfile")
+
+	for n := range 8 {
+		res, got := post(t, tester.Client, "/v1/chat/completions", chatBody("m", 20+n, false), "X-Tenant", "acme")
+		if res.StatusCode != http.StatusOK || !strings.Contains(got, chain[1]) {
+			t.Fatalf("request %d: status %d %s, want 200 from the second choice %s", n, res.StatusCode, got, chain[1])
+		}
+	}
+	if n := byDial(chain[2]).requests.Load(); n != 0 {
+		t.Errorf("the third choice %s received %d requests, want 0: retries scattered", chain[2], n)
+	}
+	if n := byDial(chain[0]).requests.Load(); n == 0 {
+		t.Errorf("the home %s received nothing: the first attempts did not go home", chain[0])
+	}
+	waitInflightZero(t, dials...)
+	var errors, successes float64
+	availabilityTables.Range(func(_, v any) bool {
+		table := v.(availabilityEntry).availabilityTable
+		table.mu.Lock()
+		if u := table.m[chain[0]]; u != nil {
+			errors += u.errors
+		}
+		if u := table.m[chain[1]]; u != nil {
+			successes += u.successes
+		}
+		table.mu.Unlock()
+		return true
+	})
+	if errors < 1 || successes < 8 {
+		t.Errorf("availability counted %g errors on the home and %g successes on the second choice, want at least 1 and 8", errors, successes)
 	}
 }
