@@ -57,7 +57,7 @@ type AvailabilityConfig struct {
 	ErrorWeight float64 `json:"error_weight,omitempty"`
 	// Kp, Ki and Kd are the controller's gains on the score of the interval, its sum, and its change.
 	// Defaults 0.1, 0.1 and 0: an upstream failing 2% of its requests falls from 1 to 0 in about three
-	// intervals, and one that recovers is back to 1 in about nine.
+	// intervals, and one that recovers is back to 1 in about ten.
 	Kp *float64 `json:"kp,omitempty"`
 	Ki *float64 `json:"ki,omitempty"`
 	Kd *float64 `json:"kd,omitempty"`
