@@ -35,6 +35,16 @@ import (
 //			stale_after    <duration>
 //			model          <model_name>
 //		}
+//		availability off
+//		availability {
+//			interval     <duration>
+//			error_weight <n>
+//			kp           <gain>
+//			ki           <gain>
+//			kd           <gain>
+//			preference   <dial...>
+//		}
+//		tenant_header       <field>
 //		fallback            <policy> [<args...>] [{ ... }]
 //		persist             [<interval>] {
 //			key <name>
@@ -97,6 +107,22 @@ func (s *LLMSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			continue
+		case "availability":
+			if s.Availability != nil {
+				return d.Err("availability already specified")
+			}
+			s.Availability = new(AvailabilityConfig)
+			if d.NextArg() {
+				if d.Val() != "off" || d.NextArg() {
+					return d.Errf("availability takes no argument but 'off', got '%s'", d.Val())
+				}
+				s.Availability.Off = true
+				continue
+			}
+			if err := s.Availability.unmarshalCaddyfile(d); err != nil {
+				return err
+			}
+			continue
 		case "capacity":
 			args := d.RemainingArgs()
 			if len(args) != 2 {
@@ -135,6 +161,8 @@ func (s *LLMSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			s.OutputTokens, err = parseCount(d, option, val)
 		case "conversation_header":
 			s.ConversationHeader = val
+		case "tenant_header":
+			s.TenantHeader = val
 		case "block_size":
 			s.BlockSize, err = parseCount(d, option, val)
 		case "route_capacity":
@@ -269,6 +297,52 @@ func (m *MetricsConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 		default:
 			return d.Errf("unrecognized metrics option '%s'", option)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (c *AvailabilityConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		option := d.Val()
+		if option == "preference" {
+			args := d.RemainingArgs()
+			if len(args) == 0 {
+				return d.ArgErr()
+			}
+			c.Preference = append(c.Preference, args...)
+			continue
+		}
+		val, err := oneArg(d)
+		if err != nil {
+			return err
+		}
+		switch option {
+		case "interval":
+			c.Interval, err = parseDuration(d, option, val)
+		case "error_weight":
+			c.ErrorWeight, err = strconv.ParseFloat(val, 64)
+			if err != nil || c.ErrorWeight <= 0 {
+				return d.Errf("error_weight must be a positive number, got '%s'", val)
+			}
+		case "kp", "ki", "kd":
+			g, perr := strconv.ParseFloat(val, 64)
+			if perr != nil || g < 0 {
+				return d.Errf("%s must be a number of at least 0, got '%s'", option, val)
+			}
+			switch option {
+			case "kp":
+				c.Kp = &g
+			case "ki":
+				c.Ki = &g
+			default:
+				c.Kd = &g
+			}
+		default:
+			return d.Errf("unrecognized availability option '%s'", option)
 		}
 		if err != nil {
 			return err

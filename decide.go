@@ -3,6 +3,8 @@ package caddyllm
 import (
 	"math/rand/v2"
 
+	"github.com/cespare/xxhash/v2"
+
 	"github.com/tokenrouter/caddy-llm/affinity"
 	"github.com/tokenrouter/caddy-llm/scraper"
 	"github.com/tokenrouter/caddy-llm/selection"
@@ -21,6 +23,8 @@ type decider struct {
 	loads        *loadTable
 	outputTokens int
 	signals      []signal
+	// capacities weigh the tenant chains (with availability); nil: all 1.
+	capacities map[string]float64
 }
 
 // query is one decision's input, shared by the signals.
@@ -28,8 +32,12 @@ type query struct {
 	req          *tokenize.Request
 	bounds       []tokenize.Boundary // the boundaries matched and learned (bounded by routeBoundaries)
 	conversation string
-	now          int64
-	cached       []int // scratch for the cache signal
+	// tenant keys the fallback chain ("": none); retry is set when the request already tried an upstream.
+	tenant string
+	retry  bool
+	now    int64
+	cached []int     // scratch for the cache signal
+	avail  []float64 // scratch for the availability signal
 }
 
 // signal fills its part of each candidate; cands[i] is the upstream keys[i].
@@ -46,6 +54,14 @@ func newDecider(cfg selection.Config, routes *affinity.Table, loads *loadTable, 
 	return d
 }
 
+// withAvailability adds the availability signal (table nil: off).
+func (d *decider) withAvailability(table *availabilityTable, preference []string) *decider {
+	if table != nil {
+		d.signals = append(d.signals, availabilitySignal{table: table, preference: preference})
+	}
+	return d
+}
+
 // choose fills the candidates for keys (cands must have len(keys)) and decides among them.
 func (d *decider) choose(q *query, keys []string, cands []selection.Candidate, scratch []float64) selection.Decision {
 	q.bounds = routeBoundaries(q.req.Boundaries)
@@ -55,10 +71,26 @@ func (d *decider) choose(q *query, keys []string, cands []selection.Candidate, s
 	for _, s := range d.signals {
 		s.fill(q, keys, cands)
 	}
-	return selection.Choose(cands, selection.Request{
+	req := selection.Request{
 		PromptTokens: q.req.PromptTokens,
 		PrefixHash:   prefixHash(q.req.Boundaries),
-	}, d.cfg, randIntN, scratch)
+	}
+	req.AvailabilityHash = req.PrefixHash
+	if q.tenant == "" {
+		return selection.Choose(cands, req, d.cfg, randIntN, scratch)
+	}
+	// The tenant's chain: its next untried upstream is its home on a first attempt (a tie-break), and
+	// the only candidate of a retry.
+	tenant := xxhash.Sum64String(q.tenant)
+	req.AvailabilityHash = tenant
+	head := chainHead(tenant, cands, d.capacities)
+	if q.retry {
+		dec := selection.Choose(cands[head:head+1], req, d.cfg, randIntN, scratch)
+		dec.Index += head
+		return dec
+	}
+	cands[head].Home = true
+	return selection.Choose(cands, req, d.cfg, randIntN, scratch)
 }
 
 // commit records the choice of dial: the route table learns the request's prefixes there, the

@@ -92,12 +92,13 @@ var (
 	descTokenSeconds     = prometheus.NewDesc("caddy_llm_upstream_output_token_seconds", "Learned time per output token of one sequence on the upstream.", []string{"upstream"}, nil)
 	descOverhead         = prometheus.NewDesc("caddy_llm_upstream_first_token_overhead_seconds", "Learned time to first token beyond prefill on the upstream.", []string{"upstream"}, nil)
 	descSlots            = prometheus.NewDesc("caddy_llm_upstream_slots", "Learned number of sequences the upstream runs before it queues (absent while unknown).", []string{"upstream"}, nil)
+	descAvailability     = prometheus.NewDesc("caddy_llm_upstream_availability", "Adaptive availability of the upstream (0-1): the share of new work it takes relative to a healthy one (absent while availability is off).", []string{"upstream"}, nil)
 )
 
 func (stateCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descInflightTokens, descInflightRequests, descSaturated, descQueue, descRunning, descKV,
 		descScrapeAge, descScrapeErrors, descRoutes, descRouteEvictions, descRoutesExpired, descPins,
-		descPhase, descQueuedPrefill, descPrefillRate, descTokenSeconds, descOverhead, descSlots} {
+		descPhase, descQueuedPrefill, descPrefillRate, descTokenSeconds, descOverhead, descSlots, descAvailability} {
 		ch <- d
 	}
 }
@@ -110,6 +111,9 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descPhase, prometheus.GaugeValue, float64(u.Prefilling), u.Upstream, "prefill")
 		ch <- prometheus.MustNewConstMetric(descPhase, prometheus.GaugeValue, float64(u.Decoding), u.Upstream, "decode")
 		ch <- prometheus.MustNewConstMetric(descQueuedPrefill, prometheus.GaugeValue, u.QueuedSeconds, u.Upstream)
+		if u.Availability != nil {
+			ch <- prometheus.MustNewConstMetric(descAvailability, prometheus.GaugeValue, *u.Availability, u.Upstream)
+		}
 		if m := u.Model; m != nil {
 			ch <- prometheus.MustNewConstMetric(descPrefillRate, prometheus.GaugeValue, m.PrefillTokensPerSecond, u.Upstream)
 			ch <- prometheus.MustNewConstMetric(descTokenSeconds, prometheus.GaugeValue, m.TokenMS/1000, u.Upstream)
@@ -160,6 +164,9 @@ type upstreamStatus struct {
 	Model         *serviceModel   `json:"model,omitempty"`
 	Routes        *int            `json:"learned_routes,omitempty"`
 	Metrics       *scrapedMetrics `json:"metrics,omitempty"`
+	// Availability is the upstream's adaptive availability (the lowest, if policies with different
+	// controller settings track it); absent while availability is off.
+	Availability *float64 `json:"availability,omitempty"`
 }
 
 // serviceModel is the learned service of an upstream, as reported.
@@ -257,6 +264,11 @@ func upstreamReport(withRoutes bool) []upstreamStatus {
 				n += t.RouteCount(out[i].Upstream)
 			}
 			out[i].Routes = &n
+		}
+	}
+	for i := range out {
+		if a, ok := reportedAvailability(out[i].Upstream); ok {
+			out[i].Availability = &a
 		}
 	}
 	slices.SortFunc(out, func(a, b upstreamStatus) int { return strings.Compare(a.Upstream, b.Upstream) })

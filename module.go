@@ -120,6 +120,16 @@ type LLMSelection struct {
 	// while any other is available. Its learned routes are kept. Default 2s.
 	SaturationBackoff caddy.Duration `json:"saturation_backoff,omitempty"`
 
+	// Availability adapts each upstream's share of new work to its error rate (see AvailabilityConfig):
+	// on by default; {"off": true} (Caddyfile `availability off`) turns it off. The availabilities are
+	// process-global per controller setting, so a reload with the same settings keeps them.
+	Availability *AvailabilityConfig `json:"availability,omitempty"`
+
+	// TenantHeader names a request header whose value identifies a tenant (a project, an API key's
+	// owner); each tenant has a fallback chain of upstreams, its home first, that retries walk in order
+	// (see tenant.go). Default: the conversation header; with neither, no chains.
+	TenantHeader string `json:"tenant_header,omitempty"`
+
 	// FallbackRaw is the policy for requests this one cannot read. Default least_conn.
 	FallbackRaw json.RawMessage `json:"fallback,omitempty" caddy:"namespace=http.reverse_proxy.selection_policies inline_key=policy"`
 
@@ -130,6 +140,8 @@ type LLMSelection struct {
 	tokOpts   tokenize.Options
 	routes    *affinity.Table
 	routesKey string
+	avail     *availabilityTable // nil: availability off
+	availKey  string
 	scrapes   *scrapes
 	logger    *zap.Logger
 	cleaned   bool // Cleanup ran (only Cleanup reads it); Select may still run for requests in flight
@@ -177,6 +189,15 @@ func (s *LLMSelection) Provision(ctx caddy.Context) error {
 		s.Metrics = new(MetricsConfig)
 	}
 	s.Metrics.provision()
+	if s.Availability == nil {
+		s.Availability = new(AvailabilityConfig)
+	}
+	if !s.Availability.Off {
+		s.Availability.provision()
+	}
+	if s.TenantHeader == "" {
+		s.TenantHeader = s.ConversationHeader
+	}
 	if err := s.Validate(); err != nil {
 		return err
 	}
@@ -230,7 +251,14 @@ func (s *LLMSelection) Provision(ctx caddy.Context) error {
 	if cfg.Mode == selection.LeastTokens {
 		routes = nil
 	}
-	s.decider = newDecider(cfg, routes, loads, s.OutputTokens, s.scrapes)
+	if !s.Availability.Off {
+		s.avail, s.availKey, err = acquireAvailability(s.Availability.controller())
+		if err != nil {
+			return err
+		}
+	}
+	s.decider = newDecider(cfg, routes, loads, s.OutputTokens, s.scrapes).withAvailability(s.avail, s.Availability.Preference)
+	s.decider.capacities = s.Capacities
 	return s.provisionState(ctx, s.routes)
 }
 
@@ -264,6 +292,11 @@ func (s *LLMSelection) Validate() error {
 			return fmt.Errorf("capacity of %s must be positive, got %g", dial, c)
 		}
 	}
+	if s.Availability != nil && !s.Availability.Off {
+		if err := s.Availability.validate(); err != nil {
+			return err
+		}
+	}
 	if s.Metrics != nil && !s.Metrics.Off {
 		return s.Metrics.validate()
 	}
@@ -289,6 +322,9 @@ func (s *LLMSelection) Cleanup() error {
 	if s.routes != nil {
 		releaseRoutes(s.routesKey)
 	}
+	if s.avail != nil {
+		releaseAvailability(s.availKey)
+	}
 	return nil
 }
 
@@ -302,10 +338,24 @@ func (s *LLMSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, w
 	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	if lr.acct == nil {
 		backoff := time.Duration(s.SaturationBackoff)
-		lr.acct = newReservationHolder(r.Context(), func(dial string) bool { return s.noteStatus(repl, dial, backoff) })
+		lr.acct = newReservationHolder(r.Context(), func(dial string) bool {
+			if o := endOutcome(repl); o != outcomeNone {
+				s.avail.record(dial, o == outcomeError)
+			}
+			return s.noteStatus(repl, dial, backoff)
+		})
 	} else if len(lr.tried) > 0 {
-		// A retry: the previous attempt's answer (if it got one) is still in the replacer.
-		s.noteStatus(repl, lr.tried[len(lr.tried)-1], time.Duration(s.SaturationBackoff))
+		// A retry: the previous attempt's answer (if it got one) is still in the replacer. Whatever it
+		// was, the attempt failed: nothing retries a success (lb_retries retries failed round trips and
+		// retry_match answers, llm_resume errors and cut streams).
+		prev := lr.tried[len(lr.tried)-1]
+		s.noteStatus(repl, prev, time.Duration(s.SaturationBackoff))
+		s.avail.record(prev, true)
+	}
+	if repl != nil {
+		// reverse_proxy sets the status only when an attempt is answered: cleared here, the request's end
+		// sees the last attempt's answer or none, never an earlier attempt's.
+		repl.Delete(statusPlaceholder)
 	}
 
 	start := time.Now()
@@ -344,6 +394,10 @@ func (s *LLMSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, w
 	if s.ConversationHeader != "" {
 		q.conversation = r.Header.Get(s.ConversationHeader)
 	}
+	if s.TenantHeader != "" {
+		q.tenant = r.Header.Get(s.TenantHeader)
+	}
+	q.retry = len(lr.tried) > 0
 	sc.cands = slices.Grow(sc.cands[:0], len(sc.keys))[:len(sc.keys)]
 	d := s.decider.choose(q, sc.keys, sc.cands, sc.floats[:0])
 	up := sc.upstreams[d.Index]

@@ -91,6 +91,17 @@ type Candidate struct {
 	CachedTokens int
 	// Pinned is true when the request's conversation is pinned to this candidate.
 	Pinned bool
+	// Availability is the share of new work the upstream should take, relative to what it would take
+	// healthy, in (0, 1]; 0 (unset) counts as 1. Choose applies it twice, so that it holds at any load:
+	// the candidate takes part only for a share Availability of requests (a threshold on a hash of the
+	// request's AvailabilityHash and Key: idle upstreams tie, and a tie would otherwise hand it its full
+	// share), and its load counts as if it had only that share of its capacity (Requests and Queued
+	// divided by it: a busy fleet would otherwise make up for the exclusion by sending it more of the
+	// requests it does see, since it is the least loaded). When every candidate is excluded, none is.
+	Availability float64
+	// Home is true for the tenant's home upstream (the head of its fallback chain): among candidates
+	// whose costs are equal within the tie tolerance, a home is preferred.
+	Home bool
 }
 
 // Request is what the decision needs to know about the request being routed.
@@ -100,6 +111,9 @@ type Request struct {
 	// PrefixHash identifies the request's prefix for rendezvous hashing among near-equal candidates, so that
 	// independent proxies send the same new prefix to the same upstream. 0 disables it.
 	PrefixHash uint64
+	// AvailabilityHash identifies what availability moves together (a tenant, a conversation, a prefix):
+	// one hash gives the same draw on every proxy and every turn. 0: drawn by rnd for each request.
+	AvailabilityHash uint64
 }
 
 // Config tunes the decision.
@@ -180,9 +194,15 @@ func Choose(cands []Candidate, req Request, cfg Config, rnd func(n int) int, scr
 		if useCache {
 			cached = cands[i].CachedTokens
 		}
-		c, _, _ := Cost(&cands[i], req, cached)
-		costs = append(costs, c)
+		c := cands[i]
+		if a := availability(&c); a < 1 {
+			c.Requests /= a
+			c.Queued /= a
+		}
+		cost, _, _ := Cost(&c, req, cached)
+		costs = append(costs, cost)
 	}
+	excludeUnavailable(cands, costs, req, rnd)
 	decision := func(i int, reason Reason) Decision {
 		_, wait, ttft := Cost(&cands[i], req, cands[i].CachedTokens)
 		return Decision{Index: i, Reason: reason, MatchedTokens: cands[i].CachedTokens, Wait: wait, TTFT: ttft}
@@ -211,7 +231,7 @@ func Choose(cands []Candidate, req Request, cfg Config, rnd func(n int) int, scr
 	// is reported as the guard's doing.
 	longest := -1
 	for i := range cands {
-		if cands[i].CachedTokens > 0 && (longest < 0 || cands[i].CachedTokens > cands[longest].CachedTokens) {
+		if cands[i].CachedTokens > 0 && !math.IsInf(costs[i], 1) && (longest < 0 || cands[i].CachedTokens > cands[longest].CachedTokens) {
 			longest = i
 		}
 	}
@@ -236,9 +256,62 @@ func tolerance(least float64, cfg Config) float64 {
 	return cfg.TieTolerance*least + cfg.MinTie
 }
 
+// availability is c's Availability as Choose applies it: unset (0) and out of range count as 1.
+func availability(c *Candidate) float64 {
+	if a := c.Availability; a > 0 && a < 1 {
+		return a
+	}
+	return 1
+}
+
+// availabilitySalt decorrelates the exclusion draw from the rendezvous tie-break: with one hash for
+// both, an upstream kept for the requests where its score is low would then lose every tie among them.
+const availabilitySalt = 0x9e3779b97f4a7c15
+
+// excludeUnavailable sets the cost of each candidate left out by its availability to +Inf: candidate i
+// takes part in a request when a uniform draw from (AvailabilityHash, Key) is below its Availability, so
+// an upstream whose availability falls gives up the same requests on every proxy, and takes them back in
+// the same order as it recovers. When every candidate would be left out, none is.
+func excludeUnavailable(cands []Candidate, costs []float64, req Request, rnd func(int) int) {
+	const scale = 1 << 53
+	kept, excluded := false, false
+	for i := range cands {
+		a := availability(&cands[i])
+		if a >= 1 {
+			kept = true
+			continue
+		}
+		var u float64
+		if req.AvailabilityHash != 0 {
+			u = float64(rendezvous(req.AvailabilityHash^availabilitySalt, cands[i].Key)>>11) / scale
+		} else {
+			u = float64(rnd(scale)) / scale
+		}
+		if u < a {
+			kept = true
+			continue
+		}
+		excluded = true
+		costs[i] = -costs[i] - 1 // costs are >= 0: negative marks an exclusion, undone if none is kept
+	}
+	if !excluded {
+		return
+	}
+	for i, c := range costs {
+		switch {
+		case c >= 0:
+		case kept:
+			costs[i] = math.Inf(1)
+		default:
+			costs[i] = -c - 1
+		}
+	}
+}
+
 // leastCost returns the candidate with the least cost. Costs within the tie tolerance of the least are
-// separated by fewer requests in flight per slot (balance), then by rendezvous hashing of the request's
-// prefix (so that independent proxies agree on where a new prefix goes), else by rnd.
+// separated by the tenant's home, then fewer requests in flight per slot (balance), then by rendezvous
+// hashing of the request's prefix (so that independent proxies agree on where a new prefix goes), else
+// by rnd.
 func leastCost(cands []Candidate, costs []float64, req Request, cfg Config, rnd func(int) int) int {
 	least := math.Inf(1)
 	for _, c := range costs {
@@ -252,12 +325,13 @@ func leastCost(cands []Candidate, costs []float64, req Request, cfg Config, rnd 
 		if costs[i] > limit {
 			continue
 		}
-		occupancy := cands[i].Requests / max(cands[i].Service.Slots, 1)
+		occupancy := cands[i].Requests / max(cands[i].Service.Slots, 1) / availability(&cands[i])
 		switch {
-		case chosen < 0 || occupancy < bestOccupancy:
+		case chosen < 0 || cands[i].Home && !cands[chosen].Home ||
+			cands[i].Home == cands[chosen].Home && occupancy < bestOccupancy:
 			chosen, ties, bestOccupancy = i, 1, occupancy
 			bestScore = rendezvous(req.PrefixHash, cands[i].Key)
-		case occupancy > bestOccupancy:
+		case cands[chosen].Home && !cands[i].Home, occupancy > bestOccupancy:
 		case req.PrefixHash != 0:
 			if score := rendezvous(req.PrefixHash, cands[i].Key); score > bestScore {
 				chosen, bestScore = i, score

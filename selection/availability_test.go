@@ -1,0 +1,87 @@
+package selection
+
+import (
+	"math/rand/v2"
+	"testing"
+)
+
+// TestAvailabilityShare: an upstream at availability 0.3 takes roughly 30% of the requests it would take
+// healthy, idle (where every candidate ties) as under load (where a least-loaded choice would otherwise
+// make up for the exclusion by sending it more of the requests it still sees).
+func TestAvailabilityShare(t *testing.T) {
+	const n, requests, availability = 4, 40_000, 0.3
+	rng := rand.New(rand.NewPCG(1, 2))
+	for _, tc := range []struct {
+		name     string
+		inflight int // requests kept in flight across the fleet: 0 is idle
+	}{
+		{"idle", 0},
+		{"half busy", 16},
+		{"saturated", 48},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cs := cands(make([]float64, n)...)
+			cs[0].Availability = availability
+			var running []int // the upstream of each request in flight
+			var got [n]int
+			for range requests {
+				req := Request{PromptTokens: 1000, PrefixHash: rng.Uint64(), AvailabilityHash: rng.Uint64()}
+				d := Choose(cs, req, DefaultConfig(), rng.IntN, nil)
+				got[d.Index]++
+				if tc.inflight == 0 {
+					continue
+				}
+				cs[d.Index].Requests++
+				running = append(running, d.Index)
+				if len(running) > tc.inflight { // a random request in flight ends
+					k := rng.IntN(len(running))
+					cs[running[k]].Requests--
+					running[k] = running[len(running)-1]
+					running = running[:len(running)-1]
+				}
+			}
+			fair := float64(requests) / n
+			ratio := float64(got[0]) / fair
+			t.Logf("upstream at %.1f took %.2f of its fair share (%v)", availability, ratio, got)
+			if ratio < 0.15 || ratio > 0.45 {
+				t.Errorf("upstream at availability %.1f took %.2f of its fair share, want about %.1f", availability, ratio, availability)
+			}
+		})
+	}
+}
+
+// TestAvailabilityExcludes: an excluded upstream loses even its pinned conversation and its cache; when
+// every candidate is excluded, the decision is made as if none were; the same hash gives the same draw.
+func TestAvailabilityExcludes(t *testing.T) {
+	cs := withCached(cands(0, 0), 4000, 0)
+	cs[0].Pinned = true
+	cs[0].Availability = 0.001
+	req := Request{PromptTokens: 4000, AvailabilityHash: 42}
+	if d := Choose(cs, req, DefaultConfig(), first, nil); d.Index != 1 {
+		t.Errorf("Choose() = %d, want 1: upstream 0 is at availability 0.001", d.Index)
+	}
+	cs[1].Availability = 0.001
+	if d := Choose(cs, req, DefaultConfig(), first, nil); d.Index != 0 || d.Reason != ReasonConversation {
+		t.Errorf("both excluded: Choose() = %+v, want 0 by conversation, as without availability", d)
+	}
+	cs[0].Availability, cs[1].Availability = 0.5, 1
+	want := Choose(cs, req, DefaultConfig(), first, nil).Index
+	for range 10 {
+		if d := Choose(cs, req, DefaultConfig(), first, nil); d.Index != want {
+			t.Fatalf("the same availability hash chose %d, then %d", want, d.Index)
+		}
+	}
+}
+
+// TestHomeBreaksTies: the tenant's home wins among equal costs, and only among equal costs.
+func TestHomeBreaksTies(t *testing.T) {
+	cs := cands(0, 0, 0)
+	cs[2].Home = true
+	if d := Choose(cs, Request{PromptTokens: 1000, PrefixHash: 7}, DefaultConfig(), first, nil); d.Index != 2 {
+		t.Errorf("Choose() = %d, want the home 2 among equals", d.Index)
+	}
+	cs[2].Queued = 1 // a second of prefill queued at home
+	if d := Choose(cs, Request{PromptTokens: 1000, PrefixHash: 7}, DefaultConfig(), first, nil); d.Index == 2 {
+		t.Errorf("Choose() = home 2 with 1 s queued there, want a cheaper one")
+	}
+}
