@@ -333,6 +333,11 @@ func (s *LLMSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, w
 	lr := inspectRequest(r, s.MaxBodyBytes)
 	lr.installBody(r)
 	if lr.api == tokenize.APIUnknown {
+		if lr.sniffed {
+			// A POST to an LLM endpoint whose body did not declare JSON and is not an OpenAI request
+			// (curl -d 'text'): routed by the fallback, and counted as such.
+			fallbackDecisions.Inc()
+		}
 		return s.fallback.Select(pool, r, w)
 	}
 	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)

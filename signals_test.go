@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2/caddytest"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/tokenrouter/caddy-llm/bench/vllmsim"
 )
@@ -430,5 +431,31 @@ func TestMetricsOff(t *testing.T) {
 	case <-metricsHits:
 		t.Error("metrics off, yet /metrics was requested")
 	default:
+	}
+}
+
+// TestFallbackCounted: requests to an LLM endpoint that the policy cannot read are routed by the
+// fallback and counted in caddy_llm_decisions_total{reason="fallback"}: a form-encoded body that is no
+// OpenAI request (curl -d), and malformed JSON. Issue 13 item 10 (the form-encoded one was not counted).
+func TestFallbackCounted(t *testing.T) {
+	a := newBackend(t)
+	tester := caddytest.NewTester(t)
+	tester.InitServer(proxyConfig("llm", "", a), "caddyfile")
+	for _, tc := range []struct{ name, contentType, body string }{
+		{"form-encoded text", "application/x-www-form-urlencoded", "hello there"},
+		{"malformed JSON", "application/json", `{"model":"m","messages":[`},
+	} {
+		before := testutil.ToFloat64(fallbackDecisions)
+		req, _ := http.NewRequest(http.MethodPost, "http://localhost"+site+"/v1/chat/completions", strings.NewReader(tc.body))
+		req.Header.Set("Content-Type", tc.contentType)
+		res, err := tester.Client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		io.Copy(io.Discard, res.Body)
+		res.Body.Close()
+		if got := testutil.ToFloat64(fallbackDecisions) - before; got != 1 {
+			t.Errorf("%s: fallback decisions counted %v, want 1", tc.name, got)
+		}
 	}
 }
