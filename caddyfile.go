@@ -406,44 +406,6 @@ func loadFallbackPolicy(d *caddyfile.Dispenser) ([]byte, error) {
 	return caddyconfig.JSONModuleObject(sel, "policy", name, nil), nil
 }
 
-// matchAnyGlob reports whether s matches any of the patterns.
-func matchAnyGlob(patterns []string, s string) bool {
-	for _, p := range patterns {
-		if matchGlob(p, s) {
-			return true
-		}
-	}
-	return false
-}
-
-// matchGlob matches s against a pattern in which * matches any run of bytes (slashes included: model
-// names such as meta-llama/Llama-3.1-8B have them) and ? any one byte. It runs in O(len(p)*len(s)) at
-// worst, with no recursion.
-func matchGlob(p, s string) bool {
-	pi, si := 0, 0
-	star, mark := -1, 0
-	for si < len(s) {
-		switch {
-		case pi < len(p) && (p[pi] == '?' || p[pi] == s[si]):
-			pi++
-			si++
-		case pi < len(p) && p[pi] == '*':
-			star, mark = pi, si
-			pi++
-		case star >= 0:
-			pi = star + 1
-			mark++
-			si = mark
-		default:
-			return false
-		}
-	}
-	for pi < len(p) && p[pi] == '*' {
-		pi++
-	}
-	return pi == len(p)
-}
-
 // Interface guards
 var (
 	_ caddyfile.Unmarshaler = (*LLMSelection)(nil)
