@@ -107,7 +107,7 @@ func hostileMatcherConfig(withErrors bool) string {
 		errs = "\n\thandle_errors {\n\t\trespond \"{err.status_code} {err.message}\"\n\t}"
 	}
 	return globalOptions + `
-:9080 {
+` + site + ` {
 	@m llm {
 		model *
 	}

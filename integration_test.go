@@ -11,7 +11,6 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -36,35 +35,42 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-// The ports the in-process Caddy uses: admin on the caddytest port, HTTP on 9080, as in Caddy's own
-// integration tests. CADDYLLM_TEST_ADMIN_PORT and CADDYLLM_TEST_HTTP_PORT move them, so that two test
-// processes on one machine do not load their configs into each other's Caddy (caddytest reuses any admin
-// endpoint it finds on its port).
+// The ports the in-process Caddy uses, chosen free by the kernel once per test process: caddytest loads
+// every config into whatever answers on its admin port, so fixed ports would send this process's configs
+// to another test run's Caddy, or to any Caddy on the machine. The sites bind 127.0.0.1 only.
 var (
-	adminPort = envPort("CADDYLLM_TEST_ADMIN_PORT", 2999)
-	httpPort  = envPort("CADDYLLM_TEST_HTTP_PORT", 9080)
+	adminPort, httpPort, httpsPort = freePorts3()
 
 	globalOptions = fmt.Sprintf(`{
 	skip_install_trust
 	admin localhost:%d
 	http_port %d
-	https_port 9443
+	https_port %d
+	default_bind 127.0.0.1
 	grace_period 1ns
 	persist_config off
 }
-`, adminPort, httpPort)
+`, adminPort, httpPort, httpsPort)
 
-	proxyURL = fmt.Sprintf("http://localhost:%d", httpPort)
+	proxyURL = fmt.Sprintf("http://127.0.0.1:%d", httpPort)
 	adminURL = fmt.Sprintf("http://localhost:%d", adminPort)
 	// site is the site address of the proxy under test.
 	site = fmt.Sprintf(":%d", httpPort)
 )
 
-func envPort(name string, def int) int {
-	if v, err := strconv.Atoi(os.Getenv(name)); err == nil && v > 0 {
-		return v
+// freePorts3 returns three distinct TCP ports free on 127.0.0.1. Each listener stays open until all three
+// are chosen, so the kernel cannot hand out one port twice.
+func freePorts3() (int, int, int) {
+	var ports [3]int
+	for i := range ports {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			panic(fmt.Sprintf("choosing a free port for the test Caddy: %v", err))
+		}
+		defer l.Close()
+		ports[i] = l.Addr().(*net.TCPAddr).Port
 	}
-	return def
+	return ports[0], ports[1], ports[2]
 }
 
 // backend is a real HTTP upstream on 127.0.0.1 that records what it receives.
@@ -496,13 +502,4 @@ func TestOversizeBodyIsProxiedIntact(t *testing.T) {
 		}
 	}
 	waitInflightZero(t, a.dial)
-}
-
-func freePort(t *testing.T) int {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
 }

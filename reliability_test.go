@@ -215,13 +215,13 @@ func simProxyConfigLog(logFile, policy, extra string, ups ...*simUpstream) strin
 		global = withLogFile(logFile, "INFO")
 	}
 	return global + fmt.Sprintf(`
-:9080 {
+%s {
 	reverse_proxy %s {
 		lb_policy %s
 		%s
 	}
 }
-`, strings.Join(simDials(ups...), " "), policy, extra)
+`, site, strings.Join(simDials(ups...), " "), policy, extra)
 }
 
 // retryPOST retries POSTs after transport errors, and any request answered 429 or 503, twice.

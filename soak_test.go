@@ -218,7 +218,7 @@ func TestNoSecretsInLogs(t *testing.T) {
 	}
 	logFile := t.TempDir() + "/caddy.log"
 	cfg := withLogFile(logFile, "DEBUG") + fmt.Sprintf(`
-:9080 {
+%[2]s {
 	handle /strict/* {
 		@strict llm {
 			model strict*
@@ -245,7 +245,7 @@ func TestNoSecretsInLogs(t *testing.T) {
 		}
 	}
 }
-`, a.dial)
+`, a.dial, site)
 	tester := caddytest.NewTester(t)
 	tester.InitServer(cfg, "caddyfile")
 	client := newLoadClient(true)
@@ -282,7 +282,7 @@ func TestNoSecretsInLogs(t *testing.T) {
 		}
 	}
 	// The log is written synchronously; read it after a reload so the file is flushed and closed.
-	tester.InitServer(globalOptions+"\n:9080 {\n\trespond 404\n}\n", "caddyfile")
+	tester.InitServer(globalOptions+"\n"+site+" {\n\trespond 404\n}\n", "caddyfile")
 	logs, err := os.ReadFile(logFile)
 	if err != nil {
 		t.Fatal(err)
