@@ -131,6 +131,10 @@ func TestHostileBodiesMatcher(t *testing.T) {
 	defer client.CloseIdleConnections()
 	for _, withErrors := range []bool{false, true} {
 		tester.InitServer(hostileMatcherConfig(withErrors), "caddyfile")
+		// The kept-alive connections belong to the server the reload just shut down: a POST sent on one
+		// as it closes fails with EOF (net/http retries only idempotent requests), more often the busier
+		// the machine. A client's problem after any reload, not this test's subject.
+		client.CloseIdleConnections()
 		for _, tc := range hostileBodies {
 			t.Run(fmt.Sprintf("%s/handle_errors=%t", tc.name, withErrors), func(t *testing.T) {
 				path := "/v1/chat/completions"
