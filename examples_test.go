@@ -65,3 +65,50 @@ func TestExamplesAdapt(t *testing.T) {
 		})
 	}
 }
+
+// TestDemoStaysLocal: the demo (examples/Caddyfile) listens on 127.0.0.1 only, admin API included, and
+// writes no autosave of its config. Issue 13 found it on every interface.
+func TestDemoStaysLocal(t *testing.T) {
+	input, err := os.ReadFile("examples/Caddyfile")
+	if err != nil {
+		t.Fatal(err)
+	}
+	adapted, _, err := caddyconfig.GetAdapter("caddyfile").Adapt(input, map[string]any{"filename": "examples/Caddyfile"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cfg struct {
+		Admin struct {
+			Listen string `json:"listen"`
+			Config *struct {
+				Persist *bool `json:"persist"`
+			} `json:"config"`
+		} `json:"admin"`
+		Apps struct {
+			HTTP struct {
+				Servers map[string]struct {
+					Listen []string `json:"listen"`
+				} `json:"servers"`
+			} `json:"http"`
+		} `json:"apps"`
+	}
+	if err := json.Unmarshal(adapted, &cfg); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.HasPrefix(cfg.Admin.Listen, "localhost:") && !strings.HasPrefix(cfg.Admin.Listen, "127.0.0.1:") {
+		t.Errorf("admin listens on %q, want localhost", cfg.Admin.Listen)
+	}
+	if cfg.Admin.Config == nil || cfg.Admin.Config.Persist == nil || *cfg.Admin.Config.Persist {
+		t.Errorf("the demo autosaves its config, want persist_config off")
+	}
+	if len(cfg.Apps.HTTP.Servers) == 0 {
+		t.Fatal("no servers in the demo")
+	}
+	for name, srv := range cfg.Apps.HTTP.Servers {
+		for _, addr := range srv.Listen {
+			if !strings.HasPrefix(addr, "127.0.0.1:") {
+				t.Errorf("server %s listens on %q, want 127.0.0.1 only", name, addr)
+			}
+		}
+	}
+}
