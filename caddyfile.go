@@ -1,14 +1,148 @@
 package caddyllm
 
 import (
+	"fmt"
+	"slices"
 	"strconv"
+	"strings"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"github.com/dustin/go-humanize"
+
+	"github.com/tokenrouter/caddy-llm/selection"
 )
+
+// The Caddyfile blocks of this plugin and their options: the one list the unmarshalers' errors read,
+// to suggest the nearest option name for a typo, to say which block an option of another block belongs
+// in, and to check enumerated values while parsing (not only when the config runs). A new option is a
+// case in its unmarshaler and its name here.
+const (
+	policyBlock = iota
+	metricsBlock
+	matcherBlock
+)
+
+var caddyfileBlocks = [...]struct {
+	name    string              // where the block is, as errors say it
+	options []string            // its options
+	enums   map[string][]string // the values an option may take, for options with a fixed set
+}{
+	policyBlock: {
+		name: "lb_policy llm { }",
+		options: []string{"mode", "tokenizer", "max_body_size", "max_message_size", "max_tokenize_size",
+			"output_tokens", "conversation_header", "block_size", "route_capacity", "route_ttl",
+			"guard_factor", "guard_slack", "guard_request_slack", "prefill_weight", "capacity",
+			"saturation_backoff", "metrics", "fallback"},
+		enums: map[string][]string{"mode": modeNames(), "tokenizer": tokenizerNames},
+	},
+	metricsBlock: {
+		name: "the metrics { } block of lb_policy llm",
+		options: []string{"scheme", "port", "path", "interval", "timeout", "stale_after", "model",
+			"request_tokens", "kv_threshold", "kv_weight"},
+		enums: map[string][]string{"scheme": {"http", "https"}},
+	},
+	matcherBlock: {
+		name:    "the llm matcher (@name llm { })",
+		options: []string{"model", "min_tokens", "max_tokens", "stream", "api", "tokenizer", "max_body_size"},
+		enums: map[string][]string{"api": {"chat", "completions"}, "tokenizer": tokenizerNames,
+			"stream": {"true", "false"}},
+	},
+}
+
+// tokenizerNames are the encodings tokenize.ValidEncoding accepts.
+var tokenizerNames = []string{"cl100k_base", "o200k_base", "approx"}
+
+// modeNames are the policy's modes, as package selection names them.
+func modeNames() []string {
+	var names []string
+	for m := selection.Mode(0); m.String() != "unknown"; m++ {
+		names = append(names, m.String())
+	}
+	return names
+}
+
+// unrecognizedOption is the error for an option block does not have: where the option belongs when
+// another block has it, else the block's nearest option name when one is close, else the block's options.
+func unrecognizedOption(d *caddyfile.Dispenser, block int, option string) error {
+	b := caddyfileBlocks[block]
+	for i, other := range caddyfileBlocks {
+		if i != block && slices.Contains(other.options, option) {
+			return d.Errf("option '%s' belongs in %s, not in %s", option, other.name, b.name)
+		}
+	}
+	if near := nearest(option, b.options); near != "" {
+		return d.Errf("unrecognized option '%s' in %s (did you mean '%s'?)", option, b.name, near)
+	}
+	for i, other := range caddyfileBlocks {
+		if near := nearest(option, other.options); i != block && near != "" {
+			return d.Errf("unrecognized option '%s' in %s (did you mean '%s', an option of %s?)", option, b.name, near, other.name)
+		}
+	}
+	return d.Errf("unrecognized option '%s' in %s (its options: %s)", option, b.name, strings.Join(b.options, ", "))
+}
+
+// checkEnum returns an error when option of block has a fixed set of values and val is not one of them.
+func checkEnum(d *caddyfile.Dispenser, block int, option, val string) error {
+	allowed, ok := caddyfileBlocks[block].enums[option]
+	if !ok || slices.Contains(allowed, val) {
+		return nil
+	}
+	msg := fmt.Sprintf("%s must be %s, got '%s'", option, oneOf(allowed), val)
+	if near := nearest(val, allowed); near != "" {
+		msg += fmt.Sprintf(" (did you mean '%s'?)", near)
+	}
+	return d.Err(msg)
+}
+
+// oneOf says "a, b or c".
+func oneOf(names []string) string {
+	if len(names) == 1 {
+		return names[0]
+	}
+	return strings.Join(names[:len(names)-1], ", ") + " or " + names[len(names)-1]
+}
+
+// nearest returns the name closest to s by edit distance, if it is close enough to be a typo of it
+// (at most a third of s's length, and at least one edit, away), else "".
+func nearest(s string, names []string) string {
+	best, bestDist := "", max(1, len(s)/3)+1
+	for _, name := range names {
+		if d := editDistance(s, name); d < bestDist {
+			best, bestDist = name, d
+		}
+	}
+	return best
+}
+
+// editDistance is the edit distance between a and b in bytes, counting an insertion, a deletion, a
+// substitution or a swap of two adjacent bytes as one edit (Levenshtein with transpositions: "modle" is
+// one edit from "model"). O(len(a)*len(b)) time, O(len(b)) memory.
+func editDistance(a, b string) int {
+	before := make([]int, len(b)+1) // row i-2
+	prev := make([]int, len(b)+1)   // row i-1
+	cur := make([]int, len(b)+1)
+	for j := range prev {
+		prev[j] = j
+	}
+	for i := 1; i <= len(a); i++ {
+		cur[0] = i
+		for j := 1; j <= len(b); j++ {
+			cost := 1
+			if a[i-1] == b[j-1] {
+				cost = 0
+			}
+			cur[j] = min(prev[j]+1, cur[j-1]+1, prev[j-1]+cost)
+			if i > 1 && j > 1 && a[i-1] == b[j-2] && a[i-2] == b[j-1] {
+				cur[j] = min(cur[j], before[j-2]+1)
+			}
+		}
+		before, prev, cur = prev, cur, before
+	}
+	return prev[len(b)]
+}
 
 // UnmarshalCaddyfile sets up the policy from Caddyfile tokens. Syntax:
 //
@@ -67,6 +201,9 @@ func (s *LLMSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	}
 	for d.NextBlock(0) {
 		option := d.Val()
+		if !slices.Contains(caddyfileBlocks[policyBlock].options, option) {
+			return unrecognizedOption(d, policyBlock, option)
+		}
 		switch option {
 		case "fallback":
 			if !d.NextArg() {
@@ -142,6 +279,9 @@ func (s *LLMSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		if err != nil {
 			return err
 		}
+		if err := checkEnum(d, policyBlock, option, val); err != nil {
+			return err
+		}
 		switch option {
 		case "mode":
 			s.Mode = val
@@ -190,7 +330,7 @@ func (s *LLMSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			n, err = parseCount(d, option, val)
 			s.GuardRequestSlack = int64(n)
 		default:
-			return d.Errf("unrecognized option '%s'", option)
+			return unrecognizedOption(d, policyBlock, option)
 		}
 		if err != nil {
 			return err
@@ -217,9 +357,17 @@ func (m *MatchLLM) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		}
 		for d.NextBlock(0) {
 			option := d.Val()
+			if !slices.Contains(caddyfileBlocks[matcherBlock].options, option) {
+				return unrecognizedOption(d, matcherBlock, option)
+			}
 			args := d.RemainingArgs()
 			if len(args) == 0 {
 				return d.ArgErr()
+			}
+			for _, arg := range args {
+				if err := checkEnum(d, matcherBlock, option, arg); err != nil {
+					return err
+				}
 			}
 			switch option {
 			case "model":
@@ -250,7 +398,7 @@ func (m *MatchLLM) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			case "max_body_size":
 				m.MaxBodyBytes, err = parseSize(d, option, val)
 			default:
-				return d.Errf("unrecognized option '%s'", option)
+				return unrecognizedOption(d, matcherBlock, option)
 			}
 			if err != nil {
 				return err
@@ -263,8 +411,14 @@ func (m *MatchLLM) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 func (m *MetricsConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		option := d.Val()
+		if !slices.Contains(caddyfileBlocks[metricsBlock].options, option) {
+			return unrecognizedOption(d, metricsBlock, option)
+		}
 		val, err := oneArg(d)
 		if err != nil {
+			return err
+		}
+		if err := checkEnum(d, metricsBlock, option, val); err != nil {
 			return err
 		}
 		switch option {
@@ -296,7 +450,7 @@ func (m *MetricsConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("kv_threshold must be a number between 0 and 1, got '%s'", val)
 			}
 		default:
-			return d.Errf("unrecognized metrics option '%s'", option)
+			return unrecognizedOption(d, metricsBlock, option)
 		}
 		if err != nil {
 			return err

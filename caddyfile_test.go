@@ -85,7 +85,7 @@ func TestUnmarshalPolicyErrors(t *testing.T) {
 		`llm { metrics off x }`:                  "takes no argument but 'off'",
 		`llm { metrics { interval soon } }`:      "interval must be a positive duration",
 		`llm { metrics { kv_threshold 2 } }`:     "kv_threshold must be a number between 0 and 1",
-		`llm { metrics { colour blue } }`:        "unrecognized metrics option 'colour'",
+		`llm { metrics { colour blue } }`:        "unrecognized option 'colour' in the metrics { } block",
 		`llm { metrics; metrics }`:               "metrics already specified",
 		`llm { fallback nope }`:                  "module not registered",
 		`llm { fallback first; fallback first }`: "fallback selection policy already specified",
@@ -159,6 +159,94 @@ func TestUnmarshalMatcherErrors(t *testing.T) {
 	} {
 		if err := m.Validate(); err == nil {
 			t.Errorf("%s: Validate() accepted %+v", name, m)
+		}
+	}
+}
+
+// TestCaddyfileErrorsSayWhatToWrite: a bad value of an option with a fixed set of values fails when the
+// Caddyfile is adapted, not when the config runs; an unknown option gets the nearest option's name, or
+// the block it belongs in. Issue 13: "mode fastest" passed caddy adapt, "kv_threshold" outside metrics
+// and the typo "guard_factr" said only "unrecognized option".
+func TestCaddyfileErrorsSayWhatToWrite(t *testing.T) {
+	const (
+		policy  = "lb_policy llm { }"
+		metrics = "the metrics { } block of lb_policy llm"
+		matcher = "the llm matcher (@name llm { })"
+	)
+	for _, tc := range []struct {
+		module, input, want string
+	}{
+		{"policy", `llm { mode fastest }`, "mode must be combined, least_tokens or prefix, got 'fastest'"},
+		{"policy", `llm { mode least_token }`, "mode must be combined, least_tokens or prefix, got 'least_token' (did you mean 'least_tokens'?)"},
+		{"policy", `llm { tokenizer o200k }`, "tokenizer must be cl100k_base, o200k_base or approx, got 'o200k'"},
+		{"policy", `llm { tokenizer o200k_bsae }`, "did you mean 'o200k_base'?"},
+		{"policy", `llm { guard_factr 2 }`, "unrecognized option 'guard_factr' in " + policy + " (did you mean 'guard_factor'?)"},
+		{"policy", `llm { kv_threshold 0.8 }`, "option 'kv_threshold' belongs in " + metrics + ", not in " + policy},
+		{"policy", `llm { kv_treshold 0.8 }`, "unrecognized option 'kv_treshold' in " + policy + " (did you mean 'kv_threshold', an option of " + metrics + "?)"},
+		{"policy", `llm { stream true }`, "option 'stream' belongs in " + matcher + ", not in " + policy},
+		{"policy", `llm { speed 3 }`, "unrecognized option 'speed' in " + policy + " (its options: mode, tokenizer, "},
+		{"policy", `llm { metrics { scheme ftp } }`, "scheme must be http or https, got 'ftp'"},
+		{"policy", `llm { metrics { mode prefix } }`, "option 'mode' belongs in " + policy + ", not in " + metrics},
+		{"policy", `llm { metrics { intervall 2s } }`, "unrecognized option 'intervall' in " + metrics + " (did you mean 'interval'?)"},
+		{"matcher", `llm { modle llama* }`, "unrecognized option 'modle' in " + matcher + " (did you mean 'model'?)"},
+		{"matcher", `llm { api chat embeddings }`, "api must be chat or completions, got 'embeddings'"},
+		{"matcher", `llm { tokenizer gpt2 }`, "tokenizer must be cl100k_base, o200k_base or approx, got 'gpt2'"},
+		{"matcher", `llm { mode prefix }`, "option 'mode' belongs in " + policy + ", not in " + matcher},
+		{"matcher", `llm { max_body_bytes 1MiB }`, "did you mean 'max_body_size'?"},
+	} {
+		var err error
+		d := caddyfile.NewTestDispenser(multiline(tc.input))
+		if tc.module == "matcher" {
+			err = new(MatchLLM).UnmarshalCaddyfile(d)
+		} else {
+			err = new(LLMSelection).UnmarshalCaddyfile(d)
+		}
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s %s: error %v, want one containing %q", tc.module, tc.input, err, tc.want)
+		}
+	}
+}
+
+// TestCaddyfileEnumsMatchValidate: every value the Caddyfile accepts for an enumerated option passes
+// Validate, so the two lists cannot drift apart.
+func TestCaddyfileEnumsMatchValidate(t *testing.T) {
+	for _, mode := range caddyfileBlocks[policyBlock].enums["mode"] {
+		s := LLMSelection{Mode: mode, Tokenizer: "approx"}
+		if err := s.Validate(); err != nil {
+			t.Errorf("mode %s: %v", mode, err)
+		}
+	}
+	for _, tok := range caddyfileBlocks[policyBlock].enums["tokenizer"] {
+		s := LLMSelection{Mode: "combined", Tokenizer: tok}
+		if err := s.Validate(); err != nil {
+			t.Errorf("tokenizer %s: %v", tok, err)
+		}
+	}
+	for _, api := range caddyfileBlocks[matcherBlock].enums["api"] {
+		m := MatchLLM{APIs: []string{api}, Tokenizer: "approx"}
+		if err := m.Validate(); err != nil {
+			t.Errorf("api %s: %v", api, err)
+		}
+	}
+	for _, scheme := range caddyfileBlocks[metricsBlock].enums["scheme"] {
+		m := MetricsConfig{Scheme: scheme, Path: "/metrics"}
+		if err := m.validate(); err != nil {
+			t.Errorf("scheme %s: %v", scheme, err)
+		}
+	}
+}
+
+// TestEditDistance pins the distance the suggestions use.
+func TestEditDistance(t *testing.T) {
+	for _, tc := range []struct {
+		a, b string
+		want int
+	}{
+		{"", "", 0}, {"", "abc", 3}, {"model", "model", 0}, {"modle", "model", 1},
+		{"guard_factr", "guard_factor", 1}, {"kitten", "sitting", 3}, {"ab", "ba", 1},
+	} {
+		if got := editDistance(tc.a, tc.b); got != tc.want {
+			t.Errorf("editDistance(%q, %q) = %d, want %d", tc.a, tc.b, got, tc.want)
 		}
 	}
 }
