@@ -305,6 +305,22 @@ func assertNoPanicLogged(t *testing.T, logFile string) {
 	}
 }
 
+// logCaddyErrors logs the first n error-level entries of Caddy's log file, to say why requests failed.
+func logCaddyErrors(t *testing.T, logFile string, n int) {
+	t.Helper()
+	logs, err := os.ReadFile(logFile)
+	if err != nil {
+		t.Logf("reading Caddy's log: %v", err)
+		return
+	}
+	for line := range bytes.Lines(logs) {
+		if n > 0 && bytes.Contains(line, []byte(`"level":"error"`)) {
+			t.Logf("caddy: %.600s", line)
+			n--
+		}
+	}
+}
+
 func simServers(ups ...*simUpstream) []*httptest.Server {
 	out := make([]*httptest.Server, len(ups))
 	for i, u := range ups {

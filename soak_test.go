@@ -167,6 +167,7 @@ func TestSoak(t *testing.T) {
 		done, sent, failedReload, closedUnread, learned, kept)
 	if failedReload > 0 {
 		t.Errorf("%d requests failed during reloads, want 0", failedReload)
+		logCaddyErrors(t, logFile, 10)
 	}
 	if soleRouteTable(t) != routes || kept < learned {
 		t.Errorf("learned routes not kept across reloads: %d before, %d after (same table: %t)", learned, kept, soleRouteTable(t) == routes)
