@@ -9,6 +9,8 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"github.com/dustin/go-humanize"
 
@@ -408,6 +410,25 @@ func (m *MatchLLM) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	return nil
 }
 
+// UnmarshalCaddyfile sets up the error responder from Caddyfile tokens. Syntax:
+//
+//	llm_errors
+func (*LLMErrors) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // consume directive name
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	if d.NextBlock(0) {
+		return d.Err("llm_errors takes no options")
+	}
+	return nil
+}
+
+func parseLLMErrors(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
+	e := new(LLMErrors)
+	return e, e.UnmarshalCaddyfile(h.Dispenser)
+}
+
 func (m *MetricsConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		option := d.Val()
@@ -564,4 +585,5 @@ func loadFallbackPolicy(d *caddyfile.Dispenser) ([]byte, error) {
 var (
 	_ caddyfile.Unmarshaler = (*LLMSelection)(nil)
 	_ caddyfile.Unmarshaler = (*MatchLLM)(nil)
+	_ caddyfile.Unmarshaler = (*LLMErrors)(nil)
 )

@@ -236,6 +236,21 @@ func TestCaddyfileEnumsMatchValidate(t *testing.T) {
 	}
 }
 
+func TestUnmarshalLLMErrors(t *testing.T) {
+	if err := new(LLMErrors).UnmarshalCaddyfile(caddyfile.NewTestDispenser(`llm_errors`)); err != nil {
+		t.Errorf("llm_errors: %v", err)
+	}
+	for input, wantErr := range map[string]string{
+		`llm_errors json`:       "wrong argument count",
+		`llm_errors { format }`: "llm_errors takes no options",
+	} {
+		err := new(LLMErrors).UnmarshalCaddyfile(caddyfile.NewTestDispenser(multiline(input)))
+		if err == nil || !strings.Contains(err.Error(), wantErr) {
+			t.Errorf("%s: error %v, want one containing %q", input, err, wantErr)
+		}
+	}
+}
+
 // TestEditDistance pins the distance the suggestions use.
 func TestEditDistance(t *testing.T) {
 	for _, tc := range []struct {

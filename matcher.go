@@ -1,7 +1,6 @@
 package caddyllm
 
 import (
-	"errors"
 	"fmt"
 	"net/http"
 
@@ -18,7 +17,7 @@ func init() {
 // MatchLLM matches OpenAI-compatible LLM requests by model, prompt tokens, streaming and API. A request
 // that is not an LLM request (not a POST of JSON to a chat/completions or completions endpoint) does not
 // match. An LLM request whose body is malformed is answered 400 with what is wrong, and one over the body
-// cap 413, since routing it anywhere would only fail later.
+// cap 413, since routing it anywhere would only fail later; llm_errors (LLMErrors) sends the client why.
 type MatchLLM struct {
 	// Models are glob patterns (* matches any run of characters, ? one) for the request's model field.
 	Models []string `json:"models,omitempty"`
@@ -124,7 +123,7 @@ func (m MatchLLM) MatchWithError(r *http.Request) (bool, error) {
 		if lr.api == tokenize.APIUnknown {
 			return false, nil // it did not declare JSON, and it is not an OpenAI request
 		}
-		return false, httpError(err)
+		return false, matcherError(err, m.MaxBodyBytes)
 	}
 	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	setRequestPlaceholders(repl, req)
@@ -141,19 +140,6 @@ func (m MatchLLM) MatchWithError(r *http.Request) (bool, error) {
 		return false, nil
 	}
 	return true, nil
-}
-
-// httpError turns a body or parse error into the status a client should see.
-func httpError(err error) error {
-	var maxBytes *http.MaxBytesError
-	switch {
-	case errors.Is(err, errBodyTooLarge), errors.As(err, &maxBytes):
-		return caddyhttp.Error(http.StatusRequestEntityTooLarge, err)
-	case errors.Is(err, errUnsupportedEncoding):
-		return caddyhttp.Error(http.StatusUnsupportedMediaType, err)
-	default:
-		return caddyhttp.Error(http.StatusBadRequest, err)
-	}
 }
 
 func containsAPI(apis []tokenize.API, api tokenize.API) bool {
