@@ -79,7 +79,7 @@ func TestSoak(t *testing.T) {
 		ups[i] = newSimUpstream(t, plan, cfg)
 	}
 	servers := simServers(ups...)
-	learning := simProxyConfig("llm", "", ups...)
+	learning := simProxyConfig(settledPolicy, "", ups...)
 	logFile := t.TempDir() + "/caddy.log"
 	reloadConfigs := []string{
 		simProxyConfigLog(logFile, reloadSafePolicy, "", ups...),
