@@ -470,7 +470,8 @@ type chaosOutcome struct {
 }
 
 // closedByReload reports whether request id failed because its connection was closed before Caddy
-// handled it: no status, EOF or a reset (RST when unread data was pending), and no upstream saw it.
+// handled it: no status, EOF, a reset (RST when unread data was pending) or a broken pipe (the client
+// was still writing the request), and no upstream saw it.
 //
 // That is what a reload does to a connection the old config's server accepted but had not read yet:
 // Caddy starts the new servers, then shuts the old ones down, and net/http drops a request it reads
@@ -480,7 +481,7 @@ type chaosOutcome struct {
 // check instead: such requests happen only while configs are being reloaded, never reach an upstream,
 // and no handler panicked (assertNoPanicLogged: a panic also closes a connection unanswered).
 func closedByReload(plan *faultPlan, id, status int, err error) bool {
-	closed := errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET)
+	closed := errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE)
 	_, reached := plan.reached.Load(fmt.Sprint(id))
 	return status == 0 && closed && !reached
 }
