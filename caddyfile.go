@@ -37,7 +37,7 @@ var caddyfileBlocks = [...]struct {
 		options: []string{"mode", "tokenizer", "max_body_size", "max_message_size", "max_tokenize_size",
 			"output_tokens", "conversation_header", "block_size", "route_capacity", "route_ttl",
 			"guard_factor", "guard_slack", "guard_request_slack", "prefill_weight", "capacity",
-			"saturation_backoff", "metrics", "fallback"},
+			"saturation_backoff", "metrics", "fallback", "persist", "share"},
 		enums: map[string][]string{"mode": modeNames(), "tokenizer": tokenizerNames},
 	},
 	metricsBlock: {

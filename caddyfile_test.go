@@ -185,6 +185,7 @@ func TestCaddyfileErrorsSayWhatToWrite(t *testing.T) {
 		{"policy", `llm { kv_treshold 0.8 }`, "unrecognized option 'kv_treshold' in " + policy + " (did you mean 'kv_threshold', an option of " + metrics + "?)"},
 		{"policy", `llm { stream true }`, "option 'stream' belongs in " + matcher + ", not in " + policy},
 		{"policy", `llm { speed 3 }`, "unrecognized option 'speed' in " + policy + " (its options: mode, tokenizer, "},
+		{"policy", `llm { persits }`, "unrecognized option 'persits' in " + policy + " (did you mean 'persist'?)"},
 		{"policy", `llm { metrics { scheme ftp } }`, "scheme must be http or https, got 'ftp'"},
 		{"policy", `llm { metrics { mode prefix } }`, "option 'mode' belongs in " + policy + ", not in " + metrics},
 		{"policy", `llm { metrics { intervall 2s } }`, "unrecognized option 'intervall' in " + metrics + " (did you mean 'interval'?)"},

@@ -77,6 +77,17 @@ func freePorts3() (int, int, int) {
 	return ports[0], ports[1], ports[2]
 }
 
+// freePort returns a TCP port free on 127.0.0.1 now, for a test that needs one more listener.
+func freePort(t *testing.T) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
 // backend is a real HTTP upstream on 127.0.0.1 that records what it receives.
 type backend struct {
 	*httptest.Server
