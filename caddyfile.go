@@ -20,10 +20,12 @@ import (
 // The Caddyfile blocks of this plugin and their options: the one list the unmarshalers' errors read,
 // to suggest the nearest option name for a typo, to say which block an option of another block belongs
 // in, and to check enumerated values while parsing (not only when the config runs). A new option is a
-// case in its unmarshaler and its name here.
+// case in its unmarshaler and its name here; an option missing here still parses, only its typos get
+// poorer messages.
 const (
 	policyBlock = iota
 	metricsBlock
+	availabilityBlock
 	matcherBlock
 )
 
@@ -37,7 +39,7 @@ var caddyfileBlocks = [...]struct {
 		options: []string{"mode", "tokenizer", "max_body_size", "max_message_size", "max_tokenize_size",
 			"output_tokens", "conversation_header", "block_size", "route_capacity", "route_ttl",
 			"guard_factor", "guard_slack", "guard_request_slack", "prefill_weight", "capacity",
-			"saturation_backoff", "metrics", "fallback", "persist", "share"},
+			"saturation_backoff", "metrics", "fallback", "persist", "share", "availability", "tenant_header"},
 		enums: map[string][]string{"mode": modeNames(), "tokenizer": tokenizerNames},
 	},
 	metricsBlock: {
@@ -45,6 +47,10 @@ var caddyfileBlocks = [...]struct {
 		options: []string{"scheme", "port", "path", "interval", "timeout", "stale_after", "model",
 			"request_tokens", "kv_threshold", "kv_weight"},
 		enums: map[string][]string{"scheme": {"http", "https"}},
+	},
+	availabilityBlock: {
+		name:    "the availability { } block of lb_policy llm",
+		options: []string{"preference", "interval", "error_weight", "kp", "ki", "kd"},
 	},
 	matcherBlock: {
 		name:    "the llm matcher (@name llm { })",
@@ -84,6 +90,15 @@ func unrecognizedOption(d *caddyfile.Dispenser, block int, option string) error 
 		}
 	}
 	return d.Errf("unrecognized option '%s' in %s (its options: %s)", option, b.name, strings.Join(b.options, ", "))
+}
+
+// unknownOr returns the unrecognized-option error when option is not one of block's, else err (an
+// argument error of a known option).
+func unknownOr(d *caddyfile.Dispenser, block int, option string, err error) error {
+	if !slices.Contains(caddyfileBlocks[block].options, option) {
+		return unrecognizedOption(d, block, option)
+	}
+	return err
 }
 
 // checkEnum returns an error when option of block has a fixed set of values and val is not one of them.
@@ -203,9 +218,6 @@ func (s *LLMSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	}
 	for d.NextBlock(0) {
 		option := d.Val()
-		if !slices.Contains(caddyfileBlocks[policyBlock].options, option) {
-			return unrecognizedOption(d, policyBlock, option)
-		}
 		switch option {
 		case "fallback":
 			if !d.NextArg() {
@@ -279,7 +291,7 @@ func (s *LLMSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		}
 		val, err := oneArg(d)
 		if err != nil {
-			return err
+			return unknownOr(d, policyBlock, option, err)
 		}
 		if err := checkEnum(d, policyBlock, option, val); err != nil {
 			return err
@@ -359,12 +371,9 @@ func (m *MatchLLM) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		}
 		for d.NextBlock(0) {
 			option := d.Val()
-			if !slices.Contains(caddyfileBlocks[matcherBlock].options, option) {
-				return unrecognizedOption(d, matcherBlock, option)
-			}
 			args := d.RemainingArgs()
 			if len(args) == 0 {
-				return d.ArgErr()
+				return unknownOr(d, matcherBlock, option, d.ArgErr())
 			}
 			for _, arg := range args {
 				if err := checkEnum(d, matcherBlock, option, arg); err != nil {
@@ -432,12 +441,9 @@ func parseLLMErrors(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 func (m *MetricsConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		option := d.Val()
-		if !slices.Contains(caddyfileBlocks[metricsBlock].options, option) {
-			return unrecognizedOption(d, metricsBlock, option)
-		}
 		val, err := oneArg(d)
 		if err != nil {
-			return err
+			return unknownOr(d, metricsBlock, option, err)
 		}
 		if err := checkEnum(d, metricsBlock, option, val); err != nil {
 			return err
