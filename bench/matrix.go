@@ -2,12 +2,10 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"io"
 	"math"
 	"os"
-	"path/filepath"
 	"slices"
 	"strings"
 	"text/tabwriter"
@@ -508,30 +506,11 @@ func writeMatrixMarkdown(out io.Writer, mr MatrixResults) {
 
 // writeMatrixOutputs writes results.json, report.md and (for -matrix) matrix.svg into dir.
 func writeMatrixOutputs(dir string, mr MatrixResults) error {
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return fmt.Errorf("creating output dir: %w", err)
+	var heatMap func(*strings.Builder)
+	if len(mr.Cells) > 0 {
+		heatMap = func(svg *strings.Builder) { writeHeatMap(svg, mr.Cells, len(mr.Seeds)) }
 	}
-	js, err := json.MarshalIndent(mr, "", "  ")
-	if err != nil {
-		return fmt.Errorf("encoding results: %w", err)
-	}
-	if err := os.WriteFile(filepath.Join(dir, "results.json"), append(js, '\n'), 0o644); err != nil {
-		return fmt.Errorf("writing results.json: %w", err)
-	}
-	var md strings.Builder
-	writeMatrixMarkdown(&md, mr)
-	if err := os.WriteFile(filepath.Join(dir, "report.md"), []byte(md.String()), 0o644); err != nil {
-		return fmt.Errorf("writing report.md: %w", err)
-	}
-	if len(mr.Cells) == 0 {
-		return nil
-	}
-	var svg strings.Builder
-	writeHeatMap(&svg, mr.Cells, len(mr.Seeds))
-	if err := os.WriteFile(filepath.Join(dir, "matrix.svg"), []byte(svg.String()), 0o644); err != nil {
-		return fmt.Errorf("writing matrix.svg: %w", err)
-	}
-	return nil
+	return writeResultFiles(dir, mr, func(md *strings.Builder) { writeMatrixMarkdown(md, mr) }, "matrix.svg", heatMap)
 }
 
 // describeTimeScales lists matrixTimeScales in matrix order.

@@ -190,10 +190,20 @@ func writeMarkdown(out io.Writer, res Results) {
 
 // writeOutputs writes results.json, report.md and ttft.svg into dir.
 func writeOutputs(dir string, res Results) error {
+	var chart func(*strings.Builder)
+	if len(res.Workloads) > 0 {
+		chart = func(svg *strings.Builder) { writeChart(svg, res.Workloads) }
+	}
+	return writeResultFiles(dir, res, func(md *strings.Builder) { writeMarkdown(md, res) }, "ttft.svg", chart)
+}
+
+// writeResultFiles writes v as results.json, the markdown report as report.md and, when chart is not
+// nil, the chart as svgName into dir: the files every kind of run leaves.
+func writeResultFiles(dir string, v any, markdown func(*strings.Builder), svgName string, chart func(*strings.Builder)) error {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return fmt.Errorf("creating output dir: %w", err)
 	}
-	js, err := json.MarshalIndent(res, "", "  ")
+	js, err := json.MarshalIndent(v, "", "  ")
 	if err != nil {
 		return fmt.Errorf("encoding results: %w", err)
 	}
@@ -201,17 +211,17 @@ func writeOutputs(dir string, res Results) error {
 		return fmt.Errorf("writing results.json: %w", err)
 	}
 	var md strings.Builder
-	writeMarkdown(&md, res)
+	markdown(&md)
 	if err := os.WriteFile(filepath.Join(dir, "report.md"), []byte(md.String()), 0o644); err != nil {
 		return fmt.Errorf("writing report.md: %w", err)
 	}
-	if len(res.Workloads) == 0 {
+	if chart == nil {
 		return nil
 	}
 	var svg strings.Builder
-	writeChart(&svg, res.Workloads)
-	if err := os.WriteFile(filepath.Join(dir, "ttft.svg"), []byte(svg.String()), 0o644); err != nil {
-		return fmt.Errorf("writing ttft.svg: %w", err)
+	chart(&svg)
+	if err := os.WriteFile(filepath.Join(dir, svgName), []byte(svg.String()), 0o644); err != nil {
+		return fmt.Errorf("writing %s: %w", svgName, err)
 	}
 	return nil
 }
