@@ -227,11 +227,9 @@ func seconds(s float64) int64 { return int64(s * 1e9) }
 
 // upstreamView is what the decision reads of one upstream at one moment.
 type upstreamView struct {
-	service   selection.Service
-	trust     float64 // share of predicted cache hits the backend confirms (1 without metrics)
-	requests  float64 // this proxy's in flight, plus foreign ones its metrics show
-	queued    float64 // seconds of prefill queued ahead of a new request
-	saturated bool
+	service  selection.Service
+	requests float64 // this proxy's in flight, plus foreign ones its metrics show
+	queued   float64 // seconds of prefill queued ahead of a new request
 }
 
 // view returns dial's state at now for the decision.
@@ -246,14 +244,13 @@ func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstrea
 	l := t.lookup(dial)
 	if l == nil {
 		if snap == nil {
-			return upstreamView{service: selection.Prior, trust: 1}
+			return upstreamView{service: selection.Prior}
 		}
 		l = t.entry(dial, now)
 	}
 	v := upstreamView{
-		service:   l.model.Service(),
-		requests:  float64(l.requests.Load()),
-		saturated: l.saturatedUntil.Load() > now,
+		service:  l.model.Service(),
+		requests: float64(l.requests.Load()),
 	}
 	if snap == nil {
 		v.queued = max(float64(l.prefillUntil.Load()-now)/1e9, 0)
@@ -262,9 +259,6 @@ func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstrea
 		v.requests += foreign
 		v.queued = queuedTokens * v.service.PrefillSecondsPerToken
 	}
-	l.mu.Lock()
-	v.trust = l.trust
-	l.mu.Unlock()
 	return v
 }
 

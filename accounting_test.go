@@ -157,3 +157,41 @@ func TestLoadsStress(t *testing.T) {
 		}
 	}
 }
+
+// TestCacheTrust: a backend whose prefix-cache counters confirm half the hits predicted for what this
+// proxy sent there has its claims discounted towards a half; a counter reset (a restart) changes nothing
+// at once; a backend that confirms every hit is trusted again.
+func TestCacheTrust(t *testing.T) {
+	lt := newTestLoads()
+	const dial = "10.0.0.1:8000"
+	now := time.Unix(1_700_000_000, 0)
+	var hits, queries float64
+	round := func(observedRate float64) {
+		for range 10 {
+			lt.reserve(dial, work{prompt: 1000, matched: 800, uncached: 200}, now.UnixNano()).release(now.UnixNano(), false)
+		}
+		hits += 10000 * observedRate
+		queries += 10000
+		now = now.Add(time.Second)
+		lt.view(dial, now.UnixNano(), &scraper.Snapshot{PrefixHits: hits, PrefixQueries: queries, At: now})
+	}
+	for range 15 {
+		round(0.4) // predicted 80%, confirmed 40%
+	}
+	l := lt.lookup(dial)
+	if got := l.cacheTrust(); got < 0.45 || got > 0.55 {
+		t.Errorf("trust %.2f after half the predicted hits were confirmed, want about 0.5", got)
+	}
+	before := l.cacheTrust()
+	hits, queries = 0, 0 // the backend restarted
+	round(0.8)
+	if got := l.cacheTrust(); got != before {
+		t.Errorf("a counter reset moved the trust from %.2f to %.2f", before, got)
+	}
+	for range 15 {
+		round(0.8)
+	}
+	if got := l.cacheTrust(); got < 0.95 {
+		t.Errorf("trust %.2f after every predicted hit was confirmed again, want about 1", got)
+	}
+}

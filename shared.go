@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"net"
 	"strings"
-	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
@@ -84,5 +83,3 @@ func staticUpstreams(ctx caddy.Context) []string {
 	}
 	return out
 }
-
-var _ = time.Second
