@@ -712,6 +712,20 @@ func TestZeroMutation(t *testing.T) {
 	tester.InitServer(proxyConfig("llm {\n\t\t\tmax_body_size 64KiB\n\t\t}", retryPOST, a, b), "caddyfile")
 	client := newLoadClient(true)
 	defer client.CloseIdleConnections()
+	// The previous test's server may still accept a connection right after the reload and drop it
+	// unanswered (net/http's shutdown, see closedByReload): wait for the new one to answer first.
+	for try := 0; ; try++ {
+		res, err := client.Get(proxyURL + "/v1/models")
+		if err == nil {
+			io.Copy(io.Discard, res.Body)
+			res.Body.Close()
+			break
+		}
+		if try == 20 {
+			t.Fatalf("the proxy never answered after the reload: %v", err)
+		}
+	}
+	client.CloseIdleConnections()
 
 	rng := rand.New(rand.NewPCG(2, 2))
 	sizes := []int{0, 1, 700, bodyCap - 1, bodyCap, bodyCap + 1, 3 * bodyCap}

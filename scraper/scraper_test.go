@@ -410,9 +410,21 @@ func TestFailureLoggingRedactsAndThrottles(t *testing.T) {
 	for range 3 {
 		h.ScrapeOnce(context.Background())
 	}
+	// A target that never answered is the caller's to judge (a server without metrics is normal):
+	// debug lines only.
+	if warn, debug := logs.FilterLevelExact(zapcore.WarnLevel).Len(), logs.FilterLevelExact(zapcore.DebugLevel).Len(); warn != 0 || debug < 3 {
+		t.Errorf("never answered: logged %d warnings and %d debug lines, want debug lines only", warn, debug)
+	}
+	// One that answered and then stops: one warning, then debug.
+	b.set(serveBody(readTestdata(t, "vllm_v1_two_engines.txt")))
+	h.ScrapeOnce(context.Background())
+	b.set(func(w http.ResponseWriter, r *http.Request) { http.NotFound(w, r) })
+	for range 3 {
+		h.ScrapeOnce(context.Background())
+	}
 	warn := logs.FilterLevelExact(zapcore.WarnLevel).Len()
 	debug := logs.FilterLevelExact(zapcore.DebugLevel).Len()
-	if warn != 1 || debug < 2 {
+	if warn != 1 || debug < 5 {
 		t.Errorf("logged %d warnings and %d debug lines, want 1 warning then debug", warn, debug)
 	}
 	for _, e := range logs.All() {
