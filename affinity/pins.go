@@ -25,16 +25,7 @@ func (t *Table) Pin(model, conversationID, upstream string) {
 	now := t.cfg.Now().UnixNano()
 	id := t.ups.intern(upstream)
 	old, existed := t.pins.Peek(key)
-	switch {
-	case !existed:
-		t.ups.ref(id)
-	case old.id != id:
-		t.ups.ref(id)
-		t.ups.unref(old.id)
-	}
-	if t.pins.Add(key, pin{id: id, seen: now}) {
-		t.stats.Evictions++
-	}
+	t.putPinLocked(key, old, existed, pin{id: id, seen: now})
 	if t.feed.on && (!existed || old.id != id || t.feed.news(old.seen, now, t.feed.pinRefresh)) {
 		t.feed.add(Change{Key: key, Upstream: upstream, Seen: now, Pin: true})
 	}
@@ -52,14 +43,20 @@ func (t *Table) importPinLocked(key uint64, id uint32, seen, now int64) {
 	if existed && old.seen >= seen {
 		return
 	}
+	t.putPinLocked(key, old, existed, pin{id: id, seen: seen})
+}
+
+// putPinLocked replaces the pin at key (old, if it existed) with p, moving the upstream references from
+// old's upstream to p's. Must hold t.mu.
+func (t *Table) putPinLocked(key uint64, old pin, existed bool, p pin) {
 	switch {
 	case !existed:
-		t.ups.ref(id)
-	case old.id != id:
-		t.ups.ref(id)
+		t.ups.ref(p.id)
+	case old.id != p.id:
+		t.ups.ref(p.id)
 		t.ups.unref(old.id)
 	}
-	if t.pins.Add(key, pin{id: id, seen: seen}) {
+	if t.pins.Add(key, p) {
 		t.stats.Evictions++
 	}
 }
