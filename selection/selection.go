@@ -216,11 +216,13 @@ func Choose(cands []Candidate, req Request, cfg Config, rnd func(n int) int, scr
 		return decision(best, ReasonLoad)
 	}
 
-	// A pinned conversation stays where it is unless another upstream is predicted faster even after
-	// prefilling what the pinned one has cached.
+	// A pinned conversation stays where it is unless another upstream is predicted at least twice as
+	// fast even after prefilling what the pinned one has cached. The margin is hysteresis: moving costs the
+	// conversation its home for every later turn, and a small predicted difference (estimates of two
+	// upstreams that differ by their noise) must not move it.
 	for i := range cands {
 		if cands[i].Pinned {
-			if costs[i] <= costs[best]+tolerance(costs[best], cfg) {
+			if costs[i] <= pinMargin*costs[best]+tolerance(costs[best], cfg) {
 				return decision(i, ReasonConversation)
 			}
 			break
@@ -251,6 +253,10 @@ func Choose(cands []Candidate, req Request, cfg Config, rnd func(n int) int, scr
 	}
 	return decision(best, ReasonLoad)
 }
+
+// pinMargin is how many times faster another upstream must be predicted before a pinned conversation
+// moves there.
+const pinMargin = 2
 
 func tolerance(least float64, cfg Config) float64 {
 	return cfg.TieTolerance*least + cfg.MinTie

@@ -116,6 +116,13 @@ func TestChoose(t *testing.T) {
 			want: 1, wantReason: ReasonConversation,
 		},
 		{
+			// Home: 0.2 s queued + 0.03 s; elsewhere: 0.13 s of full prefill. Faster, but not twice as fast.
+			name:  "pinned conversation stays when another is only somewhat faster",
+			cands: func() []Candidate { c := withCached(cands(0, 0.2), 0, 1000); c[1].Pinned = true; return c }(),
+			req:   Request{PromptTokens: 1200}, cfg: cfg,
+			want: 1, wantReason: ReasonConversation,
+		},
+		{
 			name:  "pinned conversation moves when re-prefilling elsewhere is faster",
 			cands: func() []Candidate { c := withCached(cands(0, 2), 0, 1000); c[1].Pinned = true; return c }(),
 			req:   Request{PromptTokens: 1200}, cfg: cfg,
