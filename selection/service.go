@@ -78,8 +78,8 @@ const scaleRate = 0.1
 
 // NewServiceModel returns a model that starts from prior.
 func NewServiceModel(prior Service) *ServiceModel {
-	m := &ServiceModel{prior: prior, meanDur: prior.MeanDuration}
-	m.ttft = newRLS2(prior.Overhead, prior.PrefillSecondsPerToken*1000)
+	m := new(ServiceModel)
+	m.resetLocked(prior)
 	return m
 }
 
@@ -88,8 +88,17 @@ func (m *ServiceModel) SetPrior(prior Service) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.prior != prior {
-		*m = ServiceModel{prior: prior, meanDur: prior.MeanDuration, ttft: newRLS2(prior.Overhead, prior.PrefillSecondsPerToken*1000)}
+		m.resetLocked(prior)
 	}
+}
+
+// resetLocked starts the model afresh from prior, keeping its lock (the caller holds it, or nobody
+// else can see the model yet).
+func (m *ServiceModel) resetLocked(prior Service) {
+	m.prior, m.meanDur = prior, prior.MeanDuration
+	m.ttft, m.ttftN = newRLS2(prior.Overhead, prior.PrefillSecondsPerToken*1000), 0
+	m.logScale, m.durN = 0, 0
+	m.slots, m.kvSlots, m.ceiling, m.atCeil = 0, 0, 0, 0
 }
 
 // ObserveFirstToken records a first token that came ttft seconds after the request was sent, where

@@ -167,3 +167,23 @@ func TestFleetBlend(t *testing.T) {
 		t.Errorf("half-measured upstream: prefill %g s/token, want the mean 3e-4", got.PrefillSecondsPerToken)
 	}
 }
+
+// TestServiceModelSetPrior: a new prior (a capacity hint) forgets what was learned and starts from it;
+// the same prior again keeps what was learned. Regression: SetPrior overwrote the whole model, its held
+// lock included, and the deferred unlock panicked.
+func TestServiceModelSetPrior(t *testing.T) {
+	m := NewServiceModel(Prior)
+	for range 20 {
+		m.ObserveEnd(1000, 100, 0, 30)
+	}
+	m.SetPrior(Prior)
+	if s := m.Service(); s.Samples == 0 {
+		t.Error("the same prior forgot what was learned")
+	}
+	faster := Prior
+	faster.PrefillSecondsPerToken /= 2
+	m.SetPrior(faster)
+	if s := m.Service(); s.Samples != 0 || s.PrefillSecondsPerToken != faster.PrefillSecondsPerToken {
+		t.Errorf("after a new prior: %+v, want that prior with no samples", s)
+	}
+}
