@@ -407,6 +407,15 @@ func TestFailureLoggingRedactsAndThrottles(t *testing.T) {
 	r := NewRegistry()
 	h := r.Acquire(target, o)
 	defer h.Release()
+	// The loop's own first scrape runs at Acquire; let it fail first, or it could land in the middle
+	// of the sequence below and reset the failing state it checks.
+	deadline := time.Now().Add(10 * time.Second) // a failure guard, not a wait
+	for st, _ := r.Status(target); st.Errors == 0; st, _ = r.Status(target) {
+		if time.Now().After(deadline) {
+			t.Fatal("the poller's first scrape never ended")
+		}
+		time.Sleep(time.Millisecond)
+	}
 	for range 3 {
 		h.ScrapeOnce(context.Background())
 	}
