@@ -1,7 +1,9 @@
 package caddyllm
 
 import (
+	"cmp"
 	"context"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -43,6 +45,10 @@ type upstreamLoad struct {
 	foreignAt    int64
 	foreign      float64
 	meanUncached float64 // uncached prompt tokens of this proxy's recent requests there (EWMA)
+	// waitingOurs are this proxy's requests its last scrape counted as waiting, and foreignWaiting the
+	// waiting requests beyond them (other clients'), computed once per scrape.
+	waitingOurs    []*reservation
+	foreignWaiting float64
 
 	// Cache trust: the share of its predicted cache hits the backend's own prefix-cache counters confirm.
 	// predicted and prompt add up what this proxy predicted cached and sent there; at each scrape their
@@ -230,6 +236,9 @@ type upstreamView struct {
 	service  selection.Service
 	requests float64 // this proxy's in flight, plus foreign ones its metrics show
 	queued   float64 // seconds of prefill queued ahead of a new request
+	// kvCapacity is its KV cache in tokens (0: unknown, no fresh scrape says) and kvUsed the tokens in use:
+	// the scraped usage plus what this proxy sent since (prompt to prefill and output expected).
+	kvCapacity, kvUsed float64
 }
 
 // view returns dial's state at now for the decision.
@@ -255,35 +264,66 @@ func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstrea
 	if snap == nil {
 		v.queued = max(float64(l.prefillUntil.Load()-now)/1e9, 0)
 	} else {
-		foreign, queuedTokens := l.fromScrape(snap)
+		foreign, queuedTokens, kvSince := l.fromScrape(snap)
 		v.requests += foreign
 		v.queued = queuedTokens * v.service.PrefillSecondsPerToken
+		if c := float64(snap.BlockSize) * float64(snap.NumBlocks); c > 0 {
+			v.kvCapacity, v.kvUsed = c, snap.KVUsage*c+kvSince
+		}
 	}
 	return v
 }
 
-// fromScrape returns the requests snap shows beyond this proxy's own at the time of the scrape, and the
-// prompt tokens queued there now by the backend's count plus this proxy's requests since. The first call
-// for a new snapshot also tells the service model the backend's queue and checks the cache predictions.
-func (l *upstreamLoad) fromScrape(snap *scraper.Snapshot) (foreign, queuedTokens float64) {
+// fromScrape returns the requests snap shows beyond this proxy's own at the time of the scrape, the
+// prompt tokens queued there now, and the KV cache tokens this proxy's requests since the scrape take
+// (prompt to prefill and output expected). The first call for a new snapshot also tells the service model
+// the backend's queue and checks the cache predictions.
+//
+// The queue is the backend's count of waiting requests at the scrape, each one sized: a backend admits
+// in arrival order, so its waiting requests are the newest it received, and this proxy's requests sent
+// before the scrape, newest first, stand for as many of them as they can, with their own uncached prompts
+// (until their first token is observed or they end). The rest are other clients', at the mean uncached
+// prompt of this proxy's requests there. To that come this proxy's requests sent since the scrape that
+// have not had their first token.
+func (l *upstreamLoad) fromScrape(snap *scraper.Snapshot) (foreign, queuedTokens, kvSince float64) {
 	at := snap.At.UnixNano()
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	if l.foreignAt != at {
+		l.scrapedLocked(snap, at)
+	}
 	since := 0
 	for _, r := range l.inflight {
-		if r.start > at && !r.firstToken {
-			since += r.uncached
+		if r.start > at {
+			kvSince += float64(r.uncached + r.output)
+			if !r.firstToken {
+				since += r.uncached
+			}
 		}
 	}
-	queuedTokens = snap.Waiting*l.meanUncached + float64(since)
-	if l.foreignAt == at {
-		return l.foreign, queuedTokens
+	queuedTokens = l.foreignWaiting*l.meanUncached + float64(since)
+	for _, r := range l.waitingOurs {
+		if r.index >= 0 && !r.firstToken {
+			queuedTokens += float64(r.uncached)
+		}
 	}
+	return l.foreign, queuedTokens, kvSince
+}
+
+// scrapedLocked reads a new snapshot taken at (unix nanoseconds): the requests beyond this proxy's own,
+// which of this proxy's are the waiting ones, the service model's queue and the cache trust. The caller
+// holds l.mu.
+func (l *upstreamLoad) scrapedLocked(snap *scraper.Snapshot, at int64) {
 	// Ours at the time of the scrape: those in flight that had started, and those ended since.
 	ours := 0
+	clear(l.waitingOurs)
+	l.waitingOurs = l.waitingOurs[:0]
 	for _, r := range l.inflight {
 		if r.start <= at {
 			ours++
+			if !r.firstToken {
+				l.waitingOurs = append(l.waitingOurs, r)
+			}
 		}
 	}
 	for i, end := range l.endedAt {
@@ -291,11 +331,16 @@ func (l *upstreamLoad) fromScrape(snap *scraper.Snapshot) (foreign, queuedTokens
 			ours++
 		}
 	}
-	foreign = max(snap.Running+snap.Waiting-float64(ours), 0)
-	l.foreignAt, l.foreign = at, foreign
+	waiting := int(max(snap.Waiting, 0))
+	if len(l.waitingOurs) > waiting {
+		slices.SortFunc(l.waitingOurs, func(a, b *reservation) int { return cmp.Compare(b.start, a.start) })
+		clear(l.waitingOurs[waiting:])
+		l.waitingOurs = l.waitingOurs[:waiting]
+	}
+	l.foreignWaiting = float64(waiting - len(l.waitingOurs))
+	l.foreignAt, l.foreign = at, max(snap.Running+snap.Waiting-float64(ours), 0)
 	l.updateTrustLocked(snap)
-	l.model.ObserveQueue(snap.Running, snap.Waiting, snap.KVUsage)
-	return foreign, queuedTokens
+	l.model.ObserveQueue(snap.Running, snap.Waiting)
 }
 
 // minTrustPrompt is how many prompt tokens this proxy must have sent an upstream between two scrapes

@@ -126,6 +126,37 @@ func TestScrapeCountsForeignOnce(t *testing.T) {
 	}
 }
 
+// TestScrapedWaitingAreTheNewest: a backend admits in arrival order, so the requests its scrape shows
+// waiting are this proxy's newest ones sent before it, each with its own prompt; requests beyond this
+// proxy's are other clients', at its mean prompt; an observed first token takes one out.
+func TestScrapedWaitingAreTheNewest(t *testing.T) {
+	lt := newTestLoads()
+	const dial = "10.0.0.1:8000"
+	t0 := time.Unix(1_700_000_000, 0)
+	var mine []*reservation
+	for i, uncached := range []int{4000, 4000, 10, 3000} {
+		mine = append(mine, lt.reserve(dial, work{uncached: uncached}, t0.Add(time.Duration(i)*time.Millisecond).UnixNano()))
+	}
+	at := t0.Add(time.Second)
+	now := at.Add(time.Millisecond).UnixNano()
+	spt := selection.Prior.PrefillSecondsPerToken
+	v := lt.view(dial, now, &scraper.Snapshot{Running: 2, Waiting: 2, At: at})
+	if want := (10 + 3000) * spt; math.Abs(v.queued-want) > want*0.01 {
+		t.Errorf("queued = %.4f s, want %.4f: the two newest of ours (10 and 3000 tokens)", v.queued, want)
+	}
+	mine[3].noteFirstToken(now)
+	v = lt.view(dial, now, &scraper.Snapshot{Running: 2, Waiting: 2, At: at})
+	if want := 10 * spt; math.Abs(v.queued-want) > want*0.01 {
+		t.Errorf("queued = %.4f s after a first token, want %.4f", v.queued, want)
+	}
+	at2 := at.Add(time.Second)
+	v = lt.view(dial, at2.UnixNano(), &scraper.Snapshot{Running: 1, Waiting: 4, At: at2})
+	mean := lt.lookup(dial).meanUncached
+	if want := (4000 + 4000 + 10 + mean) * spt; math.Abs(v.queued-want) > want*0.01 {
+		t.Errorf("queued = %.4f s, want %.4f: ours not yet answered, and one other client's at the mean", v.queued, want)
+	}
+}
+
 // TestLoadsStress reserves, observes and releases from many goroutines; every counter ends at zero.
 func TestLoadsStress(t *testing.T) {
 	lt := newTestLoads()

@@ -73,6 +73,7 @@ func (d *decider) choose(q *query, keys []string, cands []selection.Candidate, s
 	}
 	req := selection.Request{
 		PromptTokens: q.req.PromptTokens,
+		OutputTokens: d.outputEstimate(q.req.MaxTokens),
 		PrefixHash:   prefixHash(q.req.Boundaries),
 	}
 	req.AvailabilityHash = req.PrefixHash
@@ -139,6 +140,7 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 		}
 		v := s.loads.view(key, q.now, snap)
 		cands[i].Service, cands[i].Requests, cands[i].Queued = v.service, v.requests, v.queued
+		cands[i].KVCapacity, cands[i].KVUsed = v.kvCapacity, v.kvUsed
 		fleet.Add(v.service)
 	}
 	// An upstream the proxy has barely seen borrows what the others have taught: without that, the

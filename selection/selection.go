@@ -87,6 +87,9 @@ type Candidate struct {
 	// Queued is how many seconds of prefill the upstream has queued ahead of a new request: the uncached
 	// prompt tokens of requests still waiting for their first token, in its own time.
 	Queued float64
+	// KVCapacity is the upstream's KV cache in tokens (0: unknown) and KVUsed the tokens in use there now.
+	// A request whose uncached prompt and output do not fit in what is free waits for requests to end.
+	KVCapacity, KVUsed float64
 	// CachedTokens is how many of this request's prompt tokens it probably holds in its KV cache.
 	CachedTokens int
 	// Pinned is true when the request's conversation is pinned to this candidate.
@@ -106,8 +109,8 @@ type Candidate struct {
 
 // Request is what the decision needs to know about the request being routed.
 type Request struct {
-	// PromptTokens is the number of prompt tokens.
-	PromptTokens int
+	// PromptTokens is the number of prompt tokens, and OutputTokens the output expected.
+	PromptTokens, OutputTokens int
 	// PrefixHash identifies the request's prefix for rendezvous hashing among near-equal candidates, so that
 	// independent proxies send the same new prefix to the same upstream. 0 disables it.
 	PrefixHash uint64
@@ -146,36 +149,55 @@ type Decision struct {
 }
 
 // Cost is what sending the request to c costs, in seconds: the predicted time until its first token
-// (the wait for a slot or for the prefill queued ahead, then its own uncached prefill) plus the slowdown
-// its prefill imposes on the batch it joins: every request in flight there, decoding or queued, waits
-// while the engine spends those seconds on this prompt. A cache miss therefore costs more the busier the
-// upstream is (on an upstream with 10 requests in flight, 11 times its own prefill), and a cache hit is
-// worth as much; on an idle upstream, only the request's own first token counts.
+// (the wait for a slot, for cache space or for the prefill queued ahead, then its own uncached prefill)
+// plus the delay its prefill imposes on the first tokens of others there: while the engine spends those
+// seconds on this prompt, the batch it joins stalls, and each request waiting for one of that batch's
+// slots waits that much longer. Requests already decoding stall too, but their first token is behind them
+// and, while no one waits for their slots, their stall delays no one's first token, so it is not counted:
+// pricing a cache miss at the whole batch's stall keeps a prefix queued at its home when another upstream
+// would answer it sooner (the regime matrix showed cold prefixes waiting a second at their home rather
+// than a quarter of that elsewhere).
 //
 // A cache hit shortens the request's own prefill, so affinity wins while the upstream that holds the
 // prefix is not much busier than another; once the wait there exceeds what the cache saves, another
 // upstream is cheaper, learns the prefix, and a hot prefix ends up replicated on as many upstreams as
 // its load needs, then balanced among them.
 func Cost(c *Candidate, req Request, cached int) (cost, wait, ttft float64) {
-	wait = Wait(c)
 	uncached := req.PromptTokens - min(cached, req.PromptTokens)
+	wait = Wait(c, float64(uncached+req.OutputTokens))
 	prefill := float64(uncached) * c.Service.PrefillSecondsPerToken
 	ttft = wait + c.Service.Overhead + prefill
-	return ttft + prefill*c.Requests, wait, ttft
+	waiting := 0.0
+	if s := c.Service.Slots; s > 0 {
+		waiting = max(c.Requests-s, 0)
+	}
+	return ttft + prefill*waiting, wait, ttft
 }
 
-// Wait is how long a new request waits on c before its prefill starts: behind the prefill queued
-// there, or for a slot. A slot frees every MeanDuration/Slots seconds; with the request among n in
-// flight on s slots (utilisation rho = n/s), the wait is that interval times rho^2/(1-rho), the
-// queueing delay of a busy server that grows before the slots are all taken (arrivals and durations
-// vary), and past full it grows by one interval per request beyond the slots.
-func Wait(c *Candidate) float64 {
+// Wait is how long a new request that needs kv tokens of KV cache waits on c before its prefill starts:
+// behind the prefill queued there, for a slot, or for cache space, whichever is longest.
+//
+// A slot frees every MeanDuration/Slots seconds; with the request among n in flight on s slots
+// (utilisation rho = n/s), the wait is that interval times rho^2/(1-rho), the queueing delay of a busy
+// server that grows before the slots are all taken (arrivals and durations vary), and past full it grows
+// by one interval per request beyond the slots.
+//
+// Cache space frees as requests end: what is in use, every MeanDuration seconds. A request that does not
+// fit in what is free waits until enough has ended. The cache is counted in tokens, not in requests: a
+// backend full of short requests has room for many more of them, and one long request can fill it.
+func Wait(c *Candidate, kv float64) float64 {
 	wait := c.Queued
 	if s := c.Service.Slots; s > 0 {
 		interval := c.Service.MeanDuration / s
 		n := c.Requests + 1
 		rho := n / s
 		wait = max(wait, interval*rho*rho/max(1-rho, 1/s)+interval*max(n-s, 0))
+	}
+	if c.KVCapacity > 0 {
+		kv = min(kv, c.KVCapacity)
+		if short := kv - (c.KVCapacity - c.KVUsed); short > 0 {
+			wait = max(wait, c.Service.MeanDuration*short/max(c.KVUsed, kv))
+		}
 	}
 	return wait
 }

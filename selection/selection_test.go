@@ -139,12 +139,47 @@ func TestChoose(t *testing.T) {
 			want: 1, wantReason: ReasonLoad,
 		},
 		{
-			// 4 requests in flight on each (4 slots of 8): the miss's 0.45 s of prefill delays all 4 (2.25 s in
-			// all); the hit's 0.05 s costs 0.25 s, plus its 0.55 s queue.
-			name:  "on a busy upstream a miss costs the slowdown it imposes on the batch",
-			cands: withRequests(withCached(cands(0.55, 0), 4500, 0), 4, 4),
-			req:   Request{PromptTokens: 5000}, cfg: cfg,
+			// 8 slots of 1 s. The hit: 11 in flight, 2.75 s of slot wait, 0.01 s of prefill that delays the 3
+			// waiting. The miss: 10 in flight, 2.27 s of wait, 0.21 s of prefill: a sooner first token (2.49 s
+			// against 2.77 s), but 0.21 s more for each of the 2 waiting there.
+			name:  "a miss's prefill delays the requests waiting for the batch's slots",
+			cands: withRequests(withCached(cands(0, 0), 2000, 0), 11, 10), req: Request{PromptTokens: 2100}, cfg: cfg,
 			want: 0, wantReason: ReasonAffinity,
+		},
+		{
+			// 64 slots: 20 decoding leave room, so their stall delays no first token.
+			name: "requests decoding on free slots do not make a miss dearer",
+			cands: func() []Candidate {
+				c := withRequests(withCached(cands(0.3, 0), 2000, 0), 20, 20)
+				c[0].Service.Slots, c[1].Service.Slots = 64, 64
+				return c
+			}(),
+			req: Request{PromptTokens: 2100}, cfg: cfg,
+			want: 1, wantReason: ReasonGuard,
+		},
+		{
+			// 500 tokens free on the first: 1100 to prefill and 1000 to generate do not fit; 1 s requests
+			// free its 31.5k tokens in use at 31.5k/s, so ~50 ms of wait; the second has room, 10 ms queued.
+			name: "a request waits for KV cache space in tokens",
+			cands: func() []Candidate {
+				c := cands(0, 0.01)
+				c[0].KVCapacity, c[0].KVUsed = 32000, 31500
+				c[1].KVCapacity, c[1].KVUsed = 32000, 1000
+				return c
+			}(),
+			req: Request{PromptTokens: 1100, OutputTokens: 1000}, cfg: leastTokens,
+			want: 1, wantReason: ReasonLoad,
+		},
+		{
+			name: "many short requests fit where few long ones would not",
+			cands: func() []Candidate {
+				c := cands(0, 0.004)
+				c[0].KVCapacity, c[0].KVUsed = 32000, 31500
+				c[1].KVCapacity, c[1].KVUsed = 32000, 1000
+				return c
+			}(),
+			req: Request{PromptTokens: 20, OutputTokens: 64}, cfg: leastTokens,
+			want: 0, wantReason: ReasonLoad,
 		},
 		{
 			name:  "on idle upstreams the same queue is not worth the hit",

@@ -64,7 +64,6 @@ type ServiceModel struct {
 	durN     int
 	meanDur  float64
 	slots    float64 // the most it runs, once seen at that ceiling with others waiting; 0: unknown
-	kvSlots  float64 // sequences its KV cache holds at the current mean length; 0: unknown
 	ceiling  float64 // the most it was ever seen running
 	atCeil   int     // consecutive scrapes at the ceiling with requests waiting
 }
@@ -98,7 +97,7 @@ func (m *ServiceModel) resetLocked(prior Service) {
 	m.prior, m.meanDur = prior, prior.MeanDuration
 	m.ttft, m.ttftN = newRLS2(prior.Overhead, prior.PrefillSecondsPerToken*1000), 0
 	m.logScale, m.durN = 0, 0
-	m.slots, m.kvSlots, m.ceiling, m.atCeil = 0, 0, 0, 0
+	m.slots, m.ceiling, m.atCeil = 0, 0, 0
 }
 
 // ObserveFirstToken records a first token that came ttft seconds after the request was sent, where
@@ -140,13 +139,13 @@ func (m *ServiceModel) ObserveEnd(uncached, output int, waited, duration float64
 // maxScale bounds how far from the prior the speed scale goes, and one observation's pull on it.
 const maxScale = 30
 
-// ObserveQueue records the backend's own count of running and waiting requests and its KV-cache usage
-// (0-1; 0 when unknown), from its metrics. Two limits follow. The slot count is the most it was seen
-// running, once it was seen there with requests waiting in two scrapes in a row (with chunked prefill a
-// request also waits a step or two for the token budget, at any batch size: that is no limit). And the KV
-// cache holds running/usage sequences of the current mean length: past that the backend preempts or
-// queues, whatever its max_num_seqs, so that is a limit too, known as soon as it runs anything.
-func (m *ServiceModel) ObserveQueue(running, waiting, kvUsage float64) {
+// ObserveQueue records the backend's own count of running and waiting requests, from its metrics. The
+// slot count is the most it was seen running, once it was seen there with requests waiting in two
+// scrapes in a row (with chunked prefill a request also waits a step or two for the token budget, at any
+// batch size: that is no limit). Its KV cache is the other limit; the decision counts it in tokens (see
+// Wait), not here: how many requests a cache holds depends on their lengths, and a count learned from
+// the requests one upstream happens to run would draw more of the same kind there.
+func (m *ServiceModel) ObserveQueue(running, waiting float64) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if running > m.ceiling {
@@ -160,18 +159,7 @@ func (m *ServiceModel) ObserveQueue(running, waiting, kvUsage float64) {
 	if m.atCeil >= 2 || m.slots > 0 {
 		m.slots = m.ceiling
 	}
-	if running >= 1 && kvUsage >= minKVUsage {
-		fit := running / min(kvUsage, 1)
-		if m.kvSlots == 0 {
-			m.kvSlots = fit
-		} else {
-			m.kvSlots += 0.3 * (fit - m.kvSlots)
-		}
-	}
 }
-
-// minKVUsage is the KV-cache usage below which running/usage says too little about its capacity.
-const minKVUsage = 0.05
 
 // Service returns the current estimate.
 func (m *ServiceModel) Service() Service {
@@ -191,7 +179,7 @@ func (m *ServiceModel) serviceLocked() Service {
 		Overhead:               p.Overhead * scale,
 		PrefillSecondsPerToken: p.PrefillSecondsPerToken * scale,
 		TokenSeconds:           p.TokenSeconds * scale,
-		Slots:                  minKnown(m.slots, m.kvSlots),
+		Slots:                  m.slots,
 		MeanDuration:           max(m.meanDur, 1e-3),
 		Samples:                m.durN + m.ttftN,
 	}
@@ -201,17 +189,6 @@ func (m *ServiceModel) serviceLocked() Service {
 		s.PrefillSecondsPerToken = clamp(m.ttft.theta[1]/1000, p.PrefillSecondsPerToken/maxScale, p.PrefillSecondsPerToken*maxScale)
 	}
 	return s
-}
-
-// minKnown returns the lesser of two limits, 0 meaning unknown.
-func minKnown(a, b float64) float64 {
-	switch {
-	case a == 0:
-		return b
-	case b == 0:
-		return a
-	}
-	return min(a, b)
 }
 
 func clamp(v, lo, hi float64) float64 {

@@ -96,37 +96,23 @@ func TestServiceModelAdaptsToSlowdown(t *testing.T) {
 // more later (its KV cache had been the limit) raises it.
 func TestServiceModelSlots(t *testing.T) {
 	m := NewServiceModel(Prior)
-	m.ObserveQueue(5, 0, 0)
+	m.ObserveQueue(5, 0)
 	if s := m.Service().Slots; s != 0 {
 		t.Errorf("slots %v before any queue, want 0 (unknown)", s)
 	}
-	m.ObserveQueue(6, 1, 0) // a momentary wait for the prefill budget: no limit
+	m.ObserveQueue(6, 1) // a momentary wait for the prefill budget: no limit
 	if s := m.Service().Slots; s != 0 {
 		t.Errorf("slots %v after a momentary wait, want 0 (unknown)", s)
 	}
-	m.ObserveQueue(8, 3, 0)
-	m.ObserveQueue(8, 4, 0) // at its ceiling with others waiting, twice
-	m.ObserveQueue(6, 1, 0)
+	m.ObserveQueue(8, 3)
+	m.ObserveQueue(8, 4) // at its ceiling with others waiting, twice
+	m.ObserveQueue(6, 1)
 	if s := m.Service().Slots; s != 8 {
 		t.Errorf("slots %v, want 8", s)
 	}
-	m.ObserveQueue(12, 0, 0)
+	m.ObserveQueue(12, 0)
 	if s := m.Service().Slots; s != 12 {
 		t.Errorf("slots %v after running 12, want 12", s)
-	}
-
-	// A KV cache half full with 10 sequences holds about 20.
-	kv := NewServiceModel(Prior)
-	for range 20 {
-		kv.ObserveQueue(10, 0, 0.5)
-	}
-	if s := kv.Service().Slots; !within(s, 20, 0.01) {
-		t.Errorf("slots %v with 10 sequences in half the KV cache, want 20", s)
-	}
-	kv.ObserveQueue(64, 2, 1) // the lesser limit wins: 64 slots, and a full cache that held 20 a moment ago
-	kv.ObserveQueue(64, 2, 1)
-	if s := kv.Service().Slots; s >= 64 {
-		t.Errorf("slots %v, want the KV limit below the 64 slots", s)
 	}
 }
 
