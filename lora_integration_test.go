@@ -36,12 +36,15 @@ func TestLoRARoutingThroughCaddy(t *testing.T) {
 			lora_load_time 2s
 			metrics {
 				interval 100ms
+				stale_after 1m
 			}
 		}
 	}
 }
 `, site, a, b, c), "caddyfile")
 
+	// Scrapes are trusted for a minute (stale_after): a busy machine that delays one must not make the
+	// policy ignore what the backends report.
 	// Another client holds fin on A and legal on B: one long stream each (about a minute at this time
 	// scale; cancelled at the end of the test).
 	ctx, cancel := context.WithCancel(context.Background())
