@@ -39,7 +39,7 @@ var caddyfileBlocks = [...]struct {
 		options: []string{"mode", "tokenizer", "max_body_size", "max_message_size", "max_tokenize_size",
 			"output_tokens", "conversation_header", "block_size", "route_capacity", "route_ttl",
 			"guard_factor", "guard_slack", "guard_request_slack", "prefill_weight", "capacity",
-			"saturation_backoff", "metrics", "fallback", "persist", "share", "availability", "tenant_header"},
+			"saturation_backoff", "lora_load_time", "metrics", "fallback", "persist", "share", "availability", "tenant_header"},
 		enums: map[string][]string{"mode": modeNames(), "tokenizer": tokenizerNames},
 	},
 	metricsBlock: {
@@ -176,6 +176,7 @@ func editDistance(a, b string) int {
 //		route_ttl           <duration>
 //		capacity            <dial> <relative speed>
 //		saturation_backoff  <duration>
+//		lora_load_time      <duration>
 //		metrics off
 //		metrics {
 //			scheme         <http|https>
@@ -325,6 +326,8 @@ func (s *LLMSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			s.RouteTTL, err = parseDuration(d, option, val)
 		case "saturation_backoff":
 			s.SaturationBackoff, err = parseDuration(d, option, val)
+		case "lora_load_time":
+			s.LoRALoadTime, err = parseDuration(d, option, val)
 		case "guard_factor":
 			s.GuardFactor, err = strconv.ParseFloat(val, 64)
 			if err != nil || s.GuardFactor <= 0 {

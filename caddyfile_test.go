@@ -30,6 +30,7 @@ func TestUnmarshalPolicy(t *testing.T) {
 		capacity 10.0.0.1:8000 2
 		capacity 10.0.0.2:8000 0.5
 		saturation_backoff 5s
+		lora_load_time 2s
 		metrics {
 			port 9100
 			path /prom
@@ -56,6 +57,7 @@ func TestUnmarshalPolicy(t *testing.T) {
 		GuardFactor: 1.5, GuardSlack: 2048, GuardRequestSlack: 5, PrefillWeight: 3,
 		Capacities:        map[string]float64{"10.0.0.1:8000": 2, "10.0.0.2:8000": 0.5},
 		SaturationBackoff: caddy.Duration(5 * time.Second),
+		LoRALoadTime:      caddy.Duration(2 * time.Second),
 		Metrics: &MetricsConfig{Port: "9100", Path: "/prom", Interval: caddy.Duration(2 * time.Second),
 			Timeout: caddy.Duration(300 * time.Millisecond), StaleAfter: caddy.Duration(10 * time.Second),
 			Model: "llama", RequestTokens: 2000, KVThreshold: 0.8, KVWeight: 4096},
@@ -76,6 +78,7 @@ func TestUnmarshalPolicyErrors(t *testing.T) {
 		`llm { output_tokens -1 }`:               "output_tokens must be a positive whole number",
 		`llm { block_size 0 }`:                   "block_size must be a positive whole number",
 		`llm { route_ttl soon }`:                 "route_ttl must be a positive duration",
+		`llm { lora_load_time soon }`:            "lora_load_time must be a positive duration",
 		`llm { guard_factor 0 }`:                 "guard_factor must be a positive number",
 		`llm { prefill_weight -1 }`:              "prefill_weight must be a positive number",
 		`llm { fallback }`:                       "wrong argument count",
@@ -104,6 +107,7 @@ func TestValidatePolicy(t *testing.T) {
 		"unknown tokenizer": {Mode: "combined", Tokenizer: "gpt2"},
 		"negative body":     {Mode: "combined", Tokenizer: "approx", MaxBodyBytes: -1},
 		"negative ttl":      {Mode: "combined", Tokenizer: "approx", RouteTTL: -1},
+		"negative lora":     {Mode: "combined", Tokenizer: "approx", LoRALoadTime: -1},
 		"zero capacity":     {Mode: "combined", Tokenizer: "approx", Capacities: map[string]float64{"a:1": 0}},
 		"bad scheme":        {Mode: "combined", Tokenizer: "approx", Metrics: &MetricsConfig{Scheme: "ftp", Path: "/m"}},
 		"relative path":     {Mode: "combined", Tokenizer: "approx", Metrics: &MetricsConfig{Scheme: "http", Path: "m"}},

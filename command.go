@@ -171,7 +171,7 @@ var upstreamColumns = []upstreamColumn{
 }
 
 // hiddenFields are reported but left out of the table: the backend's fixed cache geometry.
-var hiddenFields = []string{"metrics.block_size", "metrics.num_blocks"}
+var hiddenFields = []string{"metrics.block_size", "metrics.num_blocks", "metrics.lora.max_lora"}
 
 // scrapeStatus summarizes the metrics block: "vllm 0.4s", "vllm stale 12s, 3 errors", "never".
 func scrapeStatus(fs fields) string {

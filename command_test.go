@@ -59,6 +59,15 @@ func TestRenderUpstreams(t *testing.T) {
 			want: "No upstreams yet.\n\nRoutes: routes 0\n",
 		},
 		{
+			// The adapter lists are for the JSON report; the table leaves them (and max_lora) out.
+			name: "scraped LoRA adapters",
+			body: `{"upstreams":[{"upstream":"a:1","inflight_tokens":7,"inflight_requests":1,"saturated":false,` +
+				`"metrics":{"flavor":"vllm","running":1,"waiting":0,"kv_cache_usage":0.5,"age_seconds":0.2,"fresh":true,"errors":0,` +
+				`"lora":{"running":["fin"],"waiting":[],"max_lora":2}}}]}`,
+			want: "UPSTREAM  REQS  PREFILL  DECODE  TOKENS  TO_PREFILL  QUEUED  SATURATED  ROUTES  RUNNING  WAITING  KV     SCRAPE\n" +
+				"a:1       1     -        -       7       -           -       no         -       1        0        50.0%  vllm 200ms\n",
+		},
+		{
 			name: "before scraping, no routes object",
 			body: `{"upstreams":[{"upstream":"a:1","inflight_tokens":7,"inflight_requests":1,"saturated":false}]}`,
 			want: "UPSTREAM  REQS  PREFILL  DECODE  TOKENS  TO_PREFILL  QUEUED  SATURATED  ROUTES  RUNNING  WAITING  KV  SCRAPE\n" +

@@ -2,6 +2,7 @@ package caddyllm
 
 import (
 	"math/rand/v2"
+	"time"
 
 	"github.com/cespare/xxhash/v2"
 
@@ -23,6 +24,7 @@ type decider struct {
 	loads        *loadTable
 	outputTokens int
 	signals      []signal
+	lora         *loraSignal // nil: metrics off
 	// capacities weigh the tenant chains (with availability); nil: all 1.
 	capacities map[string]float64
 }
@@ -38,6 +40,8 @@ type query struct {
 	now    int64
 	cached []int     // scratch for the cache signal
 	avail  []float64 // scratch for the availability signal
+	// adapter is set by the LoRA signal when the request's model is a LoRA adapter on some candidate.
+	adapter bool
 }
 
 // signal fills its part of each candidate; cands[i] is the upstream keys[i].
@@ -58,6 +62,16 @@ func newDecider(cfg selection.Config, routes *affinity.Table, loads *loadTable, 
 func (d *decider) withAvailability(table *availabilityTable, preference []string) *decider {
 	if table != nil {
 		d.signals = append(d.signals, availabilitySignal{table: table, preference: preference})
+	}
+	return d
+}
+
+// withLoRA adds the LoRA adapter signal (it reads the scrapes: nothing without metrics), pricing an
+// adapter that is not resident at loadTime.
+func (d *decider) withLoRA(scrapes *scrapes, slots *loraSlots, loadTime time.Duration) *decider {
+	if scrapes != nil {
+		d.lora = &loraSignal{snapshot: scrapes.load, slots: slots, loadTime: loadTime.Seconds()}
+		d.signals = append(d.signals, d.lora)
 	}
 	return d
 }
@@ -97,6 +111,9 @@ func (d *decider) choose(q *query, keys []string, cands []selection.Candidate, s
 // commit records the choice of dial: the route table learns the request's prefixes there, the
 // conversation is pinned there, and the request's work is reserved on it.
 func (d *decider) commit(q *query, dial string, dec selection.Decision) *reservation {
+	if d.lora != nil {
+		d.lora.commit(q, dial)
+	}
 	if d.routes != nil {
 		d.routes.Learn(q.req.Model, q.bounds, dial)
 		if q.conversation != "" {

@@ -197,6 +197,21 @@ type scrapedMetrics struct {
 	Fresh      bool    `json:"fresh"`
 	Errors     uint64  `json:"errors"`
 	LastError  string  `json:"last_error,omitempty"`
+	// LoRA is the adapter residency the upstream reports (vLLM with LoRA enabled); absent otherwise.
+	LoRA *loraReport `json:"lora,omitempty"`
+}
+
+type loraReport struct {
+	Running []string `json:"running"`
+	Waiting []string `json:"waiting"`
+	MaxLoRA int      `json:"max_lora"`
+}
+
+func splitAdapters(list string) []string {
+	if list == "" {
+		return []string{}
+	}
+	return strings.Split(list, ",")
 }
 
 // liveScrapes are the scrape sets of every provisioned policy, for reporting.
@@ -283,6 +298,9 @@ func reportScrape(st scraper.Status) *scrapedMetrics {
 	}
 	if !st.Snapshot.At.IsZero() {
 		m.AgeSeconds = st.Age.Seconds()
+	}
+	if l := st.Snapshot.LoRA; l.Reported() {
+		m.LoRA = &loraReport{Running: splitAdapters(l.Running), Waiting: splitAdapters(l.Waiting), MaxLoRA: l.MaxLoRA}
 	}
 	return m
 }

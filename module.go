@@ -117,6 +117,12 @@ type LLMSelection struct {
 	// while any other is available. Its learned routes are kept. Default 2s.
 	SaturationBackoff caddy.Duration `json:"saturation_backoff,omitempty"`
 
+	// LoRALoadTime is the time an upstream is assumed to take to load a LoRA adapter that is not in one
+	// of its slots. Upstreams that report adapters (vLLM's vllm:lora_requests_info, scraped with metrics)
+	// and do not hold the request's adapter are charged it, and when all their adapter slots are taken,
+	// also about one mean request time of waiting for a slot (see lora.go). Default 500ms.
+	LoRALoadTime caddy.Duration `json:"lora_load_time,omitempty"`
+
 	// Availability adapts each upstream's share of new work to its error rate (see AvailabilityConfig):
 	// on by default; {"off": true} (Caddyfile `availability off`) turns it off. The availabilities are
 	// process-global per controller setting, so a reload with the same settings keeps them.
@@ -178,6 +184,9 @@ func (s *LLMSelection) Provision(ctx caddy.Context) error {
 	}
 	if s.RouteTTL == 0 {
 		s.RouteTTL = caddy.Duration(defaultRouteTTL)
+	}
+	if s.LoRALoadTime == 0 {
+		s.LoRALoadTime = caddy.Duration(defaultLoRALoadTime)
 	}
 	if s.SaturationBackoff == 0 {
 		s.SaturationBackoff = caddy.Duration(defaultSaturationBackoff)
@@ -254,7 +263,9 @@ func (s *LLMSelection) Provision(ctx caddy.Context) error {
 			return err
 		}
 	}
-	s.decider = newDecider(cfg, routes, loads, s.OutputTokens, s.scrapes).withAvailability(s.avail, s.Availability.Preference)
+	s.decider = newDecider(cfg, routes, loads, s.OutputTokens, s.scrapes).
+		withAvailability(s.avail, s.Availability.Preference).
+		withLoRA(s.scrapes, adapterSlots, time.Duration(s.LoRALoadTime))
 	s.decider.capacities = s.Capacities
 	return s.provisionState(ctx, s.routes)
 }
@@ -279,6 +290,7 @@ func (s *LLMSelection) Validate() error {
 		{"route_capacity", float64(s.RouteCapacity)},
 		{"route_ttl", time.Duration(s.RouteTTL).Seconds()},
 		{"saturation_backoff", time.Duration(s.SaturationBackoff).Seconds()},
+		{"lora_load_time", time.Duration(s.LoRALoadTime).Seconds()},
 	} {
 		if v.value < 0 {
 			return fmt.Errorf("%s must be positive, got %g", v.name, v.value)

@@ -43,6 +43,12 @@ type Snapshot struct {
 	// sglang:page_size and sglang:num_pages gauges are accepted too). Zero when unknown.
 	// BlockSize*NumBlocks is the target's KV capacity in tokens.
 	BlockSize, NumBlocks int
+	// Model is the model_name label of the load series (vLLM serves one base model, under its first
+	// served name); "" when they carry none or disagree.
+	Model string
+	// LoRA is the adapter residency vLLM reports in vllm:lora_requests_info; its zero value (MaxLoRA 0)
+	// when the target does not report it (LoRA disabled, SGLang, older versions).
+	LoRA LoRA
 	// Flavor is FlavorVLLM or FlavorSGLang. A text carrying both families is read as vLLM.
 	Flavor string
 	// At is when the scrape that produced this snapshot started (Parse leaves it zero).
@@ -59,6 +65,7 @@ var (
 	sglangRunning     = []string{"sglang:num_running_reqs"}
 	sglangWaiting     = []string{"sglang:num_queue_reqs"}
 	sglangKV          = []string{"sglang:token_usage"}
+	vllmLoRAInfo      = "vllm:lora_requests_info"
 )
 
 const modelLabel = "model_name"
@@ -110,6 +117,8 @@ func extractVLLM(families map[string]*dto.MetricFamily, model string, s *Snapsho
 	s.PrefixHits, _ = sum(families, vllmPrefixHits, model)
 	s.PrefixQueries, _ = sum(families, vllmPrefixQueries, model)
 	s.BlockSize, s.NumBlocks = geometryFromLabels(families["vllm:cache_config_info"], model, "block_size", "num_gpu_blocks")
+	s.Model = modelName(families, vllmRunning[0], model)
+	s.LoRA = loraFromLabels(families[vllmLoRAInfo], model)
 	return true
 }
 

@@ -6,6 +6,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -63,6 +64,12 @@ func TestParseRecorded(t *testing.T) {
 			want: Snapshot{Running: 2, Waiting: 0, KVUsage: 0.05, BlockSize: 64, NumBlocks: 4096, Flavor: FlavorSGLang},
 		},
 		{
+			name: "vLLM with LoRA: the newest info sample of each engine, adapters unioned, slots summed",
+			file: "vllm_lora.txt",
+			want: Snapshot{Running: 5, Waiting: 1, KVUsage: 0.2, BlockSize: 16, NumBlocks: 8192, Flavor: FlavorVLLM,
+				LoRA: LoRA{Running: "chat-lora,legal-lora,sql-lora", Waiting: "math-lora", MaxLoRA: 4}},
+		},
+		{
 			name:  "two models, filter llama",
 			file:  "vllm_two_models.txt",
 			model: "llama",
@@ -97,7 +104,8 @@ func snapshotsClose(a, b Snapshot) bool {
 	near := func(x, y float64) bool { return math.Abs(x-y) < 1e-9 }
 	return near(a.Running, b.Running) && near(a.Waiting, b.Waiting) && near(a.KVUsage, b.KVUsage) &&
 		near(a.PrefixHits, b.PrefixHits) && near(a.PrefixQueries, b.PrefixQueries) &&
-		a.BlockSize == b.BlockSize && a.NumBlocks == b.NumBlocks && a.Flavor == b.Flavor && a.At.Equal(b.At)
+		a.BlockSize == b.BlockSize && a.NumBlocks == b.NumBlocks && a.Flavor == b.Flavor && a.At.Equal(b.At) &&
+		a.LoRA == b.LoRA
 }
 
 func TestParseErrors(t *testing.T) {
@@ -187,7 +195,7 @@ func TestHitRate(t *testing.T) {
 }
 
 func FuzzParse(f *testing.F) {
-	for _, name := range []string{"vllm_v1_two_engines.txt", "vllm_legacy.txt", "sglang.txt", "sglang_gauges.txt", "vllm_two_models.txt", "garbage.txt"} {
+	for _, name := range []string{"vllm_v1_two_engines.txt", "vllm_legacy.txt", "sglang.txt", "sglang_gauges.txt", "vllm_two_models.txt", "vllm_lora.txt", "garbage.txt"} {
 		f.Add(readTestdata(f, name), "")
 	}
 	f.Fuzz(func(t *testing.T, text []byte, model string) {
@@ -205,6 +213,15 @@ func FuzzParse(f *testing.F) {
 		}
 		if !(s.KVUsage >= 0 && s.KVUsage <= 1) {
 			t.Errorf("KVUsage = %v, want in [0, 1]", s.KVUsage)
+		}
+		if s.LoRA.MaxLoRA < 0 || s.LoRA.MaxLoRA > maxBlocks || !s.LoRA.Reported() && s.LoRA != (LoRA{}) {
+			t.Errorf("LoRA = %+v out of range", s.LoRA)
+		}
+		for _, list := range []string{s.LoRA.Running, s.LoRA.Waiting} {
+			names := strings.Split(list, ",")
+			if list != "" && (len(names) > maxAdapters || !slices.IsSorted(names) || len(slices.Compact(slices.Clone(names))) != len(names) || slices.Contains(names, "")) {
+				t.Errorf("adapter list %q is not a sorted list of at most %d distinct names", list, maxAdapters)
+			}
 		}
 		if s.BlockSize < 0 || s.NumBlocks < 0 || s.BlockSize > maxBlocks || s.NumBlocks > maxBlocks {
 			t.Errorf("geometry = %d x %d out of range", s.BlockSize, s.NumBlocks)

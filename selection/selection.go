@@ -102,6 +102,13 @@ type Candidate struct {
 	// divided by it: a busy fleet would otherwise make up for the exclusion by sending it more of the
 	// requests it does see, since it is the least loaded). When every candidate is excluded, none is.
 	Availability float64
+	// AdapterLoad is how long the upstream would spend loading the request's LoRA adapter before its
+	// prefill: 0 when the adapter is resident there or the request names none. Engines load an adapter
+	// within a step, so like a prefill it delays every request in flight there too.
+	AdapterLoad float64
+	// AdapterWait is how long the request would wait for one of the upstream's adapter slots to free
+	// before its adapter can load: 0 when a slot is free, the adapter resident, or the request names none.
+	AdapterWait float64
 	// Home is true for the tenant's home upstream (the head of its fallback chain): among candidates
 	// whose costs are equal within the tie tolerance, a home is preferred.
 	Home bool
@@ -162,10 +169,15 @@ type Decision struct {
 // prefix is not much busier than another; once the wait there exceeds what the cache saves, another
 // upstream is cheaper, learns the prefix, and a hot prefix ends up replicated on as many upstreams as
 // its load needs, then balanced among them.
+//
+// A LoRA adapter that is not resident adds its load to the prefill (it stalls the batch the same way)
+// and, when every adapter slot is taken, the wait for one to free: an upstream holding the adapter is
+// preferred by the load time it saves, and one whose slots are full is avoided by the wait it would add.
+// With neither (no adapter, or no upstream reports LoRA), the cost is the same as without the terms.
 func Cost(c *Candidate, req Request, cached int) (cost, wait, ttft float64) {
 	uncached := req.PromptTokens - min(cached, req.PromptTokens)
-	wait = Wait(c, float64(uncached+req.OutputTokens))
-	prefill := float64(uncached) * c.Service.PrefillSecondsPerToken
+	wait = Wait(c, float64(uncached+req.OutputTokens)) + c.AdapterWait
+	prefill := float64(uncached)*c.Service.PrefillSecondsPerToken + c.AdapterLoad
 	ttft = wait + c.Service.Overhead + prefill
 	waiting := 0.0
 	if s := c.Service.Slots; s > 0 {

@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
+	"strings"
 	"time"
 )
 
@@ -32,6 +34,19 @@ type Config struct {
 	MetricsDelay        time.Duration // /metrics handler sleeps this long (slow metrics fault)
 	MetricsFail         bool          // /metrics answers 500
 	Seed                int64
+
+	// LoRAAdapters are the names of the LoRA adapters served besides Model (vLLM's --lora-modules): a
+	// request naming one runs with that adapter, which must be in one of MaxLoRAs GPU slots. Admitting a
+	// request whose adapter is not resident loads it into a free slot, or into the slot of the least
+	// recently used adapter no running request uses, and the engine step that admits it lasts
+	// LoRALoadTime longer (vLLM loads adapters synchronously, stalling the batch). A request whose adapter
+	// finds no slot waits and is skipped, as vLLM's scheduler does, until one frees. With adapters,
+	// /metrics exports vllm:lora_requests_info. Default: none.
+	LoRAAdapters []string
+	// MaxLoRAs is the number of adapter slots (vLLM's --max-loras). Default 1 when LoRAAdapters is set.
+	MaxLoRAs int
+	// LoRALoadTime is the simulated time to load an adapter into a slot. Default 200ms.
+	LoRALoadTime time.Duration
 
 	// MaxNumBatchedTokens is the token budget of one engine step (vLLM's max_num_batched_tokens with
 	// chunked prefill): decodes take one token each, prefills share the rest, and a long prompt is
@@ -88,6 +103,12 @@ func (cfg Config) withDefaults() (Config, error) {
 	if cfg.Metrics == "" {
 		cfg.Metrics = MetricsVLLM
 	}
+	if len(cfg.LoRAAdapters) > 0 {
+		setInt(&cfg.MaxLoRAs, 1)
+		if cfg.LoRALoadTime == 0 {
+			cfg.LoRALoadTime = 200 * time.Millisecond
+		}
+	}
 
 	var errs []error
 	positive := func(name string, v int) {
@@ -101,6 +122,18 @@ func (cfg Config) withDefaults() (Config, error) {
 	positive("num_gpu_blocks", cfg.NumGPUBlocks)
 	positive("tokens_per_chunk", cfg.TokensPerChunk)
 	positive("cut_stream_after", cfg.CutStreamAfter)
+	positive("max_loras", cfg.MaxLoRAs)
+	if cfg.LoRALoadTime < 0 {
+		errs = append(errs, errors.New("lora_load_time must not be negative"))
+	}
+	for i, name := range cfg.LoRAAdapters {
+		switch {
+		case name == "" || strings.ContainsAny(name, ",\"\\\n"):
+			errs = append(errs, fmt.Errorf("lora adapter name %q: must be non-empty, without commas, quotes, backslashes or newlines", name))
+		case name == cfg.Model || slices.Contains(cfg.LoRAAdapters[:i], name):
+			errs = append(errs, fmt.Errorf("lora adapter name %q given twice (or equal to the model)", name))
+		}
+	}
 	if cfg.MaxNumBatchedTokens < -1 {
 		errs = append(errs, fmt.Errorf("max_num_batched_tokens must be positive or -1, got %d", cfg.MaxNumBatchedTokens))
 	}

@@ -9,6 +9,11 @@
 // caching: full prompt blocks are identified by a chained xxhash, reused by later requests that share
 // the prefix, and evicted least-recently-used when unreferenced blocks are needed.
 //
+// LoRA adapters (Config.LoRAAdapters) are served under their own model names from MaxLoRAs slots: the
+// step that admits a request whose adapter is not resident lasts LoRALoadTime longer, the least recently
+// used idle adapter is evicted for it, a request whose adapter finds no free slot is skipped until one
+// frees (as vLLM's scheduler does), and /metrics exports vllm:lora_requests_info.
+//
 // Tokenization is deliberately cheap: the templated prompt (per chat message "<|role|>\n" + content +
 // "\n") is cut into 4-byte pieces, one token each. Output tokens are 4-byte words.
 //

@@ -35,6 +35,7 @@ type request struct {
 	hashes       []uint64 // chained hashes of the prompt's full blocks
 	promptTokens int
 	maxTokens    int
+	adapter      string // LoRA adapter, "" for the base model
 
 	generated atomic.Int64  // output tokens produced so far
 	cached    atomic.Int64  // prompt tokens found in the prefix cache at admission
@@ -49,6 +50,7 @@ type request struct {
 	computed   int     // tokens whose KV is computed (cache hits included)
 	target     int     // tokens to compute before the next sample while prefilling, else 0
 	pendingEst int     // contribution to Server.pendingPrefill
+	loraHeld   bool    // holds a reference on its adapter's slot (while running)
 }
 
 // stepItem is one request's share of a planned engine step.
@@ -99,6 +101,8 @@ type Server struct {
 	steps          int64
 	busy           time.Duration // simulated time spent in steps
 	lastStep       time.Duration
+	loras          []loraSlot // resident LoRA adapters, at most MaxLoRAs
+	loraLoads      int64      // adapters loaded into a slot
 }
 
 // New validates cfg, fills in defaults and starts the engine goroutine; Close stops it.
@@ -193,6 +197,7 @@ type State struct {
 	Steps            int64         // engine steps run
 	BusyTime         time.Duration // simulated time spent in steps
 	LastStepDuration time.Duration // simulated duration of the latest step
+	LoRALoads        int64         // LoRA adapters loaded into a slot (each cost LoRALoadTime)
 }
 
 // State returns a snapshot; it takes the engine mutex briefly and allocates nothing.
@@ -217,6 +222,7 @@ func (s *Server) State() State {
 		Steps:                s.steps,
 		BusyTime:             s.busy,
 		LastStepDuration:     s.lastStep,
+		LoRALoads:            s.loraLoads,
 	}
 }
 
@@ -315,6 +321,7 @@ func (s *Server) abort(r *request) {
 }
 
 func (s *Server) removeRunningLocked(r *request) {
+	s.releaseLoRALocked(r)
 	if i := slices.Index(s.running, r); i >= 0 {
 		s.running = slices.Delete(s.running, i, i+1)
 	}
@@ -423,16 +430,34 @@ func (s *Server) planLocked(batch []stepItem) ([]stepItem, time.Duration) {
 		}
 		take(r)
 	}
-	for s.numWaiting > 0 && len(s.running) < s.cfg.MaxNumSeqs && (unlimited || budget > 0) {
-		r := s.waiting[s.waitHead]
+	loads := 0
+	for i := s.waitHead; s.numWaiting > 0 && i < len(s.waiting) && len(s.running) < s.cfg.MaxNumSeqs && (unlimited || budget > 0); {
+		r := s.waiting[i]
 		if r.state == stateDone { // aborted while waiting
-			s.popWaitingLocked()
+			if i == s.waitHead {
+				s.popWaitingLocked()
+				i = s.waitHead
+			} else {
+				i++
+			}
+			continue
+		}
+		if !s.loraAdmissibleLocked(r) {
+			i++ // its adapter has no slot: skipped, like vLLM's scheduler does
 			continue
 		}
 		if !s.admitLocked(r) {
 			break // head-of-line blocking, like vLLM's FCFS scheduler
 		}
-		s.popWaitingLocked()
+		if s.takeLoRALocked(r) {
+			loads++
+		}
+		if i == s.waitHead {
+			s.popWaitingLocked()
+			i = s.waitHead
+		} else {
+			s.waiting = slices.Delete(s.waiting, i, i+1)
+		}
 		s.numWaiting--
 		s.running = append(s.running, r)
 		take(r)
@@ -444,7 +469,8 @@ func (s *Server) planLocked(batch []stepItem) ([]stepItem, time.Duration) {
 		return batch, 0
 	}
 	d := time.Duration(float64(prefill)/s.cfg.PrefillTokensPerSec*float64(time.Second)) +
-		s.cfg.DecodeStep + s.cfg.DecodeStepPerSeq*time.Duration(len(batch))
+		s.cfg.DecodeStep + s.cfg.DecodeStepPerSeq*time.Duration(len(batch)) +
+		s.cfg.LoRALoadTime*time.Duration(loads)
 	return batch, d
 }
 
@@ -492,6 +518,7 @@ func (s *Server) applyLocked(batch []stepItem, d time.Duration) {
 		s.outputTotal++
 		s.setPendingLocked(r)
 		if int(n) == r.maxTokens {
+			s.releaseLoRALocked(r)
 			s.retireLocked(r)
 			s.finished++
 			finished = true

@@ -34,8 +34,14 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 		w.Header().Set("Content-Type", "application/json")
-		fmt.Fprintf(w, `{"object":"list","data":[{"id":%s,"object":"model","created":%d,"owned_by":"vllm","root":%s,"parent":null,"max_model_len":%d}]}`,
+		fmt.Fprintf(w, `{"object":"list","data":[{"id":%s,"object":"model","created":%d,"owned_by":"vllm","root":%s,"parent":null,"max_model_len":%d}`,
 			s.modelJSON, time.Now().Unix(), s.modelJSON, s.cfg.NumGPUBlocks*s.cfg.BlockSize)
+		for _, a := range s.cfg.LoRAAdapters {
+			name := appendJSONString(nil, a)
+			fmt.Fprintf(w, `,{"id":%s,"object":"model","created":%d,"owned_by":"vllm","root":%s,"parent":%s,"max_model_len":%d}`,
+				name, time.Now().Unix(), name, s.modelJSON, s.cfg.NumGPUBlocks*s.cfg.BlockSize)
+		}
+		io.WriteString(w, "]}")
 	case "/health":
 		if !allowMethod(w, r, http.MethodGet) {
 			return
@@ -95,7 +101,8 @@ func (s *Server) serveCompletion(w http.ResponseWriter, r *http.Request, chat bo
 		s.writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	if p.model != "" && p.model != s.cfg.Model {
+	adapter, ok := s.adapterFor(p.model)
+	if !ok {
 		s.writeError(w, http.StatusNotFound, "The model `"+p.model+"` does not exist.")
 		return
 	}
@@ -105,6 +112,7 @@ func (s *Server) serveCompletion(w http.ResponseWriter, r *http.Request, chat bo
 		return
 	}
 	req := s.newRequest(p)
+	req.adapter = adapter
 	switch err := s.enqueue(req); {
 	case errors.Is(err, errQueueFull):
 		s.writeError(w, http.StatusTooManyRequests, "the server is busy: waiting queue full")
@@ -130,6 +138,9 @@ func (s *Server) serveCompletion(w http.ResponseWriter, r *http.Request, chat bo
 		model:   s.modelJSON,
 		p:       &p,
 		req:     req,
+	}
+	if adapter != "" {
+		rs.model = appendJSONString(nil, adapter) // vLLM answers with the adapter's name
 	}
 	if p.stream {
 		s.serveStream(w, r, &rs, drop, cutAfter)

@@ -79,6 +79,15 @@ func (s *Server) metricsText() []byte {
 		metric("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", labels, float64(outputTotal))
 		metric("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig.",
 			fmt.Sprintf("block_size=\"%d\",engine=\"0\",model_name=%s,num_gpu_blocks=\"%d\"", s.cfg.BlockSize, model, st.NumBlocks), 1)
+		if len(s.cfg.LoRAAdapters) > 0 {
+			s.mu.Lock()
+			running, waiting := s.loraListsLocked()
+			s.mu.Unlock()
+			// Like vLLM: an info gauge whose value is the time its labels were set.
+			metric("vllm:lora_requests_info", "gauge", "Running stats on lora requests.",
+				fmt.Sprintf("max_lora=\"%d\",running_lora_adapters=\"%s\",waiting_lora_adapters=\"%s\"", s.cfg.MaxLoRAs, running, waiting),
+				float64(time.Now().UnixNano())/1e9)
+		}
 	}
 	return b.Bytes()
 }

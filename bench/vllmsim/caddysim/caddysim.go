@@ -91,6 +91,14 @@ type Handler struct {
 	MetricsFail bool `json:"metrics_fail,omitempty"`
 	// Seed seeds the fault RNG. Default: 0.
 	Seed int64 `json:"seed,omitempty"`
+	// LoRAAdapters are the LoRA adapters served besides Model, each under its own model name. A request
+	// for an adapter that is not in one of MaxLoRAs slots loads it (LoRALoadTime, stalling the batch),
+	// evicting the least recently used idle one. Default: none (no vllm:lora_requests_info metric).
+	LoRAAdapters []string `json:"lora_adapters,omitempty"`
+	// MaxLoRAs is the number of adapter slots. Default: 1 with adapters.
+	MaxLoRAs int `json:"max_loras,omitempty"`
+	// LoRALoadTime is the simulated time to load an adapter. Default: 200ms with adapters.
+	LoRALoadTime caddy.Duration `json:"lora_load_time,omitempty"`
 
 	server  *vllmsim.Server
 	poolKey string // engineKey when the simulator is pooled; Cleanup deletes it
@@ -124,6 +132,9 @@ func (h *Handler) Config() vllmsim.Config {
 		MetricsDelay:        time.Duration(h.MetricsDelay),
 		MetricsFail:         h.MetricsFail,
 		Seed:                h.Seed,
+		LoRAAdapters:        h.LoRAAdapters,
+		MaxLoRAs:            h.MaxLoRAs,
+		LoRALoadTime:        time.Duration(h.LoRALoadTime),
 	}
 }
 
@@ -218,6 +229,9 @@ func parseCaddyfile(helper httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, e
 //		metrics_delay          <duration>
 //		metrics_fail
 //		seed                   <n>
+//		lora_adapters          <name...>
+//		max_loras              <n>
+//		lora_load_time         <duration>
 //	}
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // directive name
@@ -239,6 +253,13 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.ArgErr()
 			}
 			h.MetricsFail = true
+			continue
+		}
+		if opt == "lora_adapters" {
+			h.LoRAAdapters = d.RemainingArgs()
+			if len(h.LoRAAdapters) == 0 {
+				return d.ArgErr()
+			}
 			continue
 		}
 		var arg string
@@ -307,6 +328,10 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			err = floatArg(&h.DropMidStreamRate)
 		case "metrics_delay":
 			err = durationArg(&h.MetricsDelay)
+		case "max_loras":
+			err = intArg(&h.MaxLoRAs)
+		case "lora_load_time":
+			err = durationArg(&h.LoRALoadTime)
 		case "seed":
 			n, perr := strconv.ParseInt(arg, 10, 64)
 			if perr != nil {

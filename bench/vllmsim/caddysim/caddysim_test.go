@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"reflect"
 	"strings"
 	"sync"
 	"testing"
@@ -45,6 +46,9 @@ func TestUnmarshalCaddyfile(t *testing.T) {
 				metrics_delay 2s
 				metrics_fail
 				seed 42
+				lora_adapters fin legal
+				max_loras 2
+				lora_load_time 1s
 			}`,
 			want: Handler{
 				Model: "m", MaxNumSeqs: 32, MaxQueue: 100, BlockSize: 32, NumGPUBlocks: 2048,
@@ -52,6 +56,7 @@ func TestUnmarshalCaddyfile(t *testing.T) {
 				DecodeStep: caddy.Duration(25 * time.Millisecond), DecodeStepPerSeq: caddy.Duration(500 * time.Microsecond),
 				TimeScale: 10, TokensPerChunk: 4, Metrics: "sglang", ErrorRate: 0.01, DropMidStreamRate: 0.02,
 				MetricsDelay: caddy.Duration(2 * time.Second), MetricsFail: true, Seed: 42,
+				LoRAAdapters: []string{"fin", "legal"}, MaxLoRAs: 2, LoRALoadTime: caddy.Duration(time.Second),
 			},
 		},
 	}
@@ -61,7 +66,7 @@ func TestUnmarshalCaddyfile(t *testing.T) {
 			if err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser(tt.input)); err != nil {
 				t.Fatalf("UnmarshalCaddyfile() error = %v", err)
 			}
-			if h != tt.want {
+			if !reflect.DeepEqual(h, tt.want) {
 				t.Errorf("UnmarshalCaddyfile() = %+v, want %+v", h, tt.want)
 			}
 		})
@@ -81,7 +86,9 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		"flag with value": `vllm_sim { metrics_fail yes }`,
 		"repeated option": `vllm_sim { max_queue 1
 			max_queue 2 }`,
-		"model twice": `vllm_sim a { model b }`,
+		"model twice":       `vllm_sim a { model b }`,
+		"no adapters":       "vllm_sim {\n lora_adapters\n}",
+		"bad lora duration": `vllm_sim { lora_load_time soon }`,
 	}
 	for name, input := range bad {
 		t.Run(name, func(t *testing.T) {
