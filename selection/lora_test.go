@@ -50,7 +50,7 @@ func TestChooseLoRA(t *testing.T) {
 			req:   Request{PromptTokens: 1000}, cfg: cfg, want: 0,
 		},
 		{
-			// A load stalls the batch like a prefill: the busy upstream pays it once per request in flight.
+			// Equal loads: the busier upstream (6 of its 8 slots taken) adds its slot wait.
 			name:  "a load costs more where more requests run",
 			cands: withAdapter(withRequests(cands(0, 0), 6, 0), []float64{0.3, 0.3}, []float64{0, 0}),
 			req:   Request{PromptTokens: 10}, cfg: cfg, want: 1,
