@@ -1,6 +1,7 @@
 // Package selection chooses an upstream for an LLM request by one cost in seconds: the predicted time to
-// the request's first token on each candidate (the wait for a slot or for the prefill queued there, then
-// its own uncached prefill) plus the delay its prefill imposes on requests arriving behind it. Each
+// the request's first token on each candidate (the wait for a slot, for KV cache space or for the prefill
+// queued there, then its own uncached prefill) plus the delay its prefill imposes on the requests waiting
+// there for a slot. Each
 // candidate's speed is its own Service, learned online by a ServiceModel, so no constant is tied to one
 // backend. It imports nothing from Caddy; the Caddy module converts its upstream pool into Candidates, so
 // every decision can be tested with exact, injected signals.
