@@ -1,7 +1,9 @@
 package caddyllm
 
 import (
+	"cmp"
 	"math/rand/v2"
+	"slices"
 	"time"
 
 	"github.com/cespare/xxhash/v2"
@@ -168,9 +170,9 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 	}
 }
 
-// cacheSignal fills each candidate's predicted cached prompt tokens from the learned routes, discounted
-// by the share of its predicted hits the backend's own counters confirm, and marks the upstream the
-// conversation is pinned to. A pinned upstream is credited with the conversation's history up to its last
+// cacheSignal fills each candidate's predicted cached prompt tokens from the learned routes, extended over
+// the answer the upstream generated there (answeredThere), discounted by the share of its predicted hits
+// the backend's own counters confirm, and marks the upstream the conversation is pinned to. A pinned upstream is credited with the conversation's history up to its last
 // message even when those routes were evicted: the pin says it was there.
 type cacheSignal struct {
 	routes *affinity.Table
@@ -183,7 +185,9 @@ func (s cacheSignal) fill(q *query, keys []string, cands []selection.Candidate) 
 	}
 	cached := q.cached[:len(keys)]
 	s.routes.Match(q.req.Model, q.bounds, keys, cached)
+	bs := s.routes.BlockSize()
 	for i := range cands {
+		cached[i] = answeredThere(q.req.Messages, cached[i], bs)
 		cands[i].CachedTokens = cached[i]
 		if l := s.loads.lookup(keys[i]); l != nil && cached[i] > 0 {
 			cands[i].CachedTokens = int(float64(cached[i]) * l.cacheTrust())
@@ -204,6 +208,26 @@ func (s cacheSignal) fill(q *query, keys []string, cands []selection.Candidate) 
 			}
 		}
 	}
+}
+
+// answeredThere extends a match that ends where a message ends (in the same block of blockSize tokens:
+// matches are block-aligned) over the assistant message after it, when a user's message still follows: the
+// upstream that holds that prefix is the one that answered it (the route table learns each prompt where it
+// is sent), so its cache holds the answer too. The route table itself never sees answers, and without this
+// a conversation's next turn would be credited everything but its last answer at home, often the larger
+// part of what staying saves.
+func answeredThere(msgs []tokenize.Message, matched, blockSize int) int {
+	if matched <= 0 || blockSize <= 0 {
+		return matched
+	}
+	k, _ := slices.BinarySearchFunc(msgs, matched, func(m tokenize.Message, t int) int { return cmp.Compare(m.End, t) })
+	if k+2 >= len(msgs) || msgs[k].End >= matched+blockSize {
+		return matched
+	}
+	if next := msgs[k+1]; next.Assistant && next.End-next.Tokens == msgs[k].End {
+		return max(matched, next.End/blockSize*blockSize)
+	}
+	return matched
 }
 
 // prefixHash identifies the request's prefix for rendezvous hashing among near-equal candidates: the

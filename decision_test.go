@@ -57,8 +57,8 @@ func TestDecisionPipeline(t *testing.T) {
 	if d.Index != home || d.Reason != selection.ReasonAffinity {
 		t.Errorf("continuing conversation: %+v, want affinity to upstream %d", d, home)
 	}
-	if want := req2.Messages[1].End / 16 * 16; d.MatchedTokens < want {
-		t.Errorf("continuing conversation matched %d tokens, want at least turn 1's %d", d.MatchedTokens, want)
+	if want := req2.Messages[2].End / 16 * 16; d.MatchedTokens != want {
+		t.Errorf("continuing conversation matched %d tokens, want turn 1's prompt and the answer generated there: %d", d.MatchedTokens, want)
 	}
 
 	// Branching: another conversation behind the same system prompt matches the system prompt.
@@ -89,6 +89,36 @@ func TestDecisionPipeline(t *testing.T) {
 	d = route(parse(system, message{"user", "A new question."}))
 	if d.MatchedTokens != 0 {
 		t.Errorf("after the TTL: %+v, want nothing matched", d)
+	}
+}
+
+// TestAnsweredThere: a match ending where a message ends is extended over the assistant answer after it,
+// and nothing else is.
+func TestAnsweredThere(t *testing.T) {
+	// system (0-400), user (400-450), assistant (450-650), user (650-700), assistant (700-900), user (900-950)
+	msgs := []tokenize.Message{
+		{Tokens: 400, End: 400}, {Tokens: 50, End: 450}, {Tokens: 200, End: 650, Assistant: true},
+		{Tokens: 50, End: 700}, {Tokens: 200, End: 900, Assistant: true}, {Tokens: 50, End: 950},
+	}
+	tests := []struct {
+		name          string
+		matched, want int
+	}{
+		{"nothing matched", 0, 0},
+		{"the first prompt, aligned down to its block", 448, 640},
+		{"a later prompt", 688, 896},
+		{"a match inside a message", 300, 300},
+		{"the system prompt: a user message follows", 400, 400},
+		{"the whole history: the answer is the last message but one", 896, 896},
+	}
+	for _, tt := range tests {
+		if got := answeredThere(msgs, tt.matched, 16); got != tt.want {
+			t.Errorf("%s: answeredThere(%d) = %d, want %d", tt.name, tt.matched, got, tt.want)
+		}
+	}
+	// A final assistant message (a prefill the client asks to continue) is not an answer given there.
+	if got := answeredThere(msgs[:5], 688, 16); got != 688 {
+		t.Errorf("assistant message last: answeredThere(688) = %d, want 688", got)
 	}
 }
 

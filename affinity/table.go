@@ -180,6 +180,13 @@ func RouteKey(modelHash, boundaryHash uint64) uint64 {
 
 func align(tokens, blockSize int) int { return tokens / blockSize * blockSize }
 
+// BlockSize returns the block size Match aligns its matches to.
+func (t *Table) BlockSize() int {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	return t.cfg.BlockSize
+}
+
 // Learn records that upstream (a dial address) was sent the prompt with these boundaries under model.
 // Boundaries are aligned down to BlockSize; a boundary aligning to 0 is skipped; consecutive boundaries
 // aligning to the same block collapse into one route keyed by the earliest one's hash, so a request that

@@ -350,9 +350,11 @@ func excludeUnavailable(cands []Candidate, costs []float64, req Request, rnd fun
 }
 
 // leastCost returns the candidate with the least cost. Costs within the tie tolerance of the least are
-// separated by the tenant's home, then fewer requests in flight per slot (balance), then by rendezvous
-// hashing of the request's prefix (so that independent proxies agree on where a new prefix goes), else
-// by rnd.
+// separated by the tenant's home, then more cached tokens (the same first token for less work: the
+// GPU time the cache saves serves others, and a conversation stays with its history instead of moving on
+// a difference smaller than the estimates' noise), then fewer requests in flight per slot (balance),
+// then by rendezvous hashing of the request's prefix (so that independent proxies agree on where a new
+// prefix goes), else by rnd.
 func leastCost(cands []Candidate, costs []float64, req Request, cfg Config, rnd func(int) int) int {
 	least := math.Inf(1)
 	for _, c := range costs {
@@ -367,12 +369,11 @@ func leastCost(cands []Candidate, costs []float64, req Request, cfg Config, rnd 
 			continue
 		}
 		occupancy := cands[i].Requests / max(cands[i].Service.Slots, 1) / availability(&cands[i])
-		switch {
-		case chosen < 0 || cands[i].Home && !cands[chosen].Home ||
-			cands[i].Home == cands[chosen].Home && occupancy < bestOccupancy:
+		switch better := preferred(&cands[i], cands, chosen, cfg.Mode != LeastTokens); {
+		case chosen < 0 || better > 0 || better == 0 && occupancy < bestOccupancy:
 			chosen, ties, bestOccupancy = i, 1, occupancy
 			bestScore = rendezvous(req.PrefixHash, cands[i].Key)
-		case cands[chosen].Home && !cands[i].Home, occupancy > bestOccupancy:
+		case better < 0, occupancy > bestOccupancy:
 		case req.PrefixHash != 0:
 			if score := rendezvous(req.PrefixHash, cands[i].Key); score > bestScore {
 				chosen, bestScore = i, score
@@ -386,6 +387,29 @@ func leastCost(cands []Candidate, costs []float64, req Request, cfg Config, rnd 
 		}
 	}
 	return chosen
+}
+
+// preferred compares c with cands[chosen] (none when chosen < 0) on what separates near-equal costs
+// before balance: the tenant's home first, then more cached tokens (unless useCache is false). It returns
+// 1 when c is preferred, -1 when the chosen one is, 0 when neither.
+func preferred(c *Candidate, cands []Candidate, chosen int, useCache bool) int {
+	if chosen < 0 {
+		return 0
+	}
+	o := &cands[chosen]
+	switch {
+	case c.Home != o.Home:
+		if c.Home {
+			return 1
+		}
+		return -1
+	case !useCache:
+	case c.CachedTokens > o.CachedTokens:
+		return 1
+	case c.CachedTokens < o.CachedTokens:
+		return -1
+	}
+	return 0
 }
 
 // rendezvous is the highest-random-weight score of key for a prefix.

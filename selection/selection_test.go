@@ -134,6 +134,18 @@ func TestChoose(t *testing.T) {
 			want: 1, wantReason: ReasonLoad,
 		},
 		{
+			// 100 cached of 2100 saves 10 ms at 10k tokens/s, and 12.5 ms queued there cost as much: within
+			// the tolerance, the claim wins over the fewer requests per slot of the other.
+			name: "near-equal costs go to the longer cache claim before balance",
+			cands: func() []Candidate {
+				c := withRequests(withCached(cands(0.0125, 0), 100, 0), 3, 1)
+				c[0].Service.Slots, c[1].Service.Slots = 64, 64
+				return c
+			}(),
+			req: Request{PromptTokens: 2100}, cfg: cfg,
+			want: 0, wantReason: ReasonAffinity,
+		},
+		{
 			name:  "ties go to fewer requests per slot",
 			cands: withRequests(cands(0, 0, 0), 5, 2, 4), req: Request{PromptTokens: 100, PrefixHash: 9}, cfg: cfg,
 			want: 1, wantReason: ReasonLoad,

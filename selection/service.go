@@ -103,6 +103,10 @@ func (m *ServiceModel) resetLocked(prior Service) {
 // ObserveFirstToken records a first token that came ttft seconds after the request was sent, where
 // the upstream had queued seconds of prefill ahead of it (as predicted when it was sent) and the request
 // had uncached prompt tokens to prefill.
+//
+// Only a first token that was not predicted to wait longer than its own service teaches the model: the
+// wait is a prediction, and where it dominates, its error (a queue the proxy did not see) would be
+// learned as overhead or prefill speed, and the upstreams that were busiest would look slowest.
 func (m *ServiceModel) ObserveFirstToken(uncached int, queued, ttft float64) {
 	y := ttft - queued
 	if !(y > 0) || math.IsInf(y, 0) {
@@ -111,6 +115,9 @@ func (m *ServiceModel) ObserveFirstToken(uncached int, queued, ttft float64) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	pred := m.serviceLocked().TTFT(uncached)
+	if queued > pred {
+		return
+	}
 	y = min(y, 10*pred+1) // clip outliers: a stalled connection must not teach a 10x slowdown at once
 	m.ttft.update(float64(uncached)/1000, y)
 	m.ttftN++

@@ -173,3 +173,22 @@ func TestServiceModelSetPrior(t *testing.T) {
 		t.Errorf("after a new prior: %+v, want that prior with no samples", s)
 	}
 }
+
+// TestServiceModelSkipsQueuedFirstTokens: first tokens that waited mostly in a predicted queue teach
+// nothing (their wait's error would be learned as service); those served at once do.
+func TestServiceModelSkipsQueuedFirstTokens(t *testing.T) {
+	m := NewServiceModel(Prior)
+	before := m.Service()
+	for range 20 {
+		m.ObserveFirstToken(1000, 2, 2+5) // 2 s predicted queue, then 5 s: the queue was longer than thought
+	}
+	if got := m.Service(); got.Overhead != before.Overhead || got.PrefillSecondsPerToken != before.PrefillSecondsPerToken {
+		t.Errorf("queued first tokens moved the model: %+v, want %+v", got, before)
+	}
+	for range 20 {
+		m.ObserveFirstToken(1000, 0, 0.030+1000.0/2000) // idle, 2k tokens/s
+	}
+	if got := 1 / m.Service().PrefillSecondsPerToken; !within(got, 2000, 0.2) {
+		t.Errorf("prefill %.0f tokens/s after first tokens served at once, want about 2000", got)
+	}
+}

@@ -135,7 +135,8 @@ func (p *parser) count(enc *encoder, opts Options, keepAll bool) *Request {
 		if i >= midEnd {
 			j -= midEnd - midStart
 		}
-		r.Messages[j] = Message{Tokens: n, End: pos, Hash: mh}
+		r.Messages[j] = Message{Tokens: n, End: pos, Hash: mh,
+			Assistant: p.api == APIChat && m.hasRole && string(p.bytes(m.role)) == "assistant"}
 	}
 	r.PromptTokens = pos
 	if hits > 0 {

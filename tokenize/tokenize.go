@@ -160,6 +160,9 @@ type Message struct {
 	// and non-text parts, tool calls (id, function name, arguments) and tool_call_id. Key order
 	// and JSON escaping do not change it.
 	Hash uint64
+	// Assistant is true for a chat message of role "assistant": usually the answer a backend generated
+	// to the prompt before it, which that backend then holds in its cache too.
+	Assistant bool
 }
 
 // Parse parses body as a request of the given API and counts its prompt.

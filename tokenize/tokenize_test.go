@@ -720,3 +720,27 @@ func TestParseLaxHints(t *testing.T) {
 		t.Errorf("Parse with an invalid literal: %v, want ErrMalformed", err)
 	}
 }
+
+// TestAssistantMessagesMarked: chat messages of role assistant are marked, and nothing else is.
+func TestAssistantMessagesMarked(t *testing.T) {
+	body := `{"model":"m","messages":[{"role":"system","content":"s"},{"role":"user","content":"u"},` +
+		`{"role":"assistant","content":"a"},{"role":"tool","content":"t"},{"role":"user","content":"assistant"}]}`
+	req, err := Parse([]byte(body), APIChat, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, m := range req.Messages {
+		if want := i == 2; m.Assistant != want {
+			t.Errorf("message %d: Assistant = %v, want %v", i, m.Assistant, want)
+		}
+	}
+	comp, err := Parse([]byte(`{"model":"m","prompt":["a","b"]}`), APICompletions, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, m := range comp.Messages {
+		if m.Assistant {
+			t.Errorf("completions prompt %d marked assistant", i)
+		}
+	}
+}
