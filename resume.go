@@ -61,6 +61,9 @@ const (
 // tool calls or reasoning, has several choices (n > 1), or uses structured output is retried only while
 // the client has received no content, since a continuation could not be joined to it.
 //
+// Every request with a failed attempt is counted once in caddy_llm_resumes_total, by outcome: continued,
+// retried_whole or failed (a request whose client left is not counted).
+//
 // The only body it changes is a continuation's, and only as described. Memory per request is bounded by
 // max_body_bytes (the kept answer, beyond which the stream is no longer resumable), one SSE event (1 MiB)
 // and one failed answer (64 KiB).

@@ -19,6 +19,10 @@ type simSettings struct {
 	DecodeStepPerSeq    time.Duration `json:"decode_step_per_seq_ns"`
 	TimeScale           float64       `json:"time_scale"`
 	TokensPerChunk      int           `json:"tokens_per_chunk"`
+	// ErrorRate and DropMidStreamRate are the simulator's faults (-faults): the fraction of requests
+	// answered 500 and of streams whose connection drops mid-way.
+	ErrorRate         float64 `json:"error_rate,omitempty"`
+	DropMidStreamRate float64 `json:"drop_mid_stream_rate,omitempty"`
 }
 
 // describe summarises the settings for reports.
