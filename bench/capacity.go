@@ -27,7 +27,7 @@ type simSettings struct {
 
 // describe summarises the settings for reports.
 func (s simSettings) describe() string {
-	return fmt.Sprintf("%.0f prefill tok/s, decode step %v + %v/seq, max_num_seqs %d, %d KV blocks of %d tokens, time scale %.0fx, %d tokens per SSE chunk",
+	return fmt.Sprintf("%.0f prefill tok/s, decode step %v + %v/seq, max_num_seqs %d, %d KV blocks of %d tokens, time scale %gx, %d tokens per SSE chunk",
 		s.PrefillTokensPerSec, s.DecodeStep, s.DecodeStepPerSeq, s.MaxNumSeqs, s.NumGPUBlocks, s.BlockSize, s.TimeScale, s.TokensPerChunk)
 }
 

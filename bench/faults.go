@@ -340,7 +340,7 @@ func writeFaultReport(out io.Writer, fr FaultResults) {
 		"at %.2f req/s (simulated; %.2f of the estimated capacity). Every row has `lb_retries %d` with `lb_retry_match` "+
 		"for POSTs and 429/5xx answers, so the rows differ only in the policy and `llm_resume` (and the stock row's "+
 		"`request_buffers 1MiB`, without which stock Caddy cannot resend a POST body an upstream has read). `llm`'s availability interval "+
-		"is 30 s simulated (%s wall at time scale %.0f), as its scrape interval is scaled.\n\n",
+		"is 30 s simulated (%s wall at time scale %g), as its scrape interval is scaled.\n\n",
 		fr.Backends, fr.Sim.describe(), 100*fr.Faulty.DropMidStreamRate, 100*fr.Faulty.ErrorRate, fr.Workload, fr.Requests, fr.Seeds,
 		fr.RateRPS, fr.Load, faultRetries, time.Duration(float64(30*time.Second)/fr.Sim.TimeScale), fr.Sim.TimeScale)
 	fmt.Fprintf(out, "A stream is **complete** when it has all `max_tokens` tokens of content and exactly one `[DONE]`; "+
