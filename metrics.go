@@ -40,7 +40,40 @@ var (
 		Namespace: "caddy", Subsystem: "llm", Name: "saturations_total",
 		Help: "Times an upstream answered 429 and was marked saturated.",
 	}, []string{"upstream"})
+	resumesTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: "caddy", Subsystem: "llm", Name: "resumes_total",
+		Help: "Requests llm_resume saw fail, by how they ended: continued (a broken stream completed as a continuation), retried_whole (re-sent unchanged, then succeeded), failed (no attempt succeeded).",
+	}, []string{"outcome"})
 )
+
+// resumeOutcome is how a request that llm_resume had to act on ended.
+type resumeOutcome int
+
+const (
+	resumeContinued    resumeOutcome = iota // a broken stream was completed: continued, or only its end added
+	resumeRetriedWhole                      // re-sent unchanged (the client had no content yet), then succeeded
+	resumeFailed                            // no attempt succeeded: the client got an error
+)
+
+// resumeOutcomeNames are the outcome labels.
+var resumeOutcomeNames = [...]string{
+	resumeContinued:    "continued",
+	resumeRetriedWhole: "retried_whole",
+	resumeFailed:       "failed",
+}
+
+// resumeCounters are resumesTotal's series, resolved (and so exported at zero) once.
+var resumeCounters = func() (cs [len(resumeOutcomeNames)]prometheus.Counter) {
+	for i, name := range resumeOutcomeNames {
+		cs[i] = resumesTotal.WithLabelValues(name)
+	}
+	return cs
+}()
+
+// registerResumeMetrics adds llm_resume's collector to the config's registry.
+func registerResumeMetrics(ctx caddy.Context) error {
+	return registerCollectors(ctx, resumesTotal)
+}
 
 // decisionCounters are the reason-labelled counters, resolved once so Select does not look labels up.
 var decisionCounters = func() map[selection.Reason]prometheus.Counter {
@@ -55,11 +88,17 @@ var fallbackDecisions = decisionsTotal.WithLabelValues("fallback")
 
 // registerMetrics adds every collector to the config's registry.
 func registerMetrics(ctx caddy.Context) error {
+	return registerCollectors(ctx, decisionsTotal, promptTokens, matchedTokens, tokenizeSeconds, saturationsTotal, stateCollector{})
+}
+
+// registerCollectors registers cs on the config's registry; a collector already there (a second policy or
+// handler in the same config) is not an error.
+func registerCollectors(ctx caddy.Context, cs ...prometheus.Collector) error {
 	registry := ctx.GetMetricsRegistry()
 	if registry == nil {
 		return nil
 	}
-	for _, c := range []prometheus.Collector{decisionsTotal, promptTokens, matchedTokens, tokenizeSeconds, saturationsTotal, stateCollector{}} {
+	for _, c := range cs {
 		if err := registry.Register(c); err != nil {
 			var already prometheus.AlreadyRegisteredError
 			if !errors.As(err, &already) {

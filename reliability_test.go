@@ -39,6 +39,7 @@ const (
 	faultHang        = "hang"              // never answer: the client gives up before the first byte
 	faultDropRequest = "drop-request"      // read part of the body, then drop the connection (every attempt)
 	faultDropOnce    = "drop-request-once" // as drop-request on the first attempt only
+	faultDropStream  = "drop-stream-once"  // the first attempt's stream drops mid-way (X-Sim-Drop: mid-stream)
 	fault429Once     = "status-once=429"   // answer 429 on the first attempt only
 	fault503Once     = "status-once=503"   // answer 503 on the first attempt only
 )
@@ -164,6 +165,11 @@ func (u *simUpstream) serve(w http.ResponseWriter, r *http.Request) {
 			u.injected.Add(1)
 			dropConnection(w)
 			return
+		}
+	case faultDropStream:
+		if u.plan.firstAttempt(id) {
+			u.injected.Add(1)
+			r.Header.Set("X-Sim-Drop", "mid-stream")
 		}
 	case fault429Once, fault503Once:
 		if u.plan.firstAttempt(id) {
@@ -408,6 +414,16 @@ type chaosKind struct {
 	// check validates the outcome: the status (0 when the client saw a transport error), the body read
 	// (possibly partial), and the read error.
 	check func(status int, body []byte, readErr error) error
+	// resumed replaces check when llm_resume is in front of reverse_proxy (nil: the same check).
+	resumed func(status int, body []byte, readErr error) error
+}
+
+// checkFor returns the check of k with or without llm_resume.
+func (k chaosKind) checkFor(resume bool) func(int, []byte, error) error {
+	if resume && k.resumed != nil {
+		return k.resumed
+	}
+	return k.check
 }
 
 func wantStatus(codes ...int) func(int, []byte, error) error {
@@ -437,6 +453,21 @@ func wantBrokenStream(status int, body []byte, readErr error) error {
 	return nil
 }
 
+// wantCompleteOrErrorEvent: with llm_resume, a stream whose every attempt breaks ends either complete
+// (the last attempt broke after its finish reason, so only [DONE] was missing) or with an error event,
+// never silently truncated.
+func wantCompleteOrErrorEvent(status int, body []byte, readErr error) error {
+	if wantCompleteStream(status, body, readErr) == nil {
+		return nil
+	}
+	events := bytes.Split(bytes.TrimRight(body, "\n"), []byte("\n\n"))
+	last := events[len(events)-1]
+	if status != http.StatusOK || readErr != nil || !bytes.HasPrefix(last, []byte(`data: {"error"`)) {
+		return fmt.Errorf("status %d, read error %v, body ends %q: want a complete stream or one ending with an error event", status, readErr, tail(body))
+	}
+	return nil
+}
+
 func wantCanceled(status int, body []byte, readErr error) error {
 	if readErr == nil && status != 0 {
 		return fmt.Errorf("status %d with no error: the cancellation was not seen", status)
@@ -453,7 +484,9 @@ var chaosKinds = []chaosKind{
 	{name: "cancel_mid_stream", weight: 2, stream: true, cancel: "mid", check: wantCanceled},
 	{name: "upstream_drop_mid_request_retried", weight: 2, header: [2]string{"X-Test-Fault", faultDropOnce}, check: wantStatus(http.StatusOK)},
 	{name: "upstream_drop_mid_request_every_attempt", weight: 1, header: [2]string{"X-Test-Fault", faultDropRequest}, check: wantStatus(http.StatusBadGateway)},
-	{name: "upstream_drop_mid_stream", weight: 2, stream: true, header: [2]string{"X-Sim-Drop", "mid-stream"}, check: wantBrokenStream},
+	// Every attempt's stream drops: the client must never see it complete, unless llm_resume finished it.
+	{name: "upstream_drop_mid_stream", weight: 2, stream: true, header: [2]string{"X-Sim-Drop", "mid-stream"}, check: wantBrokenStream, resumed: wantCompleteOrErrorEvent},
+	{name: "upstream_drop_mid_stream_once", weight: 2, stream: true, header: [2]string{"X-Test-Fault", faultDropStream}, check: wantBrokenStream, resumed: wantCompleteStream},
 	{name: "upstream_500", weight: 1, header: [2]string{"X-Sim-Status", "500"}, check: wantStatus(http.StatusInternalServerError)},
 	{name: "upstream_429_retried", weight: 1, header: [2]string{"X-Test-Fault", fault429Once}, check: wantStatus(http.StatusOK)},
 	{name: "upstream_503_retried", weight: 1, header: [2]string{"X-Test-Fault", fault503Once}, check: wantStatus(http.StatusOK)},
@@ -486,8 +519,9 @@ func closedByReload(plan *faultPlan, id, status int, err error) bool {
 	return status == 0 && closed && !reached
 }
 
-// doChaosRequest sends request id of the given kind and checks its outcome.
-func doChaosRequest(client *http.Client, kind chaosKind, id int, body []byte) (int, error) {
+// doChaosRequest sends request id of the given kind and checks its outcome (with llm_resume in front of
+// reverse_proxy if resume).
+func doChaosRequest(client *http.Client, kind chaosKind, id int, body []byte, resume bool) (int, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, proxyURL+"/v1/chat/completions", bytes.NewReader(body))
@@ -529,7 +563,7 @@ func doChaosRequest(client *http.Client, kind chaosKind, id int, body []byte) (i
 	} else {
 		got, readErr = io.ReadAll(res.Body)
 	}
-	if err := kind.check(res.StatusCode, got, readErr); err != nil {
+	if err := kind.checkFor(resume)(res.StatusCode, got, readErr); err != nil {
 		return res.StatusCode, fmt.Errorf("%s: %w", kind.name, err)
 	}
 	return res.StatusCode, nil
@@ -542,11 +576,34 @@ func doChaosRequest(client *http.Client, kind chaosKind, id int, body []byte) (i
 // it are open. Each request's outcome is checked against its kind, and afterwards every upstream's
 // in-flight tokens and requests are exactly zero and the goroutine count is back to its baseline.
 func TestAccountingUnderChaos(t *testing.T) {
+	testAccountingUnderChaos(t, false, 480)
+}
+
+// TestAccountingUnderChaosResumed is TestAccountingUnderChaos with llm_resume in front of reverse_proxy
+// (issue 10): its re-sent attempts and continuations reserve and release through the same policy, so
+// the accounting still ends at exactly zero, and streams that broke once now complete.
+func TestAccountingUnderChaosResumed(t *testing.T) {
+	testAccountingUnderChaos(t, true, 480)
+}
+
+// withResume puts llm_resume in front of the reverse_proxy of a config made by simProxyConfigLog.
+func withResume(cfg string) string {
+	return strings.Replace(cfg, "\treverse_proxy ", "\tllm_resume\n\treverse_proxy ", 1)
+}
+
+func testAccountingUnderChaos(t *testing.T, resume bool, requests int) {
 	const (
-		requests    = 480
 		concurrency = 24
 		reloadEvery = 40
 	)
+	logFile := t.TempDir() + "/caddy.log"
+	config := func(policy string, ups ...*simUpstream) string {
+		cfg := simProxyConfigLog(logFile, policy, retryPOST, ups...)
+		if resume {
+			cfg = withResume(cfg)
+		}
+		return cfg
+	}
 	plan := newFaultPlan()
 	ups := []*simUpstream{
 		newSimUpstream(t, plan, vllmsim.Config{Seed: 1}),
@@ -556,11 +613,10 @@ func TestAccountingUnderChaos(t *testing.T) {
 	doomed := newSimUpstream(t, plan, vllmsim.Config{Seed: 4})
 	doomed.doomed = true
 	dials := simDials(append(ups, doomed)...)
-	logFile := t.TempDir() + "/caddy.log"
-	withDoomed := simProxyConfigLog(logFile, reloadSafePolicy, retryPOST, append(ups, doomed)...)
+	withDoomed := config(reloadSafePolicy, append(ups, doomed)...)
 	withoutDoomed := []string{
-		simProxyConfigLog(logFile, reloadSafePolicy, retryPOST, ups...),
-		simProxyConfigLog(logFile, "llm {\n\t\t\tmode least_tokens\n\t\t\toutput_tokens 64\n\t\t}", retryPOST, ups...),
+		config(reloadSafePolicy, ups...),
+		config("llm {\n\t\t\tmode least_tokens\n\t\t\toutput_tokens 64\n\t\t}", ups...),
 	}
 
 	tester := caddytest.NewTester(t)
@@ -570,8 +626,9 @@ func TestAccountingUnderChaos(t *testing.T) {
 		t.Fatalf("warm-up: status %d: %s", res.StatusCode, body)
 	}
 	servers := simServers(append(ups, doomed)...)
-	settled := simProxyConfigLog(logFile, settledPolicy, retryPOST, ups...)
+	settled := config(settledPolicy, ups...)
 	baseline := settleGoroutines(t, tester, settled, client, -1, servers...)
+	resumesBefore := resumeCounts()
 
 	total := 0
 	for _, k := range chaosKinds {
@@ -600,7 +657,7 @@ func TestAccountingUnderChaos(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for i := range work {
-				status, err := doChaosRequest(client, chaosKinds[kindOf[i]], i, bodies[i])
+				status, err := doChaosRequest(client, chaosKinds[kindOf[i]], i, bodies[i], resume)
 				outcomes <- chaosOutcome{id: i, kind: kindOf[i], status: status, err: err}
 			}
 		}()
@@ -675,6 +732,18 @@ func TestAccountingUnderChaos(t *testing.T) {
 		requests, attempts, injected, sim5xx, sim429, statuses)
 	t.Logf("%d reloads, %d of them removed an upstream with requests open to it; %d connections closed by a reload before Caddy read their request",
 		reloads, removedWithOpen, closedUnread)
+	resumes := resumeCounts()
+	for i := range resumes {
+		resumes[i] -= resumesBefore[i]
+	}
+	t.Logf("llm_resume: %v continued, %v retried whole, %v failed", resumes[resumeContinued], resumes[resumeRetriedWhole], resumes[resumeFailed])
+	if resume && (resumes[resumeContinued] == 0 || resumes[resumeFailed] == 0) {
+		t.Errorf("llm_resume continued %v streams and failed %v requests, want some of each (drop_mid_stream_once, upstream_500)",
+			resumes[resumeContinued], resumes[resumeFailed])
+	}
+	if !resume && resumes != [len(resumes)]float64{} {
+		t.Errorf("llm_resume counted %v without being configured", resumes)
+	}
 	assertNoPanicLogged(t, logFile)
 	if removedWithOpen == 0 {
 		t.Errorf("no reload removed an upstream while requests to it were open: the test did not test that")

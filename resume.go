@@ -61,6 +61,9 @@ const (
 // tool calls or reasoning, has several choices (n > 1), or uses structured output is retried only while
 // the client has received no content, since a continuation could not be joined to it.
 //
+// Every request with a failed attempt is counted once in caddy_llm_resumes_total, by outcome: continued,
+// retried_whole or failed (a request whose client left is not counted).
+//
 // The only body it changes is a continuation's, and only as described. Memory per request is bounded by
 // max_body_bytes (the kept answer, beyond which the stream is no longer resumable), one SSE event (1 MiB)
 // and one failed answer (64 KiB).
@@ -94,6 +97,9 @@ func (h *LLMResume) Provision(ctx caddy.Context) error {
 	if h.MaxBodyBytes == 0 {
 		h.MaxBodyBytes = defaultMaxBodyBytes
 	}
+	if err := registerResumeMetrics(ctx); err != nil {
+		return fmt.Errorf("registering metrics: %w", err)
+	}
 	return h.Validate()
 }
 
@@ -121,6 +127,7 @@ func (h *LLMResume) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddy
 	}
 	orig := lr.decoded // replaceRequestBody changes lr's fields, never the bytes they pointed to
 	rl := &relay{client: w, r: r, req: req, maxText: max(h.MaxBodyBytes-int64(len(orig)), 0)}
+	continuedStream := false // an attempt continued a broken stream
 	for attempt := 1; ; attempt++ {
 		rl.begin()
 		req := r
@@ -140,22 +147,37 @@ func (h *LLMResume) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddy
 		}
 		switch rl.outcome(err, aborted) {
 		case attemptSucceeded:
+			if attempt > 1 {
+				countResume(continuedStream)
+			}
 			return nil
 		case attemptPassedThrough:
+			if attempt > 1 {
+				// A re-sent request got an answer this handler does not retry (a 400, say): it failed
+				// unless that answer is a success.
+				if aborted || rl.status >= http.StatusBadRequest || rl.status == 0 {
+					resumeCounters[resumeFailed].Inc()
+				} else {
+					countResume(continuedStream)
+				}
+			}
 			if aborted {
 				panic(http.ErrAbortHandler) // a committed non-streaming answer broke: nothing to add
 			}
 			return err
 		case attemptRetryable:
 			if rl.finished {
+				resumeCounters[resumeContinued].Inc()
 				return rl.finishWithDone() // only the end of the stream is missing
 			}
 			if attempt < h.MaxAttempts && rl.resumable() {
 				done, err := rl.prepareNext(orig, lr)
 				if err == nil && done {
+					resumeCounters[resumeContinued].Inc()
 					return rl.finishWithDone()
 				}
 				if err == nil {
+					continuedStream = continuedStream || len(rl.text) > 0
 					if c := h.logger.Check(zapcore.DebugLevel, "resuming request"); c != nil {
 						c.Write(zap.Int("attempt", attempt+1), zap.Int("status", rl.failStatus),
 							zap.Int("sent_tokens", rl.sentTokens), zap.Bool("continuation", len(rl.text) > 0))
@@ -169,7 +191,17 @@ func (h *LLMResume) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddy
 			c.Write(zap.Int("attempts", attempt), zap.Int("status", rl.failStatus),
 				zap.Int("sent_tokens", rl.sentTokens), zap.Bool("stream_started", rl.committed))
 		}
+		resumeCounters[resumeFailed].Inc()
 		return rl.fail(attempt)
+	}
+}
+
+// countResume counts a request that succeeded after at least one failed attempt.
+func countResume(continuedStream bool) {
+	if continuedStream {
+		resumeCounters[resumeContinued].Inc()
+	} else {
+		resumeCounters[resumeRetriedWhole].Inc()
 	}
 }
 

@@ -23,6 +23,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/openai/openai-go/v3"
 	"github.com/openai/openai-go/v3/option"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"go.uber.org/zap"
 
 	"github.com/tokenrouter/caddy-llm/bench/vllmsim"
@@ -751,6 +752,7 @@ func TestResumeHandler(t *testing.T) {
 		script   []func(w http.ResponseWriter, body string) error
 		want     []string // data lines the client receives
 		wantSent int      // attempts
+		counted  resumeOutcome
 	}{{
 		name: "end lost after the finish reason: usage (prompt by estimate: no policy ran) and [DONE] made up",
 		body: stream,
@@ -761,6 +763,7 @@ func TestResumeHandler(t *testing.T) {
 			`{"id":"a","object":"chat.completion.chunk","created":1,"model":"m","choices":[],"usage":{"prompt_tokens":8,"completion_tokens":1,"total_tokens":9}}`,
 			"[DONE]"},
 		wantSent: 1,
+		counted:  resumeContinued,
 	}, {
 		name: "an upstream error event is not relayed: the stream continues elsewhere",
 		body: stream,
@@ -777,6 +780,7 @@ func TestResumeHandler(t *testing.T) {
 		},
 		want:     []string{role, chatChunk("a", `{"content":"x"}`, ""), chatChunk("a", `{"content":"y"}`, `"length"`), "[DONE]"},
 		wantSent: 2,
+		counted:  resumeContinued,
 	}, {
 		name: "a broken stream of tool calls is not continued",
 		body: stream,
@@ -786,6 +790,7 @@ func TestResumeHandler(t *testing.T) {
 		want: []string{role, chatChunk("a", `{"tool_calls":[{"index":0,"function":{"arguments":"{"}}]}`, ""),
 			`{"error":{"code":502,"message":"upstream failed after 1 attempts (last status 502)","param":null,"type":"server_error"}}`},
 		wantSent: 1,
+		counted:  resumeFailed,
 	}, {
 		name: "a stream that breaks before any content is sent again unchanged",
 		body: stream,
@@ -800,10 +805,13 @@ func TestResumeHandler(t *testing.T) {
 		},
 		want:     []string{role, chatChunk("a", `{"content":"y"}`, `"stop"`), "[DONE]"},
 		wantSent: 2,
+		counted:  resumeRetriedWhole,
 	}} {
 		next := &fakeProxy{script: tc.script}
 		rec := httptest.NewRecorder()
+		before := resumeCounts()
 		serveResume(t, tc.body, rec, next)
+		checkResumeCounted(t, tc.name, before, tc.counted)
 		var got []string
 		for _, line := range strings.Split(rec.Body.String(), "\n") {
 			if d, ok := strings.CutPrefix(line, "data: "); ok {
@@ -834,9 +842,35 @@ func TestResumeHandlerNonStreaming(t *testing.T) {
 		},
 	}}
 	rec := httptest.NewRecorder()
+	before := resumeCounts()
 	serveResume(t, `{"messages":[{"role":"user","content":"hi"}]}`, rec, next)
 	if rec.Code != http.StatusOK || rec.Body.String() != `{"choices":[]}` || rec.Header().Get("X-Attempt") != "" {
 		t.Errorf("client got %d %v %s, want only the third attempt's answer", rec.Code, rec.Header(), rec.Body)
+	}
+	checkResumeCounted(t, "non-streaming", before, resumeRetriedWhole)
+}
+
+// resumeCounts reads caddy_llm_resumes_total by outcome.
+func resumeCounts() [len(resumeCounters)]float64 {
+	var out [len(resumeCounters)]float64
+	for i, c := range resumeCounters {
+		out[i] = testutil.ToFloat64(c)
+	}
+	return out
+}
+
+// checkResumeCounted fails unless exactly one request was counted since before, with outcome want.
+func checkResumeCounted(t *testing.T, name string, before [len(resumeCounters)]float64, want resumeOutcome) {
+	t.Helper()
+	after := resumeCounts()
+	for i := range after {
+		wantDelta := 0.0
+		if resumeOutcome(i) == want {
+			wantDelta = 1
+		}
+		if d := after[i] - before[i]; d != wantDelta {
+			t.Errorf("%s: caddy_llm_resumes_total{outcome=%q} grew by %v, want %v", name, resumeOutcomeNames[i], d, wantDelta)
+		}
 	}
 }
 

@@ -41,7 +41,7 @@ func soakRound(t *testing.T, client *http.Client, plan *faultPlan, n int, next *
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			status, err := doChaosRequest(client, chaosKinds[1], id, body) // ok_stream: a complete stream
+			status, err := doChaosRequest(client, chaosKinds[1], id, body, false) // ok_stream: a complete stream
 			if err == nil {
 				return
 			}

@@ -85,10 +85,24 @@ func policyAvailable(p policy) error {
 	return nil
 }
 
+// proxyExtras are what -faults adds around the policy: Retries extra attempts (lb_retries) for POSTs
+// after transport errors and for 429/5xx answers (lb_retry_match), RequestBuffers (request_buffers,
+// bytes) so that a stock policy's retry can send a body again after an upstream read it, and
+// llm_resume in front of reverse_proxy. The zero value adds nothing.
+type proxyExtras struct {
+	Retries        int   `json:"lb_retries,omitempty"`
+	RequestBuffers int64 `json:"request_buffers,omitempty"`
+	Resume         bool  `json:"llm_resume,omitempty"`
+}
+
+// retryableStatusExpr is the lb_retry_match expression of -faults: retry what another upstream may
+// answer (in JSON, {rp.status_code} is spelled out).
+const retryableStatusExpr = "{http.reverse_proxy.status_code} in [429, 500, 502, 503, 504]"
+
 // caddyConfig returns a Caddy JSON config: admin off, nothing persisted, logs at ERROR, one HTTP
 // server on 127.0.0.1:port reverse-proxying to upstreams with the policy, flushing every write
-// (streams pass through unbuffered).
-func caddyConfig(port int, upstreams []string, p policy) ([]byte, error) {
+// (streams pass through unbuffered), with the extras.
+func caddyConfig(port int, upstreams []string, p policy, extras proxyExtras) ([]byte, error) {
 	type upstream struct {
 		Dial string `json:"dial"`
 	}
@@ -96,6 +110,33 @@ func caddyConfig(port int, upstreams []string, p policy) ([]byte, error) {
 	for i, u := range upstreams {
 		ups[i] = upstream{Dial: u}
 	}
+	lb := map[string]any{"selection_policy": json.RawMessage(p.JSON)}
+	if extras.Retries > 0 {
+		lb["retries"] = extras.Retries
+		lb["retry_match"] = []any{
+			map[string]any{"method": []string{"POST"}},
+			map[string]any{"expression": retryableStatusExpr},
+		}
+	}
+	var handlers []any
+	if extras.Resume {
+		handlers = append(handlers, map[string]any{"handler": "llm_resume"})
+	}
+	proxy := map[string]any{
+		"handler":        "reverse_proxy",
+		"flush_interval": -1,
+		"upstreams":      ups,
+		"load_balancing": lb,
+		"transport": map[string]any{
+			"protocol":                "http",
+			"keep_alive":              map[string]any{"max_idle_conns_per_host": 1024},
+			"response_header_timeout": "60s",
+		},
+	}
+	if extras.RequestBuffers > 0 {
+		proxy["request_buffers"] = extras.RequestBuffers
+	}
+	handlers = append(handlers, proxy)
 	cfg := map[string]any{
 		"admin": map[string]any{"disabled": true, "config": map[string]any{"persist": false}},
 		"logging": map[string]any{"logs": map[string]any{"default": map[string]any{
@@ -106,31 +147,21 @@ func caddyConfig(port int, upstreams []string, p policy) ([]byte, error) {
 			"servers": map[string]any{"bench": map[string]any{
 				"listen":          []string{fmt.Sprintf("127.0.0.1:%d", port)},
 				"automatic_https": map[string]any{"disable": true},
-				"routes": []any{map[string]any{"handle": []any{map[string]any{
-					"handler":        "reverse_proxy",
-					"flush_interval": -1,
-					"upstreams":      ups,
-					"load_balancing": map[string]any{"selection_policy": json.RawMessage(p.JSON)},
-					"transport": map[string]any{
-						"protocol":                "http",
-						"keep_alive":              map[string]any{"max_idle_conns_per_host": 1024},
-						"response_header_timeout": "60s",
-					},
-				}}}},
+				"routes":          []any{map[string]any{"handle": handlers}},
 			}},
 		}},
 	}
 	return json.Marshal(cfg)
 }
 
-// startCaddy loads a config for p in this process and returns the proxy's base URL; stopCaddy
-// stops it. Only one runs at a time.
-func startCaddy(upstreams []string, p policy) (string, error) {
+// startCaddy loads a config for p (with the extras) in this process and returns the proxy's base URL;
+// stopCaddy stops it. Only one runs at a time.
+func startCaddy(upstreams []string, p policy, extras proxyExtras) (string, error) {
 	port, err := freePort()
 	if err != nil {
 		return "", err
 	}
-	cfg, err := caddyConfig(port, upstreams, p)
+	cfg, err := caddyConfig(port, upstreams, p, extras)
 	if err != nil {
 		return "", err
 	}

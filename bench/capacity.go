@@ -19,11 +19,15 @@ type simSettings struct {
 	DecodeStepPerSeq    time.Duration `json:"decode_step_per_seq_ns"`
 	TimeScale           float64       `json:"time_scale"`
 	TokensPerChunk      int           `json:"tokens_per_chunk"`
+	// ErrorRate and DropMidStreamRate are the simulator's faults (-faults): the fraction of requests
+	// answered 500 and of streams whose connection drops mid-way.
+	ErrorRate         float64 `json:"error_rate,omitempty"`
+	DropMidStreamRate float64 `json:"drop_mid_stream_rate,omitempty"`
 }
 
 // describe summarises the settings for reports.
 func (s simSettings) describe() string {
-	return fmt.Sprintf("%.0f prefill tok/s, decode step %v + %v/seq, max_num_seqs %d, %d KV blocks of %d tokens, time scale %.0fx, %d tokens per SSE chunk",
+	return fmt.Sprintf("%.0f prefill tok/s, decode step %v + %v/seq, max_num_seqs %d, %d KV blocks of %d tokens, time scale %gx, %d tokens per SSE chunk",
 		s.PrefillTokensPerSec, s.DecodeStep, s.DecodeStepPerSeq, s.MaxNumSeqs, s.NumGPUBlocks, s.BlockSize, s.TimeScale, s.TokensPerChunk)
 }
 

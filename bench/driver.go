@@ -163,7 +163,7 @@ var errNoDone = errors.New("stream ended without [DONE]")
 // first chunk with content, end-to-end latency at [DONE], output tokens from the usage chunk.
 func (d *driver) send(ctx context.Context, req Request) requestResult {
 	body := requestBody(d.model, req)
-	r := requestResult{Sent: time.Now()}
+	r := requestResult{Sent: time.Now(), MaxTokens: req.MaxTokens}
 	fail := func(err error) requestResult {
 		r.Failed, r.Err, r.End = true, err.Error(), time.Now()
 		r.E2E = r.End.Sub(r.Sent)
@@ -206,14 +206,16 @@ func (d *driver) send(ctx context.Context, req Request) requestResult {
 				if len(c.Error) > 0 {
 					return fail(errors.New("error event in stream"))
 				}
+				content := 0
 				for _, ch := range c.Choices {
-					if ch.Delta.Content != "" || ch.Text != "" {
-						if chunks == 0 {
-							r.TTFT = time.Since(r.Sent)
-						}
-						chunks++
-						break
+					content += len(ch.Delta.Content) + len(ch.Text)
+				}
+				if content > 0 {
+					if chunks == 0 {
+						r.TTFT = time.Since(r.Sent)
 					}
+					chunks++
+					r.ContentBytes += content
 				}
 				if c.Usage != nil {
 					r.PromptTokens, r.OutputTokens = c.Usage.PromptTokens, c.Usage.CompletionTokens
@@ -232,6 +234,9 @@ func (d *driver) send(ctx context.Context, req Request) requestResult {
 	}
 	r.End = time.Now()
 	r.E2E = r.End.Sub(r.Sent)
+	// The response ends right after [DONE]; anything more is a second stream run into the first.
+	rest, _ := io.ReadAll(io.LimitReader(br, 1<<16))
+	r.ExtraEvents = bytes.Count(rest, []byte("data:"))
 	if chunks == 0 {
 		return fail(errors.New("no content in stream"))
 	}

@@ -59,6 +59,8 @@ type options struct {
 	matrix, goodput bool
 	regimes         []regime
 	seeds           int
+	// faults runs the fault workload (faults.go).
+	faults bool
 	// timeScaleSet is true when -timescale was given: the matrix then uses it for every workload.
 	timeScaleSet bool
 }
@@ -108,8 +110,9 @@ func parseOptions(args []string) (options, error) {
 	fs.StringVar(&policies, "policies", "all", "comma-separated policies: "+strings.Join(policyNames(), ","))
 	fs.BoolVar(&o.matrix, "matrix", false, "run backend regimes x workloads with round_robin, least_conn, header, llm and oracle, and judge llm per cell")
 	fs.BoolVar(&o.goodput, "goodput", false, "step the load on shared-prefix and report the highest at which TTFT p99 stays under 2 s, least_conn vs llm")
+	fs.BoolVar(&o.faults, "faults", false, "one backend drops 10% of its streams mid-way and fails 3% of requests: complete streams, goodput and TTFT p99 of least_conn + lb_retries, llm, and llm + llm_resume")
 	fs.StringVar(&regimeList, "regimes", "all", "with -matrix or -goodput: comma-separated regimes: "+strings.Join(regimeNames(), ","))
-	fs.IntVar(&o.seeds, "seeds", 3, "with -matrix or -goodput: seeds per cell (medians over them); 1 with -quick or -goodput unless set")
+	fs.IntVar(&o.seeds, "seeds", 3, "with -matrix, -goodput or -faults: seeds per cell (medians over them; -faults pools them); 1 with -quick, -goodput or -faults unless set")
 	fs.IntVar(&o.backends, "backends", 4, "number of simulated backends")
 	fs.Float64Var(&o.load, "load", 0.75, "offered load as a fraction of the estimated cluster capacity")
 	fs.Int64Var(&o.seed, "seed", 1, "seed of the workloads, arrivals and simulators")
@@ -132,10 +135,10 @@ func parseOptions(args []string) (options, error) {
 	if !(o.load > 0) {
 		return o, fmt.Errorf("-load must be positive")
 	}
-	if o.matrix && o.goodput {
-		return o, fmt.Errorf("-matrix and -goodput are separate modes")
+	if modes := btoi(o.matrix) + btoi(o.goodput) + btoi(o.faults) + btoi(o.overhead); modes > 1 {
+		return o, fmt.Errorf("-matrix, -goodput, -faults and -overhead are separate modes")
 	}
-	if (o.quick || o.goodput) && !isSet(fs, "seeds") {
+	if (o.quick || o.goodput || o.faults) && !isSet(fs, "seeds") {
 		o.seeds = 1
 	}
 	if o.seeds < 1 {
@@ -144,6 +147,12 @@ func parseOptions(args []string) (options, error) {
 	o.timeScaleSet = isSet(fs, "timescale")
 	if (o.quick || o.matrix || o.goodput) && !o.timeScaleSet {
 		o.sim.TimeScale = 10
+	}
+	if o.faults && !o.quick && !o.timeScaleSet {
+		o.sim.TimeScale = faultTimeScale
+	}
+	if o.faults && !isSet(fs, "load") {
+		o.load = faultLoad
 	}
 	if st, err := os.Stat("bench"); !isSet(fs, "out") && (err != nil || !st.IsDir()) {
 		o.out = "out" // run from inside bench/
@@ -227,6 +236,13 @@ func policiesNamed(names []string) []policy {
 	return out
 }
 
+func btoi(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
 func isSet(fs *flag.FlagSet, name string) bool {
 	set := false
 	fs.Visit(func(f *flag.Flag) { set = set || f.Name == name })
@@ -285,6 +301,9 @@ func run(args []string) error {
 	}
 	if o.matrix || o.goodput {
 		return runMatrixMode(context.Background(), o, res, started)
+	}
+	if o.faults {
+		return runFaults(context.Background(), o, res, started)
 	}
 	if o.overhead {
 		oh, err := runOverhead(context.Background(), o)

@@ -158,7 +158,7 @@ type overheadSum struct {
 // closedLoop runs concurrency clients back to back through a Caddy with policy p for d (after a
 // warm-up of d/5) and returns the measured latencies (us), failures and measuring time.
 func closedLoop(ctx context.Context, dials []string, p policy, bodies [][]byte, concurrency int, d time.Duration) ([]float64, int, time.Duration, error) {
-	url, err := startCaddy(dials, p)
+	url, err := startCaddy(dials, p, proxyExtras{})
 	if err != nil {
 		return nil, 0, 0, err
 	}

@@ -52,6 +52,8 @@ func startCluster(sims []simSettings, seed int64) (*cluster, error) {
 			DecodeStepPerSeq:    sim.DecodeStepPerSeq,
 			TimeScale:           sim.TimeScale,
 			TokensPerChunk:      sim.TokensPerChunk,
+			ErrorRate:           sim.ErrorRate,
+			DropMidStreamRate:   sim.DropMidStreamRate,
 			Seed:                seed + int64(i),
 		})
 		if err != nil {
@@ -181,17 +183,24 @@ var errSkipped = errors.New("policy unavailable")
 // runPolicy runs workload w through a fresh Caddy with policy p in front of fresh simulators (one
 // per entry of sims), at rate requests per simulated second.
 func runPolicy(ctx context.Context, o options, sims []simSettings, w Workload, rate float64, p policy, prog *progress) (Summary, error) {
+	s, _, err := runPolicyResults(ctx, o, sims, w, rate, p, proxyExtras{}, prog)
+	return s, err
+}
+
+// runPolicyResults is runPolicy with the extras around the policy; it also returns every request's
+// result.
+func runPolicyResults(ctx context.Context, o options, sims []simSettings, w Workload, rate float64, p policy, extras proxyExtras, prog *progress) (Summary, []requestResult, error) {
 	if err := policyAvailable(p); err != nil {
-		return Summary{}, fmt.Errorf("%w: %w", errSkipped, err)
+		return Summary{}, nil, fmt.Errorf("%w: %w", errSkipped, err)
 	}
 	c, err := startCluster(sims, o.seed)
 	if err != nil {
-		return Summary{}, err
+		return Summary{}, nil, err
 	}
 	defer c.close()
-	url, err := startCaddy(c.dials, scaleScrapes(p, o.sim.TimeScale))
+	url, err := startCaddy(c.dials, scaleScrapes(p, o.sim.TimeScale), extras)
 	if err != nil {
-		return Summary{}, err
+		return Summary{}, nil, err
 	}
 	stopped := false
 	defer func() {
@@ -242,7 +251,7 @@ func runPolicy(ctx context.Context, o options, sims []simSettings, w Workload, r
 	bypassDone.Wait()
 	after := c.states()
 	if err := stopCaddy(); err != nil {
-		return Summary{}, err
+		return Summary{}, nil, err
 	}
 	stopped = true
 
@@ -262,7 +271,7 @@ func runPolicy(ctx context.Context, o options, sims []simSettings, w Workload, r
 		s.CacheHitRate = round3(float64(hits)/float64(queries)*1e3) / 1e3
 	}
 	s.WallSeconds = round3(s.WallSeconds)
-	return s, nil
+	return s, results, nil
 }
 
 // runBypass sends another seeded copy of the workload straight to one backend, open-loop at

@@ -76,6 +76,12 @@ type requestResult struct {
 	PromptTokens int
 	CachedTokens int
 	OutputTokens int
+	// MaxTokens is what the request asked for; ContentBytes the streamed content received; ExtraEvents
+	// the events after [DONE] (there should be none). -faults counts a stream complete when it has all
+	// MaxTokens tokens and one [DONE].
+	MaxTokens    int
+	ContentBytes int
+	ExtraEvents  int
 	Failed       bool
 	Status       int
 	Err          string

@@ -85,6 +85,10 @@ type Handler struct {
 	ErrorRate float64 `json:"error_rate,omitempty"`
 	// DropMidStreamRate is the fraction of streams whose connection drops mid-stream. Default: 0.
 	DropMidStreamRate float64 `json:"drop_mid_stream_rate,omitempty"`
+	// CutStreamAfter drops every stream's connection after this many output tokens (streams no longer
+	// than that are untouched). A request's "X-Sim-Cut-After: <n>" header does the same for it. Default:
+	// 0, never.
+	CutStreamAfter int `json:"cut_stream_after,omitempty"`
 	// MetricsDelay makes /metrics wait this long (wall clock) before answering. Default: 0.
 	MetricsDelay caddy.Duration `json:"metrics_delay,omitempty"`
 	// MetricsFail makes /metrics answer 500.
@@ -129,6 +133,7 @@ func (h *Handler) Config() vllmsim.Config {
 		Metrics:             h.Metrics,
 		ErrorRate:           h.ErrorRate,
 		DropMidStreamRate:   h.DropMidStreamRate,
+		CutStreamAfter:      h.CutStreamAfter,
 		MetricsDelay:        time.Duration(h.MetricsDelay),
 		MetricsFail:         h.MetricsFail,
 		Seed:                h.Seed,
@@ -226,6 +231,7 @@ func parseCaddyfile(helper httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, e
 //		metrics                vllm|vllm-legacy|sglang
 //		error_rate             <0..1>
 //		drop_mid_stream_rate   <0..1>
+//		cut_stream_after       <tokens>
 //		metrics_delay          <duration>
 //		metrics_fail
 //		seed                   <n>
@@ -326,6 +332,8 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			err = floatArg(&h.ErrorRate)
 		case "drop_mid_stream_rate":
 			err = floatArg(&h.DropMidStreamRate)
+		case "cut_stream_after":
+			err = intArg(&h.CutStreamAfter)
 		case "metrics_delay":
 			err = durationArg(&h.MetricsDelay)
 		case "max_loras":

@@ -43,6 +43,7 @@ func TestUnmarshalCaddyfile(t *testing.T) {
 				metrics sglang
 				error_rate 0.01
 				drop_mid_stream_rate 0.02
+				cut_stream_after 7
 				metrics_delay 2s
 				metrics_fail
 				seed 42
@@ -55,7 +56,7 @@ func TestUnmarshalCaddyfile(t *testing.T) {
 				MaxNumBatchedTokens: 4096, PrefillTokensPerSec: 12000.5,
 				DecodeStep: caddy.Duration(25 * time.Millisecond), DecodeStepPerSeq: caddy.Duration(500 * time.Microsecond),
 				TimeScale: 10, TokensPerChunk: 4, Metrics: "sglang", ErrorRate: 0.01, DropMidStreamRate: 0.02,
-				MetricsDelay: caddy.Duration(2 * time.Second), MetricsFail: true, Seed: 42,
+				CutStreamAfter: 7, MetricsDelay: caddy.Duration(2 * time.Second), MetricsFail: true, Seed: 42,
 				LoRAAdapters: []string{"fin", "legal"}, MaxLoRAs: 2, LoRALoadTime: caddy.Duration(time.Second),
 			},
 		},
@@ -83,6 +84,7 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		"not a number":    `vllm_sim { time_scale fast }`,
 		"bad duration":    `vllm_sim { decode_step soon }`,
 		"bad seed":        `vllm_sim { seed x }`,
+		"bad cut":         `vllm_sim { cut_stream_after 1.5 }`,
 		"flag with value": `vllm_sim { metrics_fail yes }`,
 		"repeated option": `vllm_sim { max_queue 1
 			max_queue 2 }`,
@@ -298,5 +300,14 @@ func TestEnginePoolStress(t *testing.T) {
 	holder.Cleanup()
 	if code := serve(); code != http.StatusServiceUnavailable {
 		t.Errorf("after the last Cleanup: status %d, want 503", code)
+	}
+}
+
+// TestConfigCarriesFaults: the fault options reach the simulator's configuration.
+func TestConfigCarriesFaults(t *testing.T) {
+	h := Handler{ErrorRate: 0.03, DropMidStreamRate: 0.1, CutStreamAfter: 7, MetricsFail: true}
+	got := h.Config()
+	if got.ErrorRate != 0.03 || got.DropMidStreamRate != 0.1 || got.CutStreamAfter != 7 || !got.MetricsFail {
+		t.Errorf("Config() = %+v, want the handler's faults", got)
 	}
 }
