@@ -204,6 +204,28 @@ func isolateCaddyDirs() (cleanup func(), err error) {
 	return func() { _ = os.RemoveAll(dir) }, nil
 }
 
+// scalePrior returns p with every upstream's capacity set to the simulators' time scale, when p is an llm
+// policy that sets no capacities: the policy's prior is a mid-range GPU in real time (8k prefill tokens/s,
+// 30 ms steps), and the simulated backends run timeScale times faster in wall time, so without it the
+// policy would start every run timeScale times wrong about every backend, which no real deployment does.
+// Relative speeds (a slower backend) are still the policy's to learn. Other policies are unchanged.
+func scalePrior(p policy, timeScale float64, dials []string) policy {
+	var cfg map[string]any
+	if timeScale <= 1 || json.Unmarshal([]byte(p.JSON), &cfg) != nil || cfg["policy"] != "llm" || cfg["capacities"] != nil {
+		return p
+	}
+	caps := make(map[string]float64, len(dials))
+	for _, d := range dials {
+		caps[d] = timeScale
+	}
+	cfg["capacities"] = caps
+	b, err := json.Marshal(cfg)
+	if err != nil {
+		return p
+	}
+	return policy{Name: p.Name, JSON: string(b)}
+}
+
 // scaleScrapes returns p with the llm policy's default scrape interval (1 s of wall time) divided by the
 // simulators' time scale, when p does not set one: the simulated backends run timeScale times faster
 // than real time, so 1 s of wall time is timeScale simulated seconds, and the same 1 s interval would

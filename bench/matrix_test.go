@@ -389,3 +389,18 @@ func TestScaleScrapes(t *testing.T) {
 		}
 	}
 }
+
+// TestScalePrior: the llm policy starts from its prior in simulated time (capacity = time scale) unless it
+// sets capacities; other policies are untouched.
+func TestScalePrior(t *testing.T) {
+	dials := []string{"127.0.0.1:1", "127.0.0.1:2"}
+	for _, tc := range []struct{ in, want string }{
+		{`{"policy":"llm"}`, `{"capacities":{"127.0.0.1:1":10,"127.0.0.1:2":10},"policy":"llm"}`},
+		{`{"policy":"llm","capacities":{"127.0.0.1:1":2}}`, `{"policy":"llm","capacities":{"127.0.0.1:1":2}}`},
+		{`{"policy":"least_conn"}`, `{"policy":"least_conn"}`},
+	} {
+		if got := scalePrior(policy{Name: "p", JSON: tc.in}, 10, dials).JSON; got != tc.want {
+			t.Errorf("scalePrior(%s) = %s, want %s", tc.in, got, tc.want)
+		}
+	}
+}

@@ -198,7 +198,7 @@ func runPolicyResults(ctx context.Context, o options, sims []simSettings, w Work
 		return Summary{}, nil, err
 	}
 	defer c.close()
-	url, err := startCaddy(c.dials, scaleScrapes(p, o.sim.TimeScale), extras)
+	url, err := startCaddy(c.dials, scalePrior(scaleScrapes(p, o.sim.TimeScale), o.sim.TimeScale, c.dials), extras)
 	if err != nil {
 		return Summary{}, nil, err
 	}
