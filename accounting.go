@@ -340,7 +340,7 @@ func (l *upstreamLoad) scrapedLocked(snap *scraper.Snapshot, at int64) {
 	l.foreignWaiting = float64(waiting - len(l.waitingOurs))
 	l.foreignAt, l.foreign = at, max(snap.Running+snap.Waiting-float64(ours), 0)
 	l.updateTrustLocked(snap)
-	l.model.ObserveQueue(snap.Running, snap.Waiting)
+	l.model.ObserveQueue(snap.Running, snap.Waiting, snap.KVUsage)
 }
 
 // minTrustPrompt is how many prompt tokens this proxy must have sent an upstream between two scrapes

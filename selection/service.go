@@ -146,19 +146,21 @@ func (m *ServiceModel) ObserveEnd(uncached, output int, waited, duration float64
 // maxScale bounds how far from the prior the speed scale goes, and one observation's pull on it.
 const maxScale = 30
 
-// ObserveQueue records the backend's own count of running and waiting requests, from its metrics. The
-// slot count is the most it was seen running, once it was seen there with requests waiting in two
-// scrapes in a row (with chunked prefill a request also waits a step or two for the token budget, at any
-// batch size: that is no limit). Its KV cache is the other limit; the decision counts it in tokens (see
-// Wait), not here: how many requests a cache holds depends on their lengths, and a count learned from
-// the requests one upstream happens to run would draw more of the same kind there.
-func (m *ServiceModel) ObserveQueue(running, waiting float64) {
+// ObserveQueue records the backend's own count of running and waiting requests and its KV-cache usage
+// (0-1; 0 when unknown), from its metrics. The slot count is the most it was seen running, once it was
+// seen there with requests waiting in two scrapes in a row (with chunked prefill a request also waits a
+// step or two for the token budget, at any batch size: that is no limit) while its KV cache had room: a
+// full cache is the other limit, and a ceiling it caused (two 4k-token prompts in an 8k-token cache) is
+// no slot count. The decision counts the cache in tokens (see Wait): how many requests it holds depends
+// on their lengths, and a count learned from the requests one upstream happens to run would draw more
+// of the same kind there, or keep every request away.
+func (m *ServiceModel) ObserveQueue(running, waiting, kvUsage float64) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if running > m.ceiling {
 		m.ceiling, m.atCeil = running, 0
 	}
-	if waiting >= 1 && running >= m.ceiling {
+	if waiting >= 1 && running >= m.ceiling && kvUsage < kvFull {
 		m.atCeil++
 	} else {
 		m.atCeil = 0
@@ -167,6 +169,9 @@ func (m *ServiceModel) ObserveQueue(running, waiting float64) {
 		m.slots = m.ceiling
 	}
 }
+
+// kvFull is the KV-cache usage from which requests waiting are explained by the cache, not by the slots.
+const kvFull = 0.9
 
 // Service returns the current estimate.
 func (m *ServiceModel) Service() Service {

@@ -96,23 +96,32 @@ func TestServiceModelAdaptsToSlowdown(t *testing.T) {
 // more later (its KV cache had been the limit) raises it.
 func TestServiceModelSlots(t *testing.T) {
 	m := NewServiceModel(Prior)
-	m.ObserveQueue(5, 0)
+	m.ObserveQueue(5, 0, 0)
 	if s := m.Service().Slots; s != 0 {
 		t.Errorf("slots %v before any queue, want 0 (unknown)", s)
 	}
-	m.ObserveQueue(6, 1) // a momentary wait for the prefill budget: no limit
+	m.ObserveQueue(6, 1, 0) // a momentary wait for the prefill budget: no limit
 	if s := m.Service().Slots; s != 0 {
 		t.Errorf("slots %v after a momentary wait, want 0 (unknown)", s)
 	}
-	m.ObserveQueue(8, 3)
-	m.ObserveQueue(8, 4) // at its ceiling with others waiting, twice
-	m.ObserveQueue(6, 1)
+	m.ObserveQueue(8, 3, 0)
+	m.ObserveQueue(8, 4, 0) // at its ceiling with others waiting, twice
+	m.ObserveQueue(6, 1, 0)
 	if s := m.Service().Slots; s != 8 {
 		t.Errorf("slots %v, want 8", s)
 	}
-	m.ObserveQueue(12, 0)
+	m.ObserveQueue(12, 0, 0)
 	if s := m.Service().Slots; s != 12 {
 		t.Errorf("slots %v after running 12, want 12", s)
+	}
+
+	// Two long prompts fill the KV cache and the rest wait: that ceiling is the cache's, not the slots'.
+	kv := NewServiceModel(Prior)
+	for range 5 {
+		kv.ObserveQueue(2, 3, 0.97)
+	}
+	if s := kv.Service().Slots; s != 0 {
+		t.Errorf("slots %v learned while the KV cache was full, want 0 (unknown)", s)
 	}
 }
 
