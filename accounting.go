@@ -45,6 +45,8 @@ type upstreamLoad struct {
 	foreignAt    int64
 	foreign      float64
 	meanUncached float64 // uncached prompt tokens of this proxy's recent requests there (EWMA)
+	gap          float64 // seconds between this proxy's requests sent there (EWMA; 0: fewer than two)
+	lastSent     int64   // unix nanoseconds of the last one
 	// waitingOurs are this proxy's requests its last scrape counted as waiting, and foreignWaiting the
 	// waiting requests beyond them (other clients'), computed once per scrape.
 	waitingOurs    []*reservation
@@ -166,6 +168,15 @@ func (l *upstreamLoad) add(dial string, w work, now int64) *reservation {
 	} else {
 		l.meanUncached += 0.05 * (float64(w.uncached) - l.meanUncached)
 	}
+	if l.lastSent > 0 {
+		dt := max(float64(now-l.lastSent)/1e9, 0)
+		if l.gap == 0 {
+			l.gap = dt
+		} else {
+			l.gap += 0.1 * (dt - l.gap)
+		}
+	}
+	l.lastSent = now
 	l.mu.Unlock()
 	l.tokens.Add(int64(w.uncached + w.output))
 	l.requests.Add(1)
@@ -236,6 +247,8 @@ type upstreamView struct {
 	service  selection.Service
 	requests float64 // this proxy's in flight, plus foreign ones its metrics show
 	queued   float64 // seconds of prefill queued ahead of a new request
+	// arrivals is the rate at which this proxy sends it requests, per second.
+	arrivals float64
 	// kvCapacity is its KV cache in tokens (0: unknown, no fresh scrape says) and kvUsed the tokens in use:
 	// the scraped usage plus what this proxy sent since (prompt to prefill and output expected).
 	kvCapacity, kvUsed float64
@@ -260,6 +273,7 @@ func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstrea
 	v := upstreamView{
 		service:  l.model.Service(),
 		requests: float64(l.requests.Load()),
+		arrivals: l.arrivalRate(now),
 	}
 	if snap == nil {
 		v.queued = max(float64(l.prefillUntil.Load()-now)/1e9, 0)
@@ -272,6 +286,21 @@ func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstrea
 		}
 	}
 	return v
+}
+
+// arrivalRate is how many requests a second this proxy has been sending there: the inverse of the mean
+// gap between them, or of the time since the last one when that is longer (traffic stopped).
+func (l *upstreamLoad) arrivalRate(now int64) float64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.gap == 0 && l.lastSent == 0 {
+		return 0
+	}
+	gap := max(l.gap, float64(now-l.lastSent)/1e9)
+	if gap <= 0 {
+		return 0
+	}
+	return 1 / gap
 }
 
 // fromScrape returns the requests snap shows beyond this proxy's own at the time of the scrape, the

@@ -160,6 +160,7 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 		v := s.loads.view(key, q.now, snap)
 		cands[i].Service, cands[i].Requests, cands[i].Queued = v.service, v.requests, v.queued
 		cands[i].KVCapacity, cands[i].KVUsed = v.kvCapacity, v.kvUsed
+		cands[i].Arrivals = v.arrivals
 		fleet.Add(v.service)
 	}
 	// An upstream the proxy has barely seen borrows what the others have taught: without that, the

@@ -85,6 +85,9 @@ type Candidate struct {
 	// Requests is the number of requests the upstream has in flight: this proxy's, plus others' that its
 	// metrics show. A new request's prefill delays each of them.
 	Requests float64
+	// Arrivals is how many requests a second arrive there. Each that arrives while this request's prefill
+	// runs waits for it.
+	Arrivals float64
 	// Queued is how many seconds of prefill the upstream has queued ahead of a new request: the uncached
 	// prompt tokens of requests still waiting for their first token, in its own time.
 	Queued float64
@@ -158,13 +161,20 @@ type Decision struct {
 
 // Cost is what sending the request to c costs, in seconds: the predicted time until its first token
 // (the wait for a slot, for cache space or for the prefill queued ahead, then its own uncached prefill)
-// plus the delay its prefill imposes on the first tokens of others there: while the engine spends those
-// seconds on this prompt, the batch it joins stalls, and each request waiting for one of that batch's
-// slots waits that much longer. Requests already decoding stall too, but their first token is behind them
-// and, while no one waits for their slots, their stall delays no one's first token, so it is not counted:
-// pricing a cache miss at the whole batch's stall keeps a prefix queued at its home when another upstream
-// would answer it sooner (the regime matrix showed cold prefixes waiting a second at their home rather
-// than a quarter of that elsewhere).
+// plus the delay its prefill imposes on the first tokens of others there:
+//   - each request waiting for one of the slots of the batch it joins waits as long as the prefill stalls
+//     that batch;
+//   - each request that arrives there while the prefill runs waits for what is left of it: at Arrivals
+//     requests a second, a prefill of p seconds delays arrivals by Arrivals x p^2/2 in all. Small prefills
+//     cost others almost nothing, so a hot prefix is replicated as soon as its home queues; a 30k-token
+//     history re-prefilled elsewhere stalls that upstream for seconds, and its arrivals with it, so an
+//     agentic session stays home unless home is very much slower.
+//
+// Requests already decoding stall too, but their first token is behind them and, while no one waits for
+// their slots, their stall delays no one's first token, so it is not counted: pricing a cache miss at the
+// whole batch's stall kept a prefix queued at its home when another upstream would answer it sooner (the
+// regime matrix showed cold prefixes waiting a second at their home rather than a quarter of that
+// elsewhere).
 //
 // A cache hit shortens the request's own prefill, so affinity wins while the upstream that holds the
 // prefix is not much busier than another; once the wait there exceeds what the cache saves, another
@@ -184,7 +194,7 @@ func Cost(c *Candidate, req Request, cached int) (cost, wait, ttft float64) {
 	if s := c.Service.Slots; s > 0 {
 		waiting = max(c.Requests-s, 0)
 	}
-	return ttft + prefill*waiting, wait, ttft
+	return ttft + prefill*waiting + c.Arrivals*prefill*prefill/2, wait, ttft
 }
 
 // Wait is how long a new request that needs kv tokens of KV cache waits on c before its prefill starts:
