@@ -34,6 +34,30 @@ type driver struct {
 	onMeasure func()
 	// onDone runs after every request (progress).
 	onDone func()
+	// targets, when set, replaces baseURL: each request goes to one of them picked uniformly at
+	// random (seeded), as a DNS round robin or an L4 balancer in front of several Caddy instances
+	// does. Turns of one conversation may therefore reach different instances.
+	targets []string
+	// retryUnanswered re-sends a request that got no response at all (connection refused or reset
+	// while a Caddy restarts) every 10 ms until one answers or ctx ends, as a client retrying would;
+	// the request's TTFT and latency include that wait.
+	retryUnanswered bool
+
+	pickMu sync.Mutex
+	pick   *rand.Rand // seeded; picks among targets
+}
+
+// target returns the base URL of the next request.
+func (d *driver) target() string {
+	if len(d.targets) == 0 {
+		return d.baseURL
+	}
+	d.pickMu.Lock()
+	defer d.pickMu.Unlock()
+	if d.pick == nil {
+		d.pick = rand.New(rand.NewPCG(uint64(d.seed), 0x5851f42d4c957f2d))
+	}
+	return d.targets[d.pick.IntN(len(d.targets))]
 }
 
 // run drives every session of w and returns one result per request, in send order.
@@ -169,18 +193,28 @@ func (d *driver) send(ctx context.Context, req Request) requestResult {
 		r.E2E = r.End.Sub(r.Sent)
 		return r
 	}
-	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, d.baseURL+"/v1/chat/completions", bytes.NewReader(body))
-	if err != nil {
-		return fail(fmt.Errorf("building request: %w", err))
-	}
-	hr.Header.Set("Content-Type", "application/json")
-	hr.Header.Set("Accept", "text/event-stream")
-	if req.Conversation != "" {
-		hr.Header.Set("X-Conversation-ID", req.Conversation)
-	}
-	resp, err := d.client.Do(hr)
-	if err != nil {
-		return fail(fmt.Errorf("sending request: %w", err))
+	var resp *http.Response
+	for {
+		hr, err := http.NewRequestWithContext(ctx, http.MethodPost, d.target()+"/v1/chat/completions", bytes.NewReader(body))
+		if err != nil {
+			return fail(fmt.Errorf("building request: %w", err))
+		}
+		hr.Header.Set("Content-Type", "application/json")
+		hr.Header.Set("Accept", "text/event-stream")
+		if req.Conversation != "" {
+			hr.Header.Set("X-Conversation-ID", req.Conversation)
+		}
+		resp, err = d.client.Do(hr)
+		if err == nil {
+			break
+		}
+		if !d.retryUnanswered || ctx.Err() != nil {
+			return fail(fmt.Errorf("sending request: %w", err))
+		}
+		select {
+		case <-time.After(10 * time.Millisecond):
+		case <-ctx.Done():
+		}
 	}
 	defer resp.Body.Close()
 	r.Status = resp.StatusCode

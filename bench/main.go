@@ -63,6 +63,12 @@ type options struct {
 	faults bool
 	// timeScaleSet is true when -timescale was given: the matrix then uses it for every workload.
 	timeScaleSet bool
+	// instances (-instances N) compares N Caddy processes, shared and unshared, with one
+	// (instances.go); restart (-restart) restarts Caddy under load, with and without persist
+	// (restart.go). shareFlush overrides the shared instances' flush interval (wall time).
+	instances  int
+	restart    bool
+	shareFlush time.Duration
 }
 
 // size returns the workload size the options ask for.
@@ -122,6 +128,9 @@ func parseOptions(args []string) (options, error) {
 	fs.Float64Var(&o.sim.TimeScale, "timescale", defaultSim.TimeScale, "how many times faster than real time the simulators run")
 	fs.IntVar(&o.sim.NumGPUBlocks, "kv-blocks", defaultSim.NumGPUBlocks, "KV cache blocks (16 tokens) per simulated backend")
 	fs.IntVar(&o.maxReruns, "reruns", 2, "run a policy again up to this many times when the load generator's scheduling lag shows the machine was busy")
+	fs.IntVar(&o.instances, "instances", 0, "run N Caddy processes behind a random splitter: one instance vs N sharing through redis-server vs N unshared")
+	fs.BoolVar(&o.restart, "restart", false, "restart Caddy under load: hit rate in the first simulated minute after the restart vs the minute before, with and without persist")
+	fs.DurationVar(&o.shareFlush, "share-flush", 0, "with -instances: the shared instances' flush_interval in wall time (default 100ms simulated: 100ms / time scale)")
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the run to this file")
 	if err := fs.Parse(args); err != nil {
 		return o, err
@@ -137,6 +146,12 @@ func parseOptions(args []string) (options, error) {
 	}
 	if modes := btoi(o.matrix) + btoi(o.goodput) + btoi(o.faults) + btoi(o.overhead); modes > 1 {
 		return o, fmt.Errorf("-matrix, -goodput, -faults and -overhead are separate modes")
+	}
+	if o.instances < 0 || o.instances == 1 {
+		return o, fmt.Errorf("-instances must be at least 2")
+	}
+	if (o.instances > 0 || o.restart) && (o.matrix || o.goodput || o.overhead || o.faults) {
+		return o, fmt.Errorf("-instances and -restart are separate from -matrix, -goodput, -faults and -overhead")
 	}
 	if (o.quick || o.goodput || o.faults) && !isSet(fs, "seeds") {
 		o.seeds = 1
@@ -170,6 +185,8 @@ func parseOptions(args []string) (options, error) {
 		o.workloads = matrixWorkloads
 	case o.goodput:
 		o.workloads = []string{"shared-prefix"}
+	case o.instances > 0 || o.restart:
+		o.workloads = instancesWorkloads
 	}
 	if workloads != "all" {
 		o.workloads = nil
@@ -266,6 +283,11 @@ func findPolicy(name string) (policy, bool) {
 	return policy{}, false
 }
 
+// machine describes the machine a run ran on.
+func machine() string {
+	return fmt.Sprintf("%s/%s, %d CPUs, GOMAXPROCS %d, %s", runtime.GOOS, runtime.GOARCH, runtime.NumCPU(), runtime.GOMAXPROCS(0), runtime.Version())
+}
+
 // run executes the benchmark described by args.
 func run(args []string) error {
 	o, err := parseOptions(args)
@@ -292,7 +314,7 @@ func run(args []string) error {
 	res := Results{
 		Command:   "go run ./bench " + strings.Join(args, " "),
 		Started:   started.UTC().Format(time.RFC3339),
-		Machine:   fmt.Sprintf("%s/%s, %d CPUs, GOMAXPROCS %d, %s", runtime.GOOS, runtime.GOARCH, runtime.NumCPU(), runtime.GOMAXPROCS(0), runtime.Version()),
+		Machine:   machine(),
 		Seed:      o.seed,
 		Backends:  o.backends,
 		Load:      o.load,
@@ -304,6 +326,17 @@ func run(args []string) error {
 	}
 	if o.faults {
 		return runFaults(context.Background(), o, res, started)
+	}
+	if o.instances > 0 || o.restart {
+		if o.instances > 0 {
+			if err := runInstancesMode(context.Background(), o, args, started); err != nil {
+				return err
+			}
+		}
+		if o.restart {
+			return runRestartMode(context.Background(), o, args, time.Now())
+		}
+		return nil
 	}
 	if o.overhead {
 		oh, err := runOverhead(context.Background(), o)

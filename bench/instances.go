@@ -1,0 +1,419 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"text/tabwriter"
+	"time"
+
+	"github.com/tokenrouter/caddy-llm/bench/vllmsim"
+)
+
+// -instances N: N Caddy processes behind a random splitter (the load driver picks an instance per
+// request uniformly at random, like a DNS round robin or an L4 balancer) in front of the same simulated
+// backends, with the bare llm policy: one instance, N sharing through a real redis-server, and N
+// unshared. The question is issue 11's: does sharing through Redis give N instances the hit rate and
+// TTFT of one?
+
+// instancesWorkloads are the workloads of -instances and -restart unless -workloads names others.
+var instancesWorkloads = []string{"shared-prefix", "multi-turn"}
+
+// frontSetup is one arrangement of Caddy instances in front of the backends.
+type frontSetup struct {
+	Name      string
+	Instances int
+	Share     bool
+}
+
+// InstancesRun is one setup's figures on one workload.
+type InstancesRun struct {
+	Setup     string `json:"setup"`
+	Instances int    `json:"instances"`
+	Share     bool   `json:"share"`
+	Summary
+	// From each instance's /llm/state at the end of the run.
+	Routes           []int    `json:"routes"`
+	RemoteRoutes     []int    `json:"remote_routes"`
+	ImportedChanges  []uint64 `json:"imported_changes,omitempty"`
+	PublishedChanges []uint64 `json:"published_changes,omitempty"`
+	PublishedBytes   []uint64 `json:"published_bytes,omitempty"`
+	DroppedChanges   []uint64 `json:"dropped_changes,omitempty"`
+}
+
+// InstancesWorkload is every setup's figures on one workload.
+type InstancesWorkload struct {
+	Workload string         `json:"workload"`
+	Requests int            `json:"requests"`
+	Warmup   int            `json:"warmup_requests"`
+	RateRPS  float64        `json:"rate_rps"`
+	Runs     []InstancesRun `json:"runs"`
+	Notes    []string       `json:"notes,omitempty"`
+}
+
+// InstancesResults is the content of instances.json.
+type InstancesResults struct {
+	Command string `json:"command"`
+	Started string `json:"started"`
+	Machine string `json:"machine"`
+	Seed    int64  `json:"seed"`
+	// Instances is N; ShareFlush the share flush_interval (wall time) the shared instances used.
+	Instances   int                 `json:"instances"`
+	ShareFlush  string              `json:"share_flush_interval"`
+	Backends    int                 `json:"backends"`
+	Load        float64             `json:"load"`
+	Sim         simSettings         `json:"sim"`
+	Workloads   []InstancesWorkload `json:"workloads"`
+	WallSeconds float64             `json:"wall_seconds"`
+	Notes       []string            `json:"notes,omitempty"`
+}
+
+// shareFlush is the share flush_interval of the benchmark's instances: 100 ms simulated (the default
+// on real GPUs) in wall time, unless -share-flush sets it; like the scrape interval, an unscaled
+// 100 ms would be timeScale times slower against the simulated request rate than in a deployment.
+func (o options) shareFlushInterval() time.Duration {
+	if o.shareFlush > 0 {
+		return o.shareFlush
+	}
+	return time.Duration(float64(100*time.Millisecond) / max(o.sim.TimeScale, 1))
+}
+
+// runInstancesMode runs -instances and writes instances.json and instances.md.
+func runInstancesMode(ctx context.Context, o options, args []string, started time.Time) error {
+	tmp, err := os.MkdirTemp("", "caddy-llm-instances-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(tmp)
+	fmt.Fprintln(os.Stderr, "building cmd/caddy ...")
+	bin, err := buildCaddyBinary(tmp)
+	if err != nil {
+		return err
+	}
+	rds, err := startRedis(tmp)
+	if err != nil {
+		return err
+	}
+	defer rds.stop()
+
+	res := InstancesResults{
+		Command: "go run ./bench " + strings.Join(args, " "), Started: started.UTC().Format(time.RFC3339),
+		Machine: machine(), Seed: o.seed, Instances: o.instances, ShareFlush: o.shareFlushInterval().String(),
+		Backends: o.backends, Load: o.load, Sim: o.sim,
+	}
+	setups := []frontSetup{
+		{"one", 1, false},
+		{"shared", o.instances, true},
+		{"unshared", o.instances, false},
+	}
+	sims := uniformCluster(o.backends, o.sim)
+	total := 0
+	var wls []Workload
+	for _, name := range o.workloads {
+		w, err := generateWorkload(name, o.seed, o.size())
+		if err != nil {
+			return err
+		}
+		wls = append(wls, w)
+		total += w.NumRequests() * len(setups)
+	}
+	prog := newProgress(os.Stderr, total)
+	for _, w := range wls {
+		est := estimateCapacity(w, sims)
+		iw := InstancesWorkload{Workload: w.Name, Requests: w.NumRequests(), Warmup: warmupCount(w.NumRequests()), RateRPS: o.load * est.ClusterRPS}
+		for i, s := range setups {
+			prog.setLabel(w.Name + "/" + s.Name)
+			prefix := fmt.Sprintf("bench-%s-%d:", w.Name, i) // a fresh stream per run
+			run, err := runFront(ctx, o, sims, w, iw.RateRPS, bin, tmp, s, rds.url(), prefix, prog)
+			if err != nil {
+				return fmt.Errorf("%s/%s: %w", w.Name, s.Name, err)
+			}
+			if run.LagP99 > lagRerunMS {
+				iw.Notes = append(iw.Notes, fmt.Sprintf("%s: scheduling lag p99 %.1f ms (wall): the machine was busy", s.Name, run.LagP99))
+			}
+			iw.Runs = append(iw.Runs, run)
+			prog.stepDone(fmt.Sprintf("%s/%s: TTFT p50 %.0f ms, hit rate %.1f%%", w.Name, s.Name, run.TTFTP50, 100*run.CacheHitRate))
+		}
+		res.Workloads = append(res.Workloads, iw)
+	}
+	prog.finish()
+	res.WallSeconds = round3(time.Since(started).Seconds())
+	writeInstancesTable(os.Stdout, res)
+	js, err := json.MarshalIndent(res, "", "  ")
+	if err != nil {
+		return err
+	}
+	var md strings.Builder
+	writeInstancesMarkdown(&md, res)
+	if err := writeFiles(o.out, map[string][]byte{"instances.json": append(js, '\n'), "instances.md": []byte(md.String())}); err != nil {
+		return err
+	}
+	fmt.Printf("\nwall time %.1fs; results in %s\n", time.Since(started).Seconds(), filepath.Join(o.out, "instances.md"))
+	return nil
+}
+
+// runFront runs workload w at rate (requests per simulated second) through setup's Caddy processes in
+// front of fresh simulators, the driver splitting requests among the instances at random.
+func runFront(ctx context.Context, o options, sims []simSettings, w Workload, rate float64, bin, tmp string,
+	setup frontSetup, redisURL, prefix string, prog *progress) (InstancesRun, error) {
+	run := InstancesRun{Setup: setup.Name, Instances: setup.Instances, Share: setup.Share}
+	c, err := startCluster(sims, o.seed)
+	if err != nil {
+		return run, err
+	}
+	defer c.close()
+	p, _ := findPolicy(judgedPolicy)
+	p = scaleScrapes(p, o.sim.TimeScale)
+	if setup.Share {
+		p = withOption(p, "share", map[string]any{"url": redisURL, "prefix": prefix, "flush_interval": o.shareFlushInterval().String()})
+	}
+	procs := make([]*caddyProcess, setup.Instances)
+	for i := range procs {
+		dir, err := os.MkdirTemp(tmp, "caddy-")
+		if err != nil {
+			return run, err
+		}
+		if procs[i], err = newCaddyProcess(bin, dir, c.dials, p); err != nil {
+			return run, err
+		}
+	}
+	defer func() {
+		for _, pr := range procs {
+			pr.kill()
+		}
+	}()
+	// Start together: each shared instance warms up from Redis (at most 2 s) in its Provision.
+	errs := make([]error, len(procs))
+	var wg sync.WaitGroup
+	for i, pr := range procs {
+		wg.Add(1)
+		go func() { defer wg.Done(); errs[i] = pr.start(ctx) }()
+	}
+	wg.Wait()
+	var urls []string
+	for i, pr := range procs {
+		if errs[i] != nil {
+			return run, errs[i]
+		}
+		urls = append(urls, pr.URL)
+	}
+
+	client := newClient()
+	defer client.CloseIdleConnections()
+	before := c.states()
+	var (
+		mu       sync.Mutex
+		measured = before
+	)
+	turns := float64(w.NumRequests()) / float64(len(w.Sessions))
+	d := &driver{
+		targets:   urls,
+		client:    client,
+		model:     benchModel,
+		rate:      rate / turns * o.sim.TimeScale,
+		timeScale: o.sim.TimeScale,
+		seed:      o.seed,
+		warmup:    warmupCount(w.NumRequests()),
+		onMeasure: func() {
+			st := c.states()
+			mu.Lock()
+			measured = st
+			mu.Unlock()
+		},
+		onDone: func() { prog.add(1) },
+	}
+	start, cpuStart := time.Now(), processCPU()
+	results := d.run(ctx, w)
+	wall, cpu := time.Since(start), processCPU()-cpuStart
+	after := c.states()
+	for _, pr := range procs {
+		st, err := pr.state()
+		if err != nil {
+			return run, err
+		}
+		run.Routes = append(run.Routes, st.Routes)
+		run.RemoteRoutes = append(run.RemoteRoutes, st.RemoteRoutes)
+		if sh := st.Share; sh != nil {
+			run.ImportedChanges = append(run.ImportedChanges, sh.ImportedChanges)
+			run.PublishedChanges = append(run.PublishedChanges, sh.PublishedChanges)
+			run.PublishedBytes = append(run.PublishedBytes, sh.PublishedBytes)
+			run.DroppedChanges = append(run.DroppedChanges, sh.DroppedChanges+st.FeedDropped)
+		}
+	}
+	for _, pr := range procs {
+		if err := pr.stop(); err != nil {
+			return run, err
+		}
+	}
+	s := summarize(setup.Name, results, o.sim.TimeScale)
+	s.WallSeconds = round3(wall.Seconds())
+	s.CPUPercent = round3(100 * cpu.Seconds() / wall.Seconds()) // the bench process only: Caddy runs apart
+	mu.Lock()
+	s.CacheHitRate = hitRate(measured, after)
+	mu.Unlock()
+	for i := range after {
+		s.BackendRequests = append(s.BackendRequests, int(after[i].Requests-before[i].Requests))
+	}
+	run.Summary = s
+	return run, nil
+}
+
+// hitRate is the backends' prefix-cache hit rate between two readings of their counters.
+func hitRate(from, to []vllmsim.State) float64 {
+	var hits, queries int64
+	for i := range to {
+		hits += to[i].PrefixHits - from[i].PrefixHits
+		queries += to[i].PrefixQueries - from[i].PrefixQueries
+	}
+	if queries == 0 {
+		return 0
+	}
+	return round3(float64(hits)/float64(queries)*1e3) / 1e3
+}
+
+// writeInstancesTable prints one table per workload: each setup's hit rate and TTFT, with the ratios
+// of the target (shared against one instance).
+func writeInstancesTable(out io.Writer, res InstancesResults) {
+	for _, w := range res.Workloads {
+		fmt.Fprintf(out, "\n%s (%d requests, %.1f req/s simulated, random splitter over the instances)\n", w.Workload, w.Requests, w.RateRPS)
+		tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', tabwriter.AlignRight)
+		for _, row := range instancesRows(w) {
+			fmt.Fprintln(tw, strings.Join(row, "\t")+"\t")
+		}
+		tw.Flush()
+		for _, n := range w.Notes {
+			fmt.Fprintf(out, "  note: %s\n", n)
+		}
+	}
+	fmt.Fprintln(out)
+	for _, v := range instancesVerdicts(res) {
+		fmt.Fprintln(out, v)
+	}
+}
+
+// instancesRows is a workload's table: header, then one row per setup.
+func instancesRows(w InstancesWorkload) [][]string {
+	rows := [][]string{{"setup", "instances", "hit rate", "hit vs one", "TTFT p50 ms", "p50 vs one", "TTFT p99 ms", "p99 vs one", "failed", "remote routes", "lag p99 ms"}}
+	one, ok := w.run("one")
+	for _, r := range w.Runs {
+		hit, p50, p99 := "-", "-", "-"
+		if ok {
+			hit = fmt.Sprintf("%.1f%%", 100*r.CacheHitRate/one.CacheHitRate)
+			p50, p99 = ratio(r.TTFTP50, one.TTFTP50), ratio(r.TTFTP99, one.TTFTP99)
+		}
+		remote := "-"
+		if len(r.RemoteRoutes) > 1 {
+			remote = joinInts(r.RemoteRoutes)
+		}
+		rows = append(rows, []string{r.Setup, fmt.Sprint(r.Instances), fmt.Sprintf("%.1f%%", 100*r.CacheHitRate), hit,
+			f0(r.TTFTP50), p50, f0(r.TTFTP99), p99, fmt.Sprint(r.Failed), remote, f1(r.LagP99)})
+	}
+	return rows
+}
+
+func (w InstancesWorkload) run(setup string) (InstancesRun, bool) {
+	for _, r := range w.Runs {
+		if r.Setup == setup {
+			return r, true
+		}
+	}
+	return InstancesRun{}, false
+}
+
+// instancesVerdicts judges the target of issue 11 per workload: shared reaches at least 95% of one
+// instance's hit rate, and its TTFT p50 is at most 1.1x one instance's.
+func instancesVerdicts(res InstancesResults) []string {
+	var out []string
+	for _, w := range res.Workloads {
+		one, ok1 := w.run("one")
+		sh, ok2 := w.run("shared")
+		un, ok3 := w.run("unshared")
+		if !ok1 || !ok2 || !ok3 || one.CacheHitRate == 0 || one.TTFTP50 == 0 {
+			continue
+		}
+		hit, p50 := sh.CacheHitRate/one.CacheHitRate, sh.TTFTP50/one.TTFTP50
+		verdict := "PASS"
+		if hit < 0.95 || p50 > 1.1 || sh.Failed > 0 {
+			verdict = "MISS"
+		}
+		out = append(out, fmt.Sprintf("%s: shared hit rate %.0f%% of one instance's (unshared %.0f%%), TTFT p50 %.2fx (unshared %.2fx): %s (target >= 95%%, <= 1.10x)",
+			w.Workload, 100*hit, 100*un.CacheHitRate/one.CacheHitRate, p50, un.TTFTP50/one.TTFTP50, verdict))
+	}
+	return out
+}
+
+// writeInstancesMarkdown writes instances.md.
+func writeInstancesMarkdown(md *strings.Builder, res InstancesResults) {
+	fmt.Fprintf(md, "# Several Caddy instances: shared, unshared and one\n\n")
+	fmt.Fprintf(md, "`%s` (started %s; %s; wall time %.0f s)\n\n", res.Command, res.Started, res.Machine, res.WallSeconds)
+	fmt.Fprintf(md, "%d backends (%s), offered load %.2f of the estimated capacity, seed %d. Each setup runs the bare `lb_policy llm` "+
+		"(scrapes scaled to 1 s simulated) in separate Caddy processes built from `cmd/caddy`; the load driver sends each request to an "+
+		"instance picked uniformly at random. `shared` instances use `share` through a redis-server the benchmark starts on 127.0.0.1, "+
+		"flush_interval %s of wall time (100 ms simulated at time scale %g). Hit rate is the backends' own prefix-cache hit rate; "+
+		"TTFT in simulated ms; the first %.0f%% of requests are warm-up.\n\n",
+		res.Backends, res.Sim.describe(), res.Load, res.Seed, res.ShareFlush, res.Sim.TimeScale, 100*warmupFraction)
+	for _, v := range instancesVerdicts(res) {
+		fmt.Fprintf(md, "- %s\n", v)
+	}
+	for _, w := range res.Workloads {
+		fmt.Fprintf(md, "\n## %s\n\n%d requests, %.1f req/s (simulated).\n\n", w.Workload, w.Requests, w.RateRPS)
+		writeMarkdownTable(md, instancesRows(w))
+		for _, r := range w.Runs {
+			if !r.Share {
+				continue
+			}
+			fmt.Fprintf(md, "\n`%s`: published %s changes (%s bytes), imported %s, dropped %s, per instance; routes %s.\n",
+				r.Setup, joinU(r.PublishedChanges), joinU(r.PublishedBytes), joinU(r.ImportedChanges), joinU(r.DroppedChanges), joinInts(r.Routes))
+		}
+		for _, n := range w.Notes {
+			fmt.Fprintf(md, "- %s\n", n)
+		}
+	}
+	for _, n := range res.Notes {
+		fmt.Fprintf(md, "- %s\n", n)
+	}
+}
+
+// writeMarkdownTable writes rows (the first is the header) as a markdown table.
+func writeMarkdownTable(md *strings.Builder, rows [][]string) {
+	for i, row := range rows {
+		fmt.Fprintf(md, "| %s |\n", strings.Join(row, " | "))
+		if i == 0 {
+			fmt.Fprintf(md, "|%s\n", strings.Repeat("---|", len(row)))
+		}
+	}
+}
+
+func joinInts(v []int) string {
+	s := make([]string, len(v))
+	for i, x := range v {
+		s[i] = fmt.Sprint(x)
+	}
+	return strings.Join(s, "/")
+}
+
+func joinU(v []uint64) string {
+	s := make([]string, len(v))
+	for i, x := range v {
+		s[i] = fmt.Sprint(x)
+	}
+	return strings.Join(s, "/")
+}
+
+// writeFiles writes each named file into dir.
+func writeFiles(dir string, files map[string][]byte) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return fmt.Errorf("creating output dir: %w", err)
+	}
+	for name, b := range files {
+		if err := os.WriteFile(filepath.Join(dir, name), b, 0o644); err != nil {
+			return fmt.Errorf("writing %s: %w", name, err)
+		}
+	}
+	return nil
+}
