@@ -31,11 +31,12 @@ type frontSetup struct {
 	Share     bool
 }
 
-// InstancesRun is one setup's figures on one workload.
+// InstancesRun is one setup's figures on one workload with one seed.
 type InstancesRun struct {
 	Setup     string `json:"setup"`
 	Instances int    `json:"instances"`
 	Share     bool   `json:"share"`
+	Seed      int64  `json:"seed"`
 	Summary
 	// From each instance's /llm/state at the end of the run.
 	Routes           []int    `json:"routes"`
@@ -46,14 +47,53 @@ type InstancesRun struct {
 	DroppedChanges   []uint64 `json:"dropped_changes,omitempty"`
 }
 
-// InstancesWorkload is every setup's figures on one workload.
+// InstancesWorkload is every setup's figures on one workload: every run, and per setup the medians
+// over the seeds.
 type InstancesWorkload struct {
-	Workload string         `json:"workload"`
-	Requests int            `json:"requests"`
-	Warmup   int            `json:"warmup_requests"`
-	RateRPS  float64        `json:"rate_rps"`
-	Runs     []InstancesRun `json:"runs"`
-	Notes    []string       `json:"notes,omitempty"`
+	Workload string            `json:"workload"`
+	Requests int               `json:"requests"`
+	Warmup   int               `json:"warmup_requests"`
+	RateRPS  float64           `json:"rate_rps"`
+	Runs     []InstancesRun    `json:"runs"`
+	Medians  []InstancesMedian `json:"medians"`
+	Notes    []string          `json:"notes,omitempty"`
+}
+
+// InstancesMedian is one setup's medians over the seeds (failures are summed).
+type InstancesMedian struct {
+	Setup        string  `json:"setup"`
+	Instances    int     `json:"instances"`
+	Share        bool    `json:"share"`
+	CacheHitRate float64 `json:"cache_hit_rate"`
+	TTFTP50      float64 `json:"ttft_p50_ms"`
+	TTFTP99      float64 `json:"ttft_p99_ms"`
+	Failed       int     `json:"failed"`
+	RemoteRoutes []int   `json:"remote_routes"` // of the first seed's run
+	LagP99       float64 `json:"sched_lag_p99_wall_ms"`
+}
+
+// medians fills w.Medians from w.Runs, one entry per setup in the order setups ran.
+func (w *InstancesWorkload) medians(setups []frontSetup) {
+	w.Medians = nil
+	for _, s := range setups {
+		m := InstancesMedian{Setup: s.Name, Instances: s.Instances, Share: s.Share}
+		var hit, p50, p99, lag []float64
+		for _, r := range w.Runs {
+			if r.Setup != s.Name {
+				continue
+			}
+			if m.RemoteRoutes == nil {
+				m.RemoteRoutes = r.RemoteRoutes
+			}
+			hit, p50, p99, lag = append(hit, r.CacheHitRate), append(p50, r.TTFTP50), append(p99, r.TTFTP99), append(lag, r.LagP99)
+			m.Failed += r.Failed
+		}
+		if len(hit) == 0 {
+			continue
+		}
+		m.CacheHitRate, m.TTFTP50, m.TTFTP99, m.LagP99 = round3(median(hit)), round3(median(p50)), round3(median(p99)), round3(median(lag))
+		w.Medians = append(w.Medians, m)
+	}
 }
 
 // InstancesResults is the content of instances.json.
@@ -62,6 +102,9 @@ type InstancesResults struct {
 	Started string `json:"started"`
 	Machine string `json:"machine"`
 	Seed    int64  `json:"seed"`
+	// Policy is the llm variant every instance ran, Seeds how many seeds each setup ran with.
+	Policy string `json:"policy"`
+	Seeds  int    `json:"seeds"`
 	// Instances is N; ShareFlush the share flush_interval (wall time) the shared instances used.
 	Instances   int                 `json:"instances"`
 	ShareFlush  string              `json:"share_flush_interval"`
@@ -103,7 +146,7 @@ func runInstancesMode(ctx context.Context, o options, args []string, started tim
 
 	res := InstancesResults{
 		Command: "go run ./bench " + strings.Join(args, " "), Started: started.UTC().Format(time.RFC3339),
-		Machine: machine(), Seed: o.seed, Instances: o.instances, ShareFlush: o.shareFlushInterval().String(),
+		Machine: machine(), Seed: o.seed, Policy: o.policies[0].Name, Seeds: o.seeds, Instances: o.instances, ShareFlush: o.shareFlushInterval().String(),
 		Backends: o.backends, Load: o.load, Sim: o.sim,
 	}
 	setups := []frontSetup{
@@ -113,32 +156,44 @@ func runInstancesMode(ctx context.Context, o options, args []string, started tim
 	}
 	sims := uniformCluster(o.backends, o.sim)
 	total := 0
-	var wls []Workload
 	for _, name := range o.workloads {
 		w, err := generateWorkload(name, o.seed, o.size())
 		if err != nil {
 			return err
 		}
-		wls = append(wls, w)
-		total += w.NumRequests() * len(setups)
+		total += w.NumRequests() * len(setups) * o.seeds
 	}
 	prog := newProgress(os.Stderr, total)
-	for _, w := range wls {
-		est := estimateCapacity(w, sims)
-		iw := InstancesWorkload{Workload: w.Name, Requests: w.NumRequests(), Warmup: warmupCount(w.NumRequests()), RateRPS: o.load * est.ClusterRPS}
-		for i, s := range setups {
-			prog.setLabel(w.Name + "/" + s.Name)
-			prefix := fmt.Sprintf("bench-%s-%d:", w.Name, i) // a fresh stream per run
-			run, err := runFront(ctx, o, sims, w, iw.RateRPS, bin, tmp, s, rds.url(), prefix, prog)
+	runs := 0
+	for _, name := range o.workloads {
+		var iw InstancesWorkload
+		for seed := o.seed; seed < o.seed+int64(o.seeds); seed++ {
+			w, err := generateWorkload(name, seed, o.size())
 			if err != nil {
-				return fmt.Errorf("%s/%s: %w", w.Name, s.Name, err)
+				return err
 			}
-			if run.LagP99 > lagRerunMS {
-				iw.Notes = append(iw.Notes, fmt.Sprintf("%s: scheduling lag p99 %.1f ms (wall): the machine was busy", s.Name, run.LagP99))
+			est := estimateCapacity(w, sims)
+			iw.Workload, iw.Requests, iw.Warmup, iw.RateRPS = w.Name, w.NumRequests(), warmupCount(w.NumRequests()), o.load*est.ClusterRPS
+			so := o
+			so.seed = seed
+			for _, s := range setups {
+				label := fmt.Sprintf("%s/%s seed %d", w.Name, s.Name, seed)
+				prog.setLabel(label)
+				runs++
+				prefix := fmt.Sprintf("bench-%d:", runs) // a fresh stream per run
+				run, err := runFront(ctx, so, sims, w, iw.RateRPS, bin, tmp, s, rds.url(), prefix, prog)
+				if err != nil {
+					return fmt.Errorf("%s: %w", label, err)
+				}
+				run.Seed = seed
+				if run.LagP99 > lagRerunMS {
+					iw.Notes = append(iw.Notes, fmt.Sprintf("%s, seed %d: scheduling lag p99 %.1f ms (wall): the machine was busy", s.Name, seed, run.LagP99))
+				}
+				iw.Runs = append(iw.Runs, run)
+				prog.stepDone(fmt.Sprintf("%s: TTFT p50 %.0f ms, hit rate %.1f%%", label, run.TTFTP50, 100*run.CacheHitRate))
 			}
-			iw.Runs = append(iw.Runs, run)
-			prog.stepDone(fmt.Sprintf("%s/%s: TTFT p50 %.0f ms, hit rate %.1f%%", w.Name, s.Name, run.TTFTP50, 100*run.CacheHitRate))
 		}
+		iw.medians(setups)
 		res.Workloads = append(res.Workloads, iw)
 	}
 	prog.finish()
@@ -167,8 +222,7 @@ func runFront(ctx context.Context, o options, sims []simSettings, w Workload, ra
 		return run, err
 	}
 	defer c.close()
-	p, _ := findPolicy(judgedPolicy)
-	p = scaleScrapes(p, o.sim.TimeScale)
+	p := scaleScrapes(o.policies[0], o.sim.TimeScale)
 	if setup.Share {
 		p = withOption(p, "share", map[string]any{"url": redisURL, "prefix": prefix, "flush_interval": o.shareFlushInterval().String()})
 	}
@@ -299,8 +353,8 @@ func writeInstancesTable(out io.Writer, res InstancesResults) {
 // instancesRows is a workload's table: header, then one row per setup.
 func instancesRows(w InstancesWorkload) [][]string {
 	rows := [][]string{{"setup", "instances", "hit rate", "hit vs one", "TTFT p50 ms", "p50 vs one", "TTFT p99 ms", "p99 vs one", "failed", "remote routes", "lag p99 ms"}}
-	one, ok := w.run("one")
-	for _, r := range w.Runs {
+	one, ok := w.median("one")
+	for _, r := range w.Medians {
 		hit, p50, p99 := "-", "-", "-"
 		if ok {
 			hit = fmt.Sprintf("%.1f%%", 100*r.CacheHitRate/one.CacheHitRate)
@@ -316,13 +370,13 @@ func instancesRows(w InstancesWorkload) [][]string {
 	return rows
 }
 
-func (w InstancesWorkload) run(setup string) (InstancesRun, bool) {
-	for _, r := range w.Runs {
-		if r.Setup == setup {
-			return r, true
+func (w InstancesWorkload) median(setup string) (InstancesMedian, bool) {
+	for _, m := range w.Medians {
+		if m.Setup == setup {
+			return m, true
 		}
 	}
-	return InstancesRun{}, false
+	return InstancesMedian{}, false
 }
 
 // instancesVerdicts judges the target of issue 11 per workload: shared reaches at least 95% of one
@@ -330,9 +384,9 @@ func (w InstancesWorkload) run(setup string) (InstancesRun, bool) {
 func instancesVerdicts(res InstancesResults) []string {
 	var out []string
 	for _, w := range res.Workloads {
-		one, ok1 := w.run("one")
-		sh, ok2 := w.run("shared")
-		un, ok3 := w.run("unshared")
+		one, ok1 := w.median("one")
+		sh, ok2 := w.median("shared")
+		un, ok3 := w.median("unshared")
 		if !ok1 || !ok2 || !ok3 || one.CacheHitRate == 0 || one.TTFTP50 == 0 {
 			continue
 		}
@@ -351,24 +405,27 @@ func instancesVerdicts(res InstancesResults) []string {
 func writeInstancesMarkdown(md *strings.Builder, res InstancesResults) {
 	fmt.Fprintf(md, "# Several Caddy instances: shared, unshared and one\n\n")
 	fmt.Fprintf(md, "`%s` (started %s; %s; wall time %.0f s)\n\n", res.Command, res.Started, res.Machine, res.WallSeconds)
-	fmt.Fprintf(md, "%d backends (%s), offered load %.2f of the estimated capacity, seed %d. Each setup runs the bare `lb_policy llm` "+
-		"(scrapes scaled to 1 s simulated) in separate Caddy processes built from `cmd/caddy`; the load driver sends each request to an "+
-		"instance picked uniformly at random. `shared` instances use `share` through a redis-server the benchmark starts on 127.0.0.1, "+
-		"flush_interval %s of wall time (100 ms simulated at time scale %g). Hit rate is the backends' own prefix-cache hit rate; "+
-		"TTFT in simulated ms; the first %.0f%% of requests are warm-up.\n\n",
-		res.Backends, res.Sim.describe(), res.Load, res.Seed, res.ShareFlush, res.Sim.TimeScale, 100*warmupFraction)
+	fmt.Fprintf(md, "%d backends (%s), offered load %.2f of the estimated capacity, seeds %d-%d. Each setup runs `%s` "+
+		"(scrapes scaled to 1 s simulated unless it sets them) in separate Caddy processes built from `cmd/caddy`; the load driver "+
+		"sends each request to an instance picked uniformly at random. `shared` instances use `share` through a redis-server the "+
+		"benchmark starts on 127.0.0.1, flush_interval %s of wall time at time scale %g (the default 100 ms is scaled like the "+
+		"scrapes unless -share-flush sets it). Hit rate is the backends' own prefix-cache hit rate; TTFT in simulated ms; the first "+
+		"%.0f%% of requests are warm-up. Tables show medians over the seeds.\n\n",
+		res.Backends, res.Sim.describe(), res.Load, res.Seed, res.Seed+int64(res.Seeds)-1, res.Policy, res.ShareFlush, res.Sim.TimeScale, 100*warmupFraction)
 	for _, v := range instancesVerdicts(res) {
 		fmt.Fprintf(md, "- %s\n", v)
 	}
 	for _, w := range res.Workloads {
-		fmt.Fprintf(md, "\n## %s\n\n%d requests, %.1f req/s (simulated).\n\n", w.Workload, w.Requests, w.RateRPS)
+		fmt.Fprintf(md, "\n## %s\n\n%d requests, %.1f req/s (simulated). Medians over %d seeds:\n\n", w.Workload, w.Requests, w.RateRPS, res.Seeds)
 		writeMarkdownTable(md, instancesRows(w))
+		fmt.Fprintf(md, "\nEvery run (hit rate, TTFT p50 / p99 ms):\n\n")
 		for _, r := range w.Runs {
-			if !r.Share {
-				continue
+			fmt.Fprintf(md, "- seed %d, %s: %.1f%%, %.0f / %.0f; requests per backend %s", r.Seed, r.Setup, 100*r.CacheHitRate, r.TTFTP50, r.TTFTP99, joinInts(r.BackendRequests))
+			if r.Share {
+				fmt.Fprintf(md, "; per instance: published %s changes (%s bytes), imported %s, dropped %s, routes %s (remote %s)",
+					joinU(r.PublishedChanges), joinU(r.PublishedBytes), joinU(r.ImportedChanges), joinU(r.DroppedChanges), joinInts(r.Routes), joinInts(r.RemoteRoutes))
 			}
-			fmt.Fprintf(md, "\n`%s`: published %s changes (%s bytes), imported %s, dropped %s, per instance; routes %s.\n",
-				r.Setup, joinU(r.PublishedChanges), joinU(r.PublishedBytes), joinU(r.ImportedChanges), joinU(r.DroppedChanges), joinInts(r.Routes))
+			fmt.Fprintln(md)
 		}
 		for _, n := range w.Notes {
 			fmt.Fprintf(md, "- %s\n", n)

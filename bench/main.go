@@ -147,13 +147,16 @@ func parseOptions(args []string) (options, error) {
 	if modes := btoi(o.matrix) + btoi(o.goodput) + btoi(o.faults) + btoi(o.overhead); modes > 1 {
 		return o, fmt.Errorf("-matrix, -goodput, -faults and -overhead are separate modes")
 	}
+	if (o.instances > 0 || o.restart) && policies != "all" && strings.Contains(policies, ",") {
+		return o, fmt.Errorf("-instances and -restart run one policy (an llm variant)")
+	}
 	if o.instances < 0 || o.instances == 1 {
 		return o, fmt.Errorf("-instances must be at least 2")
 	}
 	if (o.instances > 0 || o.restart) && (o.matrix || o.goodput || o.overhead || o.faults) {
 		return o, fmt.Errorf("-instances and -restart are separate from -matrix, -goodput, -faults and -overhead")
 	}
-	if (o.quick || o.goodput || o.faults) && !isSet(fs, "seeds") {
+	if (o.quick || o.goodput || o.faults || o.restart) && !isSet(fs, "seeds") {
 		o.seeds = 1
 	}
 	if o.seeds < 1 {
@@ -203,6 +206,8 @@ func parseOptions(args []string) (options, error) {
 		o.policies = policiesNamed(matrixPolicies)
 	case o.goodput:
 		o.policies = policiesNamed(goodputPolicies)
+	case o.instances > 0 || o.restart:
+		o.policies = policiesNamed([]string{judgedPolicy})
 	}
 	if policies != "all" {
 		o.policies = nil

@@ -159,8 +159,7 @@ func runRestart(ctx context.Context, o options, sims []simSettings, name string,
 		return run, err
 	}
 	defer c.close()
-	p, _ := findPolicy(judgedPolicy)
-	p = scaleScrapes(p, o.sim.TimeScale)
+	p := scaleScrapes(o.policies[0], o.sim.TimeScale)
 	if persist {
 		p = withOption(p, "persist", map[string]any{})
 	}
