@@ -218,6 +218,7 @@ func (d *driver) send(ctx context.Context, req Request) requestResult {
 	}
 	defer resp.Body.Close()
 	r.Status = resp.StatusCode
+	r.Upstream, r.Conversation = resp.Header.Get("X-Upstream"), req.Conversation
 	if resp.StatusCode != http.StatusOK {
 		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<16))
 		return fail(fmt.Errorf("status %d", resp.StatusCode))

@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"text/tabwriter"
@@ -38,6 +39,10 @@ type InstancesRun struct {
 	Share     bool   `json:"share"`
 	Seed      int64  `json:"seed"`
 	Summary
+	// BackendsPerConversation is the mean number of backends the measured requests of a conversation
+	// (multi-turn) or group (shared-prefix) reached, over those with two requests or more: 1 when
+	// every instance agrees where each goes.
+	BackendsPerConversation float64 `json:"backends_per_conversation"`
 	// From each instance's /llm/state at the end of the run.
 	Routes           []int    `json:"routes"`
 	RemoteRoutes     []int    `json:"remote_routes"`
@@ -69,7 +74,9 @@ type InstancesMedian struct {
 	TTFTP99      float64 `json:"ttft_p99_ms"`
 	Failed       int     `json:"failed"`
 	RemoteRoutes []int   `json:"remote_routes"` // of the first seed's run
-	LagP99       float64 `json:"sched_lag_p99_wall_ms"`
+	// BackendsPerConversation: see InstancesRun.
+	BackendsPerConversation float64 `json:"backends_per_conversation"`
+	LagP99                  float64 `json:"sched_lag_p99_wall_ms"`
 }
 
 // medians fills w.Medians from w.Runs, one entry per setup in the order setups ran.
@@ -77,7 +84,7 @@ func (w *InstancesWorkload) medians(setups []frontSetup) {
 	w.Medians = nil
 	for _, s := range setups {
 		m := InstancesMedian{Setup: s.Name, Instances: s.Instances, Share: s.Share}
-		var hit, p50, p99, lag []float64
+		var hit, p50, p99, lag, spread []float64
 		for _, r := range w.Runs {
 			if r.Setup != s.Name {
 				continue
@@ -87,11 +94,13 @@ func (w *InstancesWorkload) medians(setups []frontSetup) {
 			}
 			hit, p50, p99, lag = append(hit, r.CacheHitRate), append(p50, r.TTFTP50), append(p99, r.TTFTP99), append(lag, r.LagP99)
 			m.Failed += r.Failed
+			spread = append(spread, r.BackendsPerConversation)
 		}
 		if len(hit) == 0 {
 			continue
 		}
 		m.CacheHitRate, m.TTFTP50, m.TTFTP99, m.LagP99 = round3(median(hit)), round3(median(p50)), round3(median(p99)), round3(median(lag))
+		m.BackendsPerConversation = round3(median(spread))
 		w.Medians = append(w.Medians, m)
 	}
 }
@@ -149,10 +158,11 @@ func runInstancesMode(ctx context.Context, o options, args []string, started tim
 		Machine: machine(), Seed: o.seed, Policy: o.policies[0].Name, Seeds: o.seeds, Instances: o.instances, ShareFlush: o.shareFlushInterval().String(),
 		Backends: o.backends, Load: o.load, Sim: o.sim,
 	}
-	setups := []frontSetup{
-		{"one", 1, false},
-		{"shared", o.instances, true},
-		{"unshared", o.instances, false},
+	var setups []frontSetup
+	for _, s := range []frontSetup{{"one", 1, false}, {"shared", o.instances, true}, {"unshared", o.instances, false}} {
+		if slices.Contains(o.setups, s.Name) {
+			setups = append(setups, s)
+		}
 	}
 	sims := uniformCluster(o.backends, o.sim)
 	total := 0
@@ -314,7 +324,36 @@ func runFront(ctx context.Context, o options, sims []simSettings, w Workload, ra
 		s.BackendRequests = append(s.BackendRequests, int(after[i].Requests-before[i].Requests))
 	}
 	run.Summary = s
+	run.BackendsPerConversation = backendsPerConversation(results)
 	return run, nil
+}
+
+// backendsPerConversation is the mean number of distinct backends the measured, answered requests of
+// each conversation reached, over conversations with at least two of them.
+func backendsPerConversation(results []requestResult) float64 {
+	seen := map[string]map[string]bool{}
+	requests := map[string]int{}
+	for _, r := range results {
+		if r.Warmup || r.Failed || r.Upstream == "" || r.Conversation == "" {
+			continue
+		}
+		if seen[r.Conversation] == nil {
+			seen[r.Conversation] = map[string]bool{}
+		}
+		seen[r.Conversation][r.Upstream] = true
+		requests[r.Conversation]++
+	}
+	sum, n := 0, 0
+	for conv, ups := range seen {
+		if requests[conv] >= 2 {
+			sum += len(ups)
+			n++
+		}
+	}
+	if n == 0 {
+		return 0
+	}
+	return round3(float64(sum) / float64(n))
 }
 
 // hitRate is the backends' prefix-cache hit rate between two readings of their counters.
@@ -352,7 +391,7 @@ func writeInstancesTable(out io.Writer, res InstancesResults) {
 
 // instancesRows is a workload's table: header, then one row per setup.
 func instancesRows(w InstancesWorkload) [][]string {
-	rows := [][]string{{"setup", "instances", "hit rate", "hit vs one", "TTFT p50 ms", "p50 vs one", "TTFT p99 ms", "p99 vs one", "failed", "remote routes", "lag p99 ms"}}
+	rows := [][]string{{"setup", "instances", "hit rate", "hit vs one", "TTFT p50 ms", "p50 vs one", "TTFT p99 ms", "p99 vs one", "backends per conv.", "failed", "remote routes", "lag p99 ms"}}
 	one, ok := w.median("one")
 	for _, r := range w.Medians {
 		hit, p50, p99 := "-", "-", "-"
@@ -365,7 +404,7 @@ func instancesRows(w InstancesWorkload) [][]string {
 			remote = joinInts(r.RemoteRoutes)
 		}
 		rows = append(rows, []string{r.Setup, fmt.Sprint(r.Instances), fmt.Sprintf("%.1f%%", 100*r.CacheHitRate), hit,
-			f0(r.TTFTP50), p50, f0(r.TTFTP99), p99, fmt.Sprint(r.Failed), remote, f1(r.LagP99)})
+			f0(r.TTFTP50), p50, f0(r.TTFTP99), p99, fmt.Sprintf("%.2f", r.BackendsPerConversation), fmt.Sprint(r.Failed), remote, f1(r.LagP99)})
 	}
 	return rows
 }
@@ -420,7 +459,8 @@ func writeInstancesMarkdown(md *strings.Builder, res InstancesResults) {
 		writeMarkdownTable(md, instancesRows(w))
 		fmt.Fprintf(md, "\nEvery run (hit rate, TTFT p50 / p99 ms):\n\n")
 		for _, r := range w.Runs {
-			fmt.Fprintf(md, "- seed %d, %s: %.1f%%, %.0f / %.0f; requests per backend %s", r.Seed, r.Setup, 100*r.CacheHitRate, r.TTFTP50, r.TTFTP99, joinInts(r.BackendRequests))
+			fmt.Fprintf(md, "- seed %d, %s: %.1f%%, %.0f / %.0f; requests per backend %s; %.2f backends per conversation", r.Seed, r.Setup,
+				100*r.CacheHitRate, r.TTFTP50, r.TTFTP99, joinInts(r.BackendRequests), r.BackendsPerConversation)
 			if r.Share {
 				fmt.Fprintf(md, "; per instance: published %s changes (%s bytes), imported %s, dropped %s, routes %s (remote %s)",
 					joinU(r.PublishedChanges), joinU(r.PublishedBytes), joinU(r.ImportedChanges), joinU(r.DroppedChanges), joinInts(r.Routes), joinInts(r.RemoteRoutes))

@@ -69,6 +69,7 @@ type options struct {
 	instances  int
 	restart    bool
 	shareFlush time.Duration
+	setups     []string // of -instances: one, shared, unshared
 }
 
 // size returns the workload size the options ask for.
@@ -131,6 +132,8 @@ func parseOptions(args []string) (options, error) {
 	fs.IntVar(&o.instances, "instances", 0, "run N Caddy processes behind a random splitter: one instance vs N sharing through redis-server vs N unshared")
 	fs.BoolVar(&o.restart, "restart", false, "restart Caddy under load: hit rate in the first simulated minute after the restart vs the minute before, with and without persist")
 	fs.DurationVar(&o.shareFlush, "share-flush", 0, "with -instances: the shared instances' flush_interval in wall time (default 100ms simulated: 100ms / time scale)")
+	var setups string
+	fs.StringVar(&setups, "setups", "one,shared,unshared", "with -instances: which setups to run")
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the run to this file")
 	if err := fs.Parse(args); err != nil {
 		return o, err
@@ -149,6 +152,12 @@ func parseOptions(args []string) (options, error) {
 	}
 	if (o.instances > 0 || o.restart) && policies != "all" && strings.Contains(policies, ",") {
 		return o, fmt.Errorf("-instances and -restart run one policy (an llm variant)")
+	}
+	for _, s := range strings.Split(setups, ",") {
+		if s != "one" && s != "shared" && s != "unshared" {
+			return o, fmt.Errorf("unknown setup %q (known: one, shared, unshared)", s)
+		}
+		o.setups = append(o.setups, s)
 	}
 	if o.instances < 0 || o.instances == 1 {
 		return o, fmt.Errorf("-instances must be at least 2")
