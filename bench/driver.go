@@ -42,6 +42,9 @@ type driver struct {
 	// while a Caddy restarts) every 10 ms until one answers or ctx ends, as a client retrying would;
 	// the request's TTFT and latency include that wait.
 	retryUnanswered bool
+	// gate, when set, holds every request (a session's first and its later turns) while it is closed,
+	// and delays the arrival schedule by the time it was closed.
+	gate *gate
 
 	pickMu sync.Mutex
 	pick   *rand.Rand // seeded; picks among targets
@@ -84,6 +87,9 @@ func (d *driver) run(ctx context.Context, w Workload) []requestResult {
 		if ctx.Err() != nil {
 			break
 		}
+		if held := d.gate.wait(ctx); held > 0 {
+			start, scheduled = start.Add(held), scheduled.Add(held)
+		}
 		lag := max(time.Since(scheduled), 0)
 		wg.Add(1)
 		go func(s Session, lag time.Duration) {
@@ -96,6 +102,7 @@ func (d *driver) run(ctx context.Context, w Workload) []requestResult {
 						return
 					}
 				}
+				d.gate.wait(ctx)
 				n := int(seq.Add(1)) - 1
 				if n == d.warmup && d.onMeasure != nil {
 					measured.Do(d.onMeasure)
@@ -122,6 +129,50 @@ func (d *driver) run(ctx context.Context, w Workload) []requestResult {
 		measured.Do(d.onMeasure) // fewer requests than the warm-up: measure nothing, but snapshot
 	}
 	return results
+}
+
+// gate holds requests while closed (Caddy restarting). The zero value and a nil gate are open.
+type gate struct {
+	mu     sync.Mutex
+	closed chan struct{} // nil while open; closed when the gate opens again
+}
+
+// close closes the gate: requests wait in wait until open.
+func (g *gate) close() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.closed == nil {
+		g.closed = make(chan struct{})
+	}
+}
+
+// open opens the gate and releases every waiting request.
+func (g *gate) open() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.closed != nil {
+		close(g.closed)
+		g.closed = nil
+	}
+}
+
+// wait returns at once while the gate is open, else when it opens or ctx ends, with the time it waited.
+func (g *gate) wait(ctx context.Context) time.Duration {
+	if g == nil {
+		return 0
+	}
+	g.mu.Lock()
+	ch := g.closed
+	g.mu.Unlock()
+	if ch == nil {
+		return 0
+	}
+	start := time.Now()
+	select {
+	case <-ch:
+	case <-ctx.Done():
+	}
+	return time.Since(start)
 }
 
 // wall converts a simulated duration to wall time.

@@ -17,13 +17,12 @@ import (
 	"github.com/tokenrouter/caddy-llm/bench/vllmsim"
 )
 
-// -restart: one Caddy process with the bare llm policy learns under load for two simulated minutes,
-// is stopped gracefully (SIGINT) and started again from the same storage while the load goes on
-// (requests that find it down are retried every 10 ms, as a client would), and the backends' hit rate
-// in the first simulated minute after the restart is compared with the minute before: with `persist`
-// (the snapshot written at the stop is restored at the start) and without (the new process starts
-// empty). The backends keep their caches throughout: what a restart can lose is only the knowledge of
-// where the prefixes are.
+// -restart: one Caddy process with the bare llm policy learns under load for a simulated minute, is
+// measured for a minute, is stopped gracefully (SIGINT) and started again from the same storage, and the
+// backends' hit rate in the first simulated minute after the restart is compared with the minute before:
+// with `persist` (the snapshot written at the stop is restored at the start) and without (the new process
+// starts empty). New requests are held while Caddy is down (see runRestart). The backends keep their
+// caches throughout: what a restart can lose is only the knowledge of where the prefixes are.
 
 // restartWindow is the measuring window in simulated time.
 const restartWindow = time.Minute
@@ -31,7 +30,7 @@ const restartWindow = time.Minute
 // RestartPoint is the hit rate of one interval of a restart run.
 type RestartPoint struct {
 	// T is the end of the interval in simulated seconds since the restarted Caddy answered (negative
-	// before the stop).
+	// before the stop). The interval that holds the restart is left out.
 	T       float64 `json:"t_s"`
 	HitRate float64 `json:"hit_rate"`
 }
@@ -46,13 +45,14 @@ type RestartRun struct {
 	// after the restarted Caddy answered (requests that waited through the restart included).
 	HitBefore float64 `json:"hit_rate_before"`
 	HitAfter  float64 `json:"hit_rate_after"`
-	// TTFT p50/p99 (simulated ms) of the requests sent in each window (the after window starts at the
-	// stop, so requests that waited for the restart count there).
+	// TTFT p50/p99 (simulated ms) of the requests sent in each window (requests held during the restart
+	// are sent when it answers again).
 	TTFTP50Before float64 `json:"ttft_p50_before_ms"`
 	TTFTP99Before float64 `json:"ttft_p99_before_ms"`
 	TTFTP50After  float64 `json:"ttft_p50_after_ms"`
 	TTFTP99After  float64 `json:"ttft_p99_after_ms"`
-	// DowntimeS is from the stop signal to the restarted Caddy answering, in simulated seconds.
+	// DowntimeS is from the stop signal to the restarted Caddy answering, in simulated seconds; requests
+	// were held meanwhile. Failed counts failed requests of the whole run but those its end cut short.
 	DowntimeS      float64        `json:"downtime_s"`
 	Failed         int            `json:"failed"`
 	RoutesAtStop   int            `json:"routes_at_stop"`
@@ -185,18 +185,13 @@ func runRestart(ctx context.Context, o options, sims []simSettings, name string,
 		mu       sync.Mutex
 		readings []reading
 	)
-	read := func() reading {
-		r := reading{time.Now(), c.states()}
-		mu.Lock()
-		readings = append(readings, r)
-		mu.Unlock()
-		return r
-	}
+	read := func() reading { return reading{time.Now(), c.states()} }
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	client := newClient()
 	defer client.CloseIdleConnections()
-	d := &driver{targets: []string{proc.URL}, retryUnanswered: true, client: client, model: benchModel,
+	g := new(gate)
+	d := &driver{targets: []string{proc.URL}, retryUnanswered: true, gate: g, client: client, model: benchModel,
 		rate: sessionRate * o.sim.TimeScale, timeScale: o.sim.TimeScale, seed: o.seed}
 	var results []requestResult
 	driven := make(chan struct{})
@@ -209,7 +204,10 @@ func runRestart(ctx context.Context, o options, sims []simSettings, name string,
 		for {
 			select {
 			case <-t.C:
-				read()
+				r := read()
+				mu.Lock()
+				readings = append(readings, r)
+				mu.Unlock()
 			case <-runCtx.Done():
 				return
 			}
@@ -231,6 +229,9 @@ func runRestart(ctx context.Context, o options, sims []simSettings, name string,
 		return run, err
 	}
 	run.RoutesAtStop, run.PinsAtStop = st.Routes, st.Pins
+	// Hold new requests and turns while Caddy is down: a restart takes 1-2 s of wall time here, which the
+	// time scale would turn into 5-20 simulated seconds of backlog; the windows are about routing.
+	g.close()
 	stopAt := time.Now()
 	if err := proc.stop(); err != nil {
 		return run, err
@@ -239,6 +240,7 @@ func runRestart(ctx context.Context, o options, sims []simSettings, name string,
 		return run, err
 	}
 	a0 := read()
+	g.open()
 	run.DowntimeS = round3(a0.at.Sub(stopAt).Seconds() * o.sim.TimeScale)
 	if st, err = proc.state(); err != nil {
 		return run, err
@@ -256,6 +258,7 @@ func runRestart(ctx context.Context, o options, sims []simSettings, name string,
 	if st, err := proc.state(); err == nil && st.Persist != nil {
 		run.SnapshotBytes = st.Persist.LastBytes
 	}
+	cancelAt := time.Now()
 	cancel()
 	<-driven
 	<-tickerDone
@@ -272,14 +275,19 @@ func runRestart(ctx context.Context, o options, sims []simSettings, name string,
 		case r.Sent.After(stopAt) && r.Sent.Before(a1.at):
 			after = append(after, r)
 		}
+		if r.Failed && r.End.Before(cancelAt) {
+			run.Failed++ // not those the end of the run cut
+		}
 	}
 	sb, sa := summarize("before", before, o.sim.TimeScale), summarize("after", after, o.sim.TimeScale)
 	run.TTFTP50Before, run.TTFTP99Before, run.TTFTP50After, run.TTFTP99After = sb.TTFTP50, sb.TTFTP99, sa.TTFTP50, sa.TTFTP99
-	run.Failed = sb.Failed + sa.Failed
 	mu.Lock()
 	for i := 1; i < len(readings); i++ {
 		if readings[i].at.After(a1.at) {
 			break
+		}
+		if readings[i].at.After(stopAt) && readings[i-1].at.Before(a0.at) {
+			continue // the interval of the restart
 		}
 		run.Series = append(run.Series, RestartPoint{
 			T:       round3(readings[i].at.Sub(a0.at).Seconds() * o.sim.TimeScale),
@@ -328,9 +336,11 @@ func writeRestartMarkdown(md *strings.Builder, res RestartResults) {
 	fmt.Fprintf(md, "`%s` (started %s; %s; wall time %.0f s)\n\n", res.Command, res.Started, res.Machine, res.WallSeconds)
 	fmt.Fprintf(md, "%d backends (%s), offered load %.2f, seed %d. One Caddy process (built from `cmd/caddy`, the bare `lb_policy llm`, "+
 		"with `persist` or without) learns for a simulated minute, is measured for a minute, is stopped with SIGINT and started again "+
-		"from the same storage while the load goes on (requests that find it down are retried every 10 ms), and is measured for the "+
-		"first minute after it answers again. A simulated minute is %.0f s of wall time at time scale %g. Hit rate is the backends' own "+
-		"prefix-cache hit rate; their caches survive the restart. TTFT in simulated ms; \"after\" counts requests sent from the stop on.\n\n",
+		"from the same storage, and is measured for the first minute after it answers again. New sessions and turns are held while it "+
+		"is down (the restart takes 1-2 s of wall time, which the time scale would turn into a backlog of 5-20 simulated seconds) and "+
+		"the arrival schedule resumes where it stopped; requests refused meanwhile are retried every 10 ms. A simulated minute is %.0f s "+
+		"of wall time at time scale %g. Hit rate is the backends' own prefix-cache hit rate; their caches survive the restart. TTFT in "+
+		"simulated ms.\n\n",
 		res.Backends, res.Sim.describe(), res.Load, res.Seed, restartWindow.Seconds()/res.Sim.TimeScale, res.Sim.TimeScale)
 	writeMarkdownTable(md, restartRows(res))
 	fmt.Fprintf(md, "\nHit rate per 6 simulated seconds (t = 0 when the restarted Caddy answered):\n\n")
