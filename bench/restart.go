@@ -240,6 +240,9 @@ func runRestart(ctx context.Context, o options, sims []simSettings, name string,
 		return run, err
 	}
 	a0 := read()
+	mu.Lock()
+	readings = append(readings, a0) // the series restarts here
+	mu.Unlock()
 	g.open()
 	run.DowntimeS = round3(a0.at.Sub(stopAt).Seconds() * o.sim.TimeScale)
 	if st, err = proc.state(); err != nil {
@@ -300,17 +303,24 @@ func runRestart(ctx context.Context, o options, sims []simSettings, name string,
 
 // restartRows is the table of every restart run.
 func restartRows(res RestartResults) [][]string {
-	rows := [][]string{{"workload", "persist", "hit before", "hit after", "after/before", "TTFT p50 before", "after", "TTFT p99 before", "after", "downtime s", "routes at stop", "restored", "failed"}}
+	rows := [][]string{{"workload", "persist", "hit before", "hit after", "after/before", "hit first <=6 s", "TTFT p50 before", "after", "TTFT p99 before", "after", "downtime s", "routes at stop", "restored", "failed"}}
 	for _, r := range res.Runs {
 		rel := "-"
 		if r.HitBefore > 0 {
 			rel = fmt.Sprintf("%.0f%%", 100*r.HitAfter/r.HitBefore)
 		}
+		first := "-"
+		for _, p := range r.Series {
+			if p.T > 0 {
+				first = fmt.Sprintf("%.1f%%", 100*p.HitRate)
+				break
+			}
+		}
 		restored := "-"
 		if r.Persist {
 			restored = fmt.Sprintf("%d routes, %d pins", r.RestoredRoutes, r.RestoredPins)
 		}
-		rows = append(rows, []string{r.Workload, fmt.Sprint(r.Persist), fmt.Sprintf("%.1f%%", 100*r.HitBefore), fmt.Sprintf("%.1f%%", 100*r.HitAfter), rel,
+		rows = append(rows, []string{r.Workload, fmt.Sprint(r.Persist), fmt.Sprintf("%.1f%%", 100*r.HitBefore), fmt.Sprintf("%.1f%%", 100*r.HitAfter), rel, first,
 			f0(r.TTFTP50Before), f0(r.TTFTP50After), f0(r.TTFTP99Before), f0(r.TTFTP99After), f1(r.DowntimeS),
 			fmt.Sprintf("%d routes, %d pins", r.RoutesAtStop, r.PinsAtStop), restored, fmt.Sprint(r.Failed)})
 	}
@@ -343,7 +353,7 @@ func writeRestartMarkdown(md *strings.Builder, res RestartResults) {
 		"simulated ms.\n\n",
 		res.Backends, res.Sim.describe(), res.Load, res.Seed, restartWindow.Seconds()/res.Sim.TimeScale, res.Sim.TimeScale)
 	writeMarkdownTable(md, restartRows(res))
-	fmt.Fprintf(md, "\nHit rate per 6 simulated seconds (t = 0 when the restarted Caddy answered):\n\n")
+	fmt.Fprintf(md, "\nHit rate per 6 simulated seconds, the first interval after the restart from the moment it answered (t = 0) to the next reading:\n\n")
 	for _, r := range res.Runs {
 		var pts []string
 		for _, p := range r.Series {
