@@ -12,6 +12,8 @@
 //	go run ./bench -matrix              # backend regimes x workloads, pass/fail of llm per cell (~40 min)
 //	go run ./bench -quick -matrix       # 2 regimes x 5 workloads, one seed (CI, ~4 min)
 //	go run ./bench -goodput             # highest load with TTFT p99 < 2 s: least_conn vs llm
+//	go run ./bench -instances 3         # 3 Caddy processes, shared through Redis vs unshared vs one
+//	go run ./bench -restart             # restart Caddy under load, with and without persist
 //
 // For each workload and policy it starts fresh simulated backends (cold caches) on 127.0.0.1, loads
 // a Caddy config in this process (reverse_proxy with that policy, flush_interval -1), sends the
