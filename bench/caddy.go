@@ -43,6 +43,10 @@ var extraPolicies = []policy{
 	// scales: these two tell a stale scrape from the decision itself.
 	{"llm-nometrics", `{"policy":"llm","metrics":{"off":true}}`},
 	{"llm+metrics100ms", `{"policy":"llm","metrics":{"interval":"100ms"}}`},
+	// Every 20 ms of wall time (100 ms simulated at time scale 5): with -instances, where each
+	// instance counts only its own requests in flight, how much a fresher view of the backends'
+	// queues gives back.
+	{"llm+metrics20ms", `{"policy":"llm","metrics":{"interval":"20ms"}}`},
 }
 
 // matrixPolicies are the policies of -matrix: Caddy's stock policies (stockPolicies), this

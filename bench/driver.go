@@ -34,6 +34,33 @@ type driver struct {
 	onMeasure func()
 	// onDone runs after every request (progress).
 	onDone func()
+	// targets, when set, replaces baseURL: each request goes to one of them picked uniformly at
+	// random (seeded), as a DNS round robin or an L4 balancer in front of several Caddy instances
+	// does. Turns of one conversation may therefore reach different instances.
+	targets []string
+	// retryUnanswered re-sends a request that got no response at all (connection refused or reset
+	// while a Caddy restarts) every 10 ms until one answers or ctx ends, as a client retrying would;
+	// the request's TTFT and latency include that wait.
+	retryUnanswered bool
+	// gate, when set, holds every request (a session's first and its later turns) while it is closed,
+	// and delays the arrival schedule by the time it was closed.
+	gate *gate
+
+	pickMu sync.Mutex
+	pick   *rand.Rand // seeded; picks among targets
+}
+
+// target returns the base URL of the next request.
+func (d *driver) target() string {
+	if len(d.targets) == 0 {
+		return d.baseURL
+	}
+	d.pickMu.Lock()
+	defer d.pickMu.Unlock()
+	if d.pick == nil {
+		d.pick = rand.New(rand.NewPCG(uint64(d.seed), 0x5851f42d4c957f2d))
+	}
+	return d.targets[d.pick.IntN(len(d.targets))]
 }
 
 // run drives every session of w and returns one result per request, in send order.
@@ -60,6 +87,9 @@ func (d *driver) run(ctx context.Context, w Workload) []requestResult {
 		if ctx.Err() != nil {
 			break
 		}
+		if held := d.gate.wait(ctx); held > 0 {
+			start, scheduled = start.Add(held), scheduled.Add(held)
+		}
 		lag := max(time.Since(scheduled), 0)
 		wg.Add(1)
 		go func(s Session, lag time.Duration) {
@@ -72,6 +102,7 @@ func (d *driver) run(ctx context.Context, w Workload) []requestResult {
 						return
 					}
 				}
+				d.gate.wait(ctx)
 				n := int(seq.Add(1)) - 1
 				if n == d.warmup && d.onMeasure != nil {
 					measured.Do(d.onMeasure)
@@ -98,6 +129,50 @@ func (d *driver) run(ctx context.Context, w Workload) []requestResult {
 		measured.Do(d.onMeasure) // fewer requests than the warm-up: measure nothing, but snapshot
 	}
 	return results
+}
+
+// gate holds requests while closed (Caddy restarting). The zero value and a nil gate are open.
+type gate struct {
+	mu     sync.Mutex
+	closed chan struct{} // nil while open; closed when the gate opens again
+}
+
+// close closes the gate: requests wait in wait until open.
+func (g *gate) close() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.closed == nil {
+		g.closed = make(chan struct{})
+	}
+}
+
+// open opens the gate and releases every waiting request.
+func (g *gate) open() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.closed != nil {
+		close(g.closed)
+		g.closed = nil
+	}
+}
+
+// wait returns at once while the gate is open, else when it opens or ctx ends, with the time it waited.
+func (g *gate) wait(ctx context.Context) time.Duration {
+	if g == nil {
+		return 0
+	}
+	g.mu.Lock()
+	ch := g.closed
+	g.mu.Unlock()
+	if ch == nil {
+		return 0
+	}
+	start := time.Now()
+	select {
+	case <-ch:
+	case <-ctx.Done():
+	}
+	return time.Since(start)
 }
 
 // wall converts a simulated duration to wall time.
@@ -169,21 +244,32 @@ func (d *driver) send(ctx context.Context, req Request) requestResult {
 		r.E2E = r.End.Sub(r.Sent)
 		return r
 	}
-	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, d.baseURL+"/v1/chat/completions", bytes.NewReader(body))
-	if err != nil {
-		return fail(fmt.Errorf("building request: %w", err))
-	}
-	hr.Header.Set("Content-Type", "application/json")
-	hr.Header.Set("Accept", "text/event-stream")
-	if req.Conversation != "" {
-		hr.Header.Set("X-Conversation-ID", req.Conversation)
-	}
-	resp, err := d.client.Do(hr)
-	if err != nil {
-		return fail(fmt.Errorf("sending request: %w", err))
+	var resp *http.Response
+	for {
+		hr, err := http.NewRequestWithContext(ctx, http.MethodPost, d.target()+"/v1/chat/completions", bytes.NewReader(body))
+		if err != nil {
+			return fail(fmt.Errorf("building request: %w", err))
+		}
+		hr.Header.Set("Content-Type", "application/json")
+		hr.Header.Set("Accept", "text/event-stream")
+		if req.Conversation != "" {
+			hr.Header.Set("X-Conversation-ID", req.Conversation)
+		}
+		resp, err = d.client.Do(hr)
+		if err == nil {
+			break
+		}
+		if !d.retryUnanswered || ctx.Err() != nil {
+			return fail(fmt.Errorf("sending request: %w", err))
+		}
+		select {
+		case <-time.After(10 * time.Millisecond):
+		case <-ctx.Done():
+		}
 	}
 	defer resp.Body.Close()
 	r.Status = resp.StatusCode
+	r.Upstream, r.Conversation = resp.Header.Get("X-Upstream"), req.Conversation
 	if resp.StatusCode != http.StatusOK {
 		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<16))
 		return fail(fmt.Errorf("status %d", resp.StatusCode))

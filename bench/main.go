@@ -12,6 +12,8 @@
 //	go run ./bench -matrix              # backend regimes x workloads, pass/fail of llm per cell (~40 min)
 //	go run ./bench -quick -matrix       # 2 regimes x 5 workloads, one seed (CI, ~4 min)
 //	go run ./bench -goodput             # highest load with TTFT p99 < 2 s: least_conn vs llm
+//	go run ./bench -instances 3         # 3 Caddy processes, shared through Redis vs unshared vs one
+//	go run ./bench -restart             # restart Caddy under load, with and without persist
 //
 // For each workload and policy it starts fresh simulated backends (cold caches) on 127.0.0.1, loads
 // a Caddy config in this process (reverse_proxy with that policy, flush_interval -1), sends the
@@ -63,6 +65,13 @@ type options struct {
 	faults bool
 	// timeScaleSet is true when -timescale was given: the matrix then uses it for every workload.
 	timeScaleSet bool
+	// instances (-instances N) compares N Caddy processes, shared and unshared, with one
+	// (instances.go); restart (-restart) restarts Caddy under load, with and without persist
+	// (restart.go). shareFlush overrides the shared instances' flush interval (wall time).
+	instances  int
+	restart    bool
+	shareFlush time.Duration
+	setups     []string // of -instances: one, shared, unshared
 }
 
 // size returns the workload size the options ask for.
@@ -122,6 +131,11 @@ func parseOptions(args []string) (options, error) {
 	fs.Float64Var(&o.sim.TimeScale, "timescale", defaultSim.TimeScale, "how many times faster than real time the simulators run")
 	fs.IntVar(&o.sim.NumGPUBlocks, "kv-blocks", defaultSim.NumGPUBlocks, "KV cache blocks (16 tokens) per simulated backend")
 	fs.IntVar(&o.maxReruns, "reruns", 2, "run a policy again up to this many times when the load generator's scheduling lag shows the machine was busy")
+	fs.IntVar(&o.instances, "instances", 0, "run N Caddy processes behind a random splitter: one instance vs N sharing through redis-server vs N unshared")
+	fs.BoolVar(&o.restart, "restart", false, "restart Caddy under load: hit rate in the first simulated minute after the restart vs the minute before, with and without persist")
+	fs.DurationVar(&o.shareFlush, "share-flush", 0, "with -instances: the shared instances' flush_interval in wall time (default 100ms simulated: 100ms / time scale)")
+	var setups string
+	fs.StringVar(&setups, "setups", "one,shared,unshared", "with -instances: which setups to run")
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the run to this file")
 	if err := fs.Parse(args); err != nil {
 		return o, err
@@ -138,7 +152,22 @@ func parseOptions(args []string) (options, error) {
 	if modes := btoi(o.matrix) + btoi(o.goodput) + btoi(o.faults) + btoi(o.overhead); modes > 1 {
 		return o, fmt.Errorf("-matrix, -goodput, -faults and -overhead are separate modes")
 	}
-	if (o.quick || o.goodput || o.faults) && !isSet(fs, "seeds") {
+	if (o.instances > 0 || o.restart) && policies != "all" && strings.Contains(policies, ",") {
+		return o, fmt.Errorf("-instances and -restart run one policy (an llm variant)")
+	}
+	for _, s := range strings.Split(setups, ",") {
+		if s != "one" && s != "shared" && s != "unshared" {
+			return o, fmt.Errorf("unknown setup %q (known: one, shared, unshared)", s)
+		}
+		o.setups = append(o.setups, s)
+	}
+	if o.instances < 0 || o.instances == 1 {
+		return o, fmt.Errorf("-instances must be at least 2")
+	}
+	if (o.instances > 0 || o.restart) && (o.matrix || o.goodput || o.overhead || o.faults) {
+		return o, fmt.Errorf("-instances and -restart are separate from -matrix, -goodput, -faults and -overhead")
+	}
+	if (o.quick || o.goodput || o.faults || o.restart) && !isSet(fs, "seeds") {
 		o.seeds = 1
 	}
 	if o.seeds < 1 {
@@ -170,6 +199,8 @@ func parseOptions(args []string) (options, error) {
 		o.workloads = matrixWorkloads
 	case o.goodput:
 		o.workloads = []string{"shared-prefix"}
+	case o.instances > 0 || o.restart:
+		o.workloads = instancesWorkloads
 	}
 	if workloads != "all" {
 		o.workloads = nil
@@ -186,6 +217,8 @@ func parseOptions(args []string) (options, error) {
 		o.policies = policiesNamed(matrixPolicies)
 	case o.goodput:
 		o.policies = policiesNamed(goodputPolicies)
+	case o.instances > 0 || o.restart:
+		o.policies = policiesNamed([]string{judgedPolicy})
 	}
 	if policies != "all" {
 		o.policies = nil
@@ -266,6 +299,11 @@ func findPolicy(name string) (policy, bool) {
 	return policy{}, false
 }
 
+// machine describes the machine a run ran on.
+func machine() string {
+	return fmt.Sprintf("%s/%s, %d CPUs, GOMAXPROCS %d, %s", runtime.GOOS, runtime.GOARCH, runtime.NumCPU(), runtime.GOMAXPROCS(0), runtime.Version())
+}
+
 // run executes the benchmark described by args.
 func run(args []string) error {
 	o, err := parseOptions(args)
@@ -292,7 +330,7 @@ func run(args []string) error {
 	res := Results{
 		Command:   "go run ./bench " + strings.Join(args, " "),
 		Started:   started.UTC().Format(time.RFC3339),
-		Machine:   fmt.Sprintf("%s/%s, %d CPUs, GOMAXPROCS %d, %s", runtime.GOOS, runtime.GOARCH, runtime.NumCPU(), runtime.GOMAXPROCS(0), runtime.Version()),
+		Machine:   machine(),
 		Seed:      o.seed,
 		Backends:  o.backends,
 		Load:      o.load,
@@ -304,6 +342,17 @@ func run(args []string) error {
 	}
 	if o.faults {
 		return runFaults(context.Background(), o, res, started)
+	}
+	if o.instances > 0 || o.restart {
+		if o.instances > 0 {
+			if err := runInstancesMode(context.Background(), o, args, started); err != nil {
+				return err
+			}
+		}
+		if o.restart {
+			return runRestartMode(context.Background(), o, args, time.Now())
+		}
+		return nil
 	}
 	if o.overhead {
 		oh, err := runOverhead(context.Background(), o)

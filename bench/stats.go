@@ -85,6 +85,9 @@ type requestResult struct {
 	Failed       bool
 	Status       int
 	Err          string
+	// Upstream is the backend that answered, when the proxy says so (X-Upstream, -instances only), and
+	// Conversation the request's X-Conversation-ID.
+	Upstream, Conversation string
 }
 
 // Summary is one policy's figures on one workload. Latencies are in simulated milliseconds (wall
