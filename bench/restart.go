@@ -159,7 +159,7 @@ func runRestart(ctx context.Context, o options, sims []simSettings, name string,
 		return run, err
 	}
 	defer c.close()
-	p := scaleScrapes(o.policies[0], o.sim.TimeScale)
+	p := scalePrior(scaleScrapes(o.policies[0], o.sim.TimeScale), o.sim.TimeScale, c.dials)
 	if persist {
 		p = withOption(p, "persist", map[string]any{})
 	}
