@@ -122,12 +122,21 @@ func (d *decider) commit(q *query, dial string, dec selection.Decision) *reserva
 			d.routes.Pin(q.req.Model, q.conversation, dial)
 		}
 	}
+	matched := min(dec.MatchedTokens, q.req.PromptTokens)
+	pred := prediction{prompt: q.req.PromptTokens, predicted: matched}
+	if d.routes != nil {
+		pred.routes, pred.model, pred.bounds = d.routes, q.req.Model, q.bounds
+		if dec.Index < len(q.cached) {
+			pred.claimed = q.cached[dec.Index]
+		}
+	}
 	return d.loads.reserve(dial, work{
-		prompt:   q.req.PromptTokens,
-		matched:  min(dec.MatchedTokens, q.req.PromptTokens),
-		uncached: q.req.PromptTokens - min(dec.MatchedTokens, q.req.PromptTokens),
-		output:   d.outputEstimate(q.req.MaxTokens),
-		waited:   dec.Wait,
+		prompt:     q.req.PromptTokens,
+		matched:    matched,
+		uncached:   q.req.PromptTokens - matched,
+		output:     d.outputEstimate(q.req.MaxTokens),
+		waited:     dec.Wait,
+		prediction: pred,
 	}, q.now)
 }
 

@@ -1,0 +1,164 @@
+package caddyllm
+
+import (
+	"net/http"
+	"sync/atomic"
+	"time"
+
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+
+	"github.com/tokenrouter/caddy-llm/affinity"
+	"github.com/tokenrouter/caddy-llm/tokenize"
+)
+
+// What the backends report about each response, checked against what the decision predicted.
+//
+// A response seen by an observer (the llm transport, or the llm_resume handler) marks its attempt's
+// first token and counts its output tokens, which teach the upstream's service model, and at its end
+// reports the backend's usage.prompt_tokens_details.cached_tokens. That figure is the truth the route
+// table only predicts: per upstream, the observed cached tokens are added up next to the predicted ones,
+// a backend that reports far fewer than the route table claimed loses those claims (it evicted them),
+// and its figures move the trust the decision puts in its remaining claims. A backend restart, seen in
+// its scraped metrics, forgets its routes at once.
+//
+// Every hook is idempotent per attempt (per reservation): the first observer to count an attempt's
+// tokens counts all of them, and its cached tokens are taken once, so the transport and llm_resume on
+// the same request never count twice.
+
+// Observers of a response, for reservation.counter.
+const (
+	observerTransport int32 = 1 + iota
+	observerResume
+)
+
+// denyShare: a backend that reports fewer cached tokens than this share of the route table's claim
+// denied the claim, and its routes beyond what it reported are dropped.
+const denyShare = 0.5
+
+// observedTrustGain is how far one observed request moves an upstream's cache trust toward its
+// observed share of the predicted hit (the scraped aggregate moves it by 0.3 a scrape).
+const observedTrustGain = 0.1
+
+// prediction is what the decision predicted cached for one attempt, and what to correct if the backend
+// denies it.
+type prediction struct {
+	prompt    int // prompt tokens, by this proxy's count
+	predicted int // of them, predicted cached (the decision's figure: trust and pins included)
+	claimed   int // of them, the route table's claim on this upstream
+	routes    *affinity.Table
+	model     string
+	bounds    []tokenize.Boundary // the boundaries learned there (read only)
+}
+
+// cacheCounters add up, per upstream, the attempts whose cached tokens the backend reported, all in the
+// backend's tokens: predicted is the decision's prediction scaled by the backend's prompt count over
+// this proxy's, confirmed the part of each prediction the backend confirmed (min of the two).
+type cacheCounters struct {
+	requests, prompt, predicted, cached, confirmed atomic.Int64
+	corrections                                    atomic.Int64 // attempts whose denial dropped routes
+	restarts                                       atomic.Int64 // restarts seen in scrapes
+}
+
+// cacheFigures is a snapshot of cacheCounters.
+type cacheFigures struct {
+	Requests, Prompt, Predicted, Cached, Confirmed, Corrections, Restarts int64
+	Trust                                                                 float64
+}
+
+func (l *upstreamLoad) cacheFigures() cacheFigures {
+	c := &l.observed
+	return cacheFigures{
+		Requests: c.requests.Load(), Prompt: c.prompt.Load(), Predicted: c.predicted.Load(),
+		Cached: c.cached.Load(), Confirmed: c.confirmed.Load(), Corrections: c.corrections.Load(),
+		Restarts: c.restarts.Load(), Trust: l.cacheTrust(),
+	}
+}
+
+// observeTokens records n more output tokens of r's response, reported by observer; the first tokens
+// reported mark r's first token. Only the first observer to report on r counts.
+func (r *reservation) observeTokens(observer int32, n int) {
+	if n <= 0 || !r.counter.CompareAndSwap(0, observer) && r.counter.Load() != observer {
+		return
+	}
+	if r.outputSeen.Add(int64(n)) == int64(n) {
+		r.noteFirstToken(time.Now().UnixNano())
+	}
+}
+
+// observeCached records the backend's report of r's cached prompt tokens; backendPrompt is its own
+// prompt_tokens (0 if not reported: this proxy's count is used). Only the first report counts. A report
+// of far fewer than the route table claimed drops the denied routes of r's upstream; every report with a
+// prediction moves the upstream's cache trust toward the share it confirmed.
+func (r *reservation) observeCached(backendPrompt, cached int) {
+	if cached < 0 || backendPrompt < 0 || !r.cacheSeen.CompareAndSwap(false, true) {
+		return
+	}
+	p := &r.prediction
+	scale := 1.0 // backend tokens per token of this proxy's count
+	if backendPrompt > 0 && p.prompt > 0 {
+		scale = float64(backendPrompt) / float64(p.prompt)
+	} else {
+		backendPrompt = p.prompt
+	}
+	predicted := int64(float64(p.predicted)*scale + 0.5)
+	c := &r.load.observed
+	c.requests.Add(1)
+	c.prompt.Add(int64(backendPrompt))
+	c.predicted.Add(predicted)
+	c.cached.Add(int64(cached))
+	c.confirmed.Add(min(predicted, int64(cached)))
+	if predicted > 0 {
+		l := r.load
+		l.mu.Lock()
+		l.trust += observedTrustGain * (min(float64(cached)/float64(predicted), 1) - l.trust)
+		l.mu.Unlock()
+	}
+	if p.routes != nil && p.claimed > 0 && float64(cached) < denyShare*float64(p.claimed)*scale {
+		if p.routes.Correct(p.model, p.bounds, r.dial, int(float64(cached)/scale)) > 0 {
+			c.corrections.Add(1)
+		}
+	}
+}
+
+// forgetRestarted forgets every learned route and pin of an upstream whose backend restarted: its KV
+// cache is empty. O(routes) per route table, once per restart.
+func forgetRestarted(dial string, l *upstreamLoad) {
+	l.observed.restarts.Add(1)
+	for _, t := range allRoutes() {
+		t.Forget(dial)
+	}
+}
+
+// attemptOf returns the reservation of r's current attempt, or nil when the policy did not route it.
+// Call it on the request's goroutine (request variables are not locked).
+func attemptOf(r *http.Request) *reservation {
+	if lr, ok := caddyhttp.GetVar(r.Context(), varKey).(*llmRequest); ok && lr.acct != nil {
+		return lr.acct.attempt()
+	}
+	return nil
+}
+
+// noteFirstToken records that the response to r's current attempt carried its first output token: the
+// request leaves its prefill phase, and the upstream's service model learns the delay. Observers of the
+// relayed response call it (idempotent per attempt); without one, the phase change is predicted.
+func noteFirstToken(r *http.Request) {
+	if res := attemptOf(r); res != nil {
+		res.noteFirstToken(time.Now().UnixNano())
+	}
+}
+
+// noteToken records tokens more output tokens relayed for r's current attempt, as seen by llm_resume
+// (the first call also marks the first token). The count teaches the service model the real output
+// length, which is often far below max_tokens.
+func noteToken(r *http.Request, tokens int) {
+	if res := attemptOf(r); res != nil {
+		res.observeTokens(observerResume, tokens)
+	}
+}
+
+// noteCached records the backend's report of r's current attempt's cached prompt tokens.
+func noteCached(r *http.Request, backendPrompt, cached int) {
+	if res := attemptOf(r); res != nil {
+		res.observeCached(backendPrompt, cached)
+	}
+}

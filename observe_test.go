@@ -1,0 +1,233 @@
+package caddyllm
+
+import (
+	"io"
+	"strings"
+	"testing"
+	"testing/iotest"
+	"time"
+
+	"github.com/tokenrouter/caddy-llm/affinity"
+	"github.com/tokenrouter/caddy-llm/scraper"
+	"github.com/tokenrouter/caddy-llm/tokenize"
+)
+
+// sseChunk is one vLLM chat chunk event with the given delta content.
+func sseChunk(content string) string {
+	return `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"` +
+		content + `"},"logprobs":null,"finish_reason":null}]}` + "\n\n"
+}
+
+const (
+	sseRole  = `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}` + "\n\n"
+	sseUsage = `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[],"usage":{"prompt_tokens":200,"total_tokens":203,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":96}}}` + "\n\n"
+	sseDone  = "data: [DONE]\n\n"
+	whole    = `{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"say \"cached_tokens\":5"},"finish_reason":"stop"}],"usage":{"prompt_tokens":200,"total_tokens":207,"completion_tokens":7,"prompt_tokens_details":{"cached_tokens":128}},"prompt_logprobs":null,"kv_transfer_params":null}`
+)
+
+// observeAll reads body through an observer (piece 0: in one read, 1: byte by byte, 2: in halves) and
+// returns what came out.
+func observeAll(t *testing.T, res *reservation, body string, stream bool, piece int) []byte {
+	t.Helper()
+	var r io.Reader = strings.NewReader(body) // piece 0: all at once
+	switch piece {
+	case 1:
+		r = iotest.OneByteReader(r)
+	case 2:
+		r = iotest.HalfReader(r)
+	}
+	rc := io.NopCloser(r)
+	b := &observedBody{body: rc, res: res, stream: stream, lineEmpty: true}
+	out, err := io.ReadAll(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Close(); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+func TestObservedBody(t *testing.T) {
+	tests := []struct {
+		name       string
+		body       string
+		stream     bool
+		wantTokens int64
+		wantCached int64 // -1: none reported
+		wantPrompt int64
+	}{
+		{name: "stream with usage", body: sseRole + sseChunk("Hel") + sseChunk("lo") + sseChunk("!") + sseUsage + sseDone, stream: true, wantTokens: 3, wantCached: 96, wantPrompt: 200},
+		{name: "stream without usage", body: sseRole + sseChunk("a") + sseChunk("b") + sseDone, stream: true, wantTokens: 2, wantCached: -1},
+		{name: "stream with CRLF", body: strings.ReplaceAll(sseRole+sseChunk("a")+sseUsage+sseDone, "\n", "\r\n"), stream: true, wantTokens: 1, wantCached: 96, wantPrompt: 200},
+		{name: "stream with continuous usage", stream: true, wantTokens: 5, wantCached: -1,
+			body: `data: {"choices":[{"index":0,"delta":{"content":"ab"}}],"usage":{"prompt_tokens":9,"completion_tokens":2}}` + "\n\n" +
+				`data: {"choices":[{"index":0,"delta":{"content":"cde"}}],"usage":{"prompt_tokens":9,"completion_tokens":5}}` + "\n\n" + sseDone},
+		{name: "completions stream", body: `data: {"choices":[{"index":0,"text":"x"}]}` + "\n\n" + `data: {"choices":[{"index":0,"text":""}]}` + "\n\n" + sseDone, stream: true, wantTokens: 1, wantCached: -1},
+		{name: "whole answer", body: whole, wantTokens: 7, wantCached: 128, wantPrompt: 200},
+		{name: "whole answer without details", body: `{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1,"prompt_tokens_details":null}}`, wantTokens: 1, wantCached: -1},
+	}
+	for _, tt := range tests {
+		for _, piece := range []int{0, 1, 2} {
+			t.Run(tt.name, func(t *testing.T) {
+				lt := newTestLoads()
+				res := lt.reserve("u:1", work{uncached: 100, prompt: 200, matched: 100, prediction: prediction{prompt: 200, predicted: 100}}, time.Now().UnixNano())
+				out := observeAll(t, res, tt.body, tt.stream, piece)
+				if string(out) != tt.body {
+					t.Fatalf("relayed bytes differ:\n%q\nwant\n%q", out, tt.body)
+				}
+				if got := res.outputSeen.Load(); got != tt.wantTokens {
+					t.Errorf("output tokens = %d, want %d", got, tt.wantTokens)
+				}
+				if !res.firstToken {
+					t.Error("first token not marked")
+				}
+				c := res.load.cacheFigures()
+				if tt.wantCached < 0 {
+					if c.Requests != 0 {
+						t.Errorf("cache figures = %+v, want nothing reported", c)
+					}
+					return
+				}
+				if c.Requests != 1 || c.Cached != tt.wantCached || c.Prompt != tt.wantPrompt || c.Predicted != 100 || c.Confirmed != min(100, tt.wantCached) {
+					t.Errorf("cache figures = %+v, want cached %d of %d prompt, 100 predicted", c, tt.wantCached, tt.wantPrompt)
+				}
+			})
+		}
+	}
+}
+
+// TestObserversNeverDoubleCount: the transport and llm_resume both report the same attempt; the first to
+// count it counts it all, and its cached tokens are taken once.
+func TestObserversNeverDoubleCount(t *testing.T) {
+	lt := newTestLoads()
+	res := lt.reserve("u:1", work{uncached: 10, prompt: 10, prediction: prediction{prompt: 10}}, time.Now().UnixNano())
+	for range 3 {
+		res.observeTokens(observerTransport, 1)
+		res.observeTokens(observerResume, 1)
+	}
+	res.observeCached(10, 4)
+	res.observeCached(10, 4)
+	if got := res.outputSeen.Load(); got != 3 {
+		t.Errorf("output tokens = %d, want 3", got)
+	}
+	if c := res.load.cacheFigures(); c.Requests != 1 || c.Cached != 4 {
+		t.Errorf("cache figures = %+v, want one report of 4", c)
+	}
+}
+
+// TestDenialCorrectsRoutes: a backend that reports far fewer cached tokens than the route table claimed
+// loses its claim on the prefixes beyond what it reported; one that confirms keeps them.
+func TestDenialCorrectsRoutes(t *testing.T) {
+	bounds := []tokenize.Boundary{{Tokens: 64, Hash: 1}, {Tokens: 128, Hash: 2}, {Tokens: 256, Hash: 3}}
+	tests := []struct {
+		name            string
+		cached          int // reported, in the backend's tokens
+		backendPrompt   int // the backend counts twice as many tokens as the policy when 600
+		wantMatch       int
+		wantCorrections int64
+	}{
+		{name: "confirmed", cached: 256, backendPrompt: 300, wantMatch: 256},
+		{name: "a little short is no denial", cached: 200, backendPrompt: 300, wantMatch: 256},
+		{name: "denied beyond the first block", cached: 100, backendPrompt: 300, wantMatch: 64, wantCorrections: 1},
+		{name: "nothing cached", cached: 0, backendPrompt: 300, wantMatch: 0, wantCorrections: 1},
+		{name: "scaled to the backend's tokens", cached: 200, backendPrompt: 600, wantMatch: 64, wantCorrections: 1},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			routes := affinity.New(affinity.Config{})
+			routes.Learn("m", bounds, "u:1")
+			lt := newTestLoads()
+			res := lt.reserve("u:1", work{prompt: 300, matched: 256, prediction: prediction{
+				prompt: 300, predicted: 256, claimed: 256, routes: routes, model: "m", bounds: bounds,
+			}}, time.Now().UnixNano())
+			res.observeCached(tt.backendPrompt, tt.cached)
+			cached := make([]int, 1)
+			routes.Match("m", bounds, []string{"u:1"}, cached)
+			if cached[0] != tt.wantMatch {
+				t.Errorf("Match() after the report = %d, want %d", cached[0], tt.wantMatch)
+			}
+			if c := res.load.cacheFigures(); c.Corrections != tt.wantCorrections {
+				t.Errorf("corrections = %d, want %d", c.Corrections, tt.wantCorrections)
+			}
+		})
+	}
+}
+
+// TestRestartForgetsRoutes: a scrape showing a new process start time, or counters gone back, forgets the
+// upstream's routes in every route table at once, and trust starts again from 1.
+func TestRestartForgetsRoutes(t *testing.T) {
+	t0 := time.Unix(1_700_000_000, 0)
+	tests := []struct {
+		name string
+		next scraper.Snapshot
+		want bool
+	}{
+		{name: "same process", next: scraper.Snapshot{Running: 1, PrefixHits: 60, PrefixQueries: 200, StartTime: 1000}, want: false},
+		{name: "new start time", next: scraper.Snapshot{Running: 1, PrefixHits: 60, PrefixQueries: 200, StartTime: 2000}, want: true},
+		{name: "counters reset", next: scraper.Snapshot{Running: 1, PrefixHits: 0, PrefixQueries: 10, StartTime: 1000}, want: true},
+		{name: "counters reset, no start time", next: scraper.Snapshot{Running: 1, PrefixHits: 0, PrefixQueries: 10}, want: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			lt := newTestLoads()
+			l := lt.entry("u:1", t0.UnixNano())
+			first := scraper.Snapshot{Running: 1, PrefixHits: 50, PrefixQueries: 100, StartTime: 1000, At: t0}
+			if _, _, restarted := l.fromScrape(&first); restarted {
+				t.Fatal("first scrape reported a restart")
+			}
+			l.trust = 0.4
+			next := tt.next
+			next.At = t0.Add(time.Second)
+			if _, _, restarted := l.fromScrape(&next); restarted != tt.want {
+				t.Errorf("restarted = %t, want %t", restarted, tt.want)
+			}
+			if tt.want && l.cacheTrust() != 1 {
+				t.Errorf("trust after restart = %g, want 1", l.cacheTrust())
+			}
+		})
+	}
+}
+
+// BenchmarkObservedBodyChunk measures the observer's cost per relayed SSE chunk: it must not allocate.
+func BenchmarkObservedBodyChunk(b *testing.B) {
+	chunk := []byte(sseChunk(" token"))
+	lt := newTestLoads()
+	res := lt.reserve("u:1", work{uncached: 10, prompt: 10, prediction: prediction{prompt: 10}}, time.Now().UnixNano())
+	src := &repeatReader{chunk: chunk}
+	body := &observedBody{body: io.NopCloser(src), res: res, stream: true, lineEmpty: true}
+	buf := make([]byte, 32<<10)
+	b.ReportAllocs()
+	b.SetBytes(int64(len(chunk)))
+	b.ResetTimer()
+	for range b.N {
+		if _, err := body.Read(buf); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.StopTimer()
+	if res.outputSeen.Load() != int64(b.N) {
+		b.Fatalf("counted %d tokens in %d chunks", res.outputSeen.Load(), b.N)
+	}
+}
+
+// BenchmarkObservedBodyWhole measures the observer on a whole answer read in one piece.
+func BenchmarkObservedBodyWhole(b *testing.B) {
+	body := []byte(whole)
+	lt := newTestLoads()
+	res := lt.reserve("u:1", work{uncached: 10, prompt: 10, prediction: prediction{prompt: 10}}, time.Now().UnixNano())
+	ob := &observedBody{res: res}
+	buf := make([]byte, 4096)
+	b.ReportAllocs()
+	b.ResetTimer()
+	for range b.N {
+		ob.tailLen = 0
+		ob.observe(body)
+		copy(buf, body)
+	}
+}
+
+// repeatReader returns one chunk per Read, forever.
+type repeatReader struct{ chunk []byte }
+
+func (r *repeatReader) Read(p []byte) (int, error) { return copy(p, r.chunk), nil }
