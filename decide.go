@@ -192,7 +192,8 @@ func (s cacheSignal) fill(q *query, keys []string, cands []selection.Candidate) 
 	if cap(q.cached) < len(keys) {
 		q.cached = make([]int, len(keys))
 	}
-	cached := q.cached[:len(keys)]
+	q.cached = q.cached[:len(keys)] // kept for commit: the route table's own claim on the chosen upstream
+	cached := q.cached
 	s.routes.Match(q.req.Model, q.bounds, keys, cached)
 	bs := s.routes.BlockSize()
 	for i := range cands {
