@@ -26,6 +26,7 @@ import (
 	"os"
 	"runtime"
 	"runtime/pprof"
+	"slices"
 	"strings"
 	"time"
 
@@ -50,6 +51,7 @@ type options struct {
 	overhead   bool
 	bypassRate float64
 	cpuProfile string
+	observe    bool // llm policies behind transport llm
 	maxReruns  int
 	// overheadSeconds overrides the measuring time per policy of -overhead (tests).
 	overheadSeconds float64
@@ -123,6 +125,7 @@ func parseOptions(args []string) (options, error) {
 	fs.IntVar(&o.sim.NumGPUBlocks, "kv-blocks", defaultSim.NumGPUBlocks, "KV cache blocks (16 tokens) per simulated backend")
 	fs.IntVar(&o.maxReruns, "reruns", 2, "run a policy again up to this many times when the load generator's scheduling lag shows the machine was busy")
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the run to this file")
+	fs.BoolVar(&o.observe, "observe", false, "run every llm policy behind transport llm (it reads each response's cached tokens and corrects the routes)")
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
@@ -195,6 +198,14 @@ func parseOptions(args []string) (options, error) {
 				return o, fmt.Errorf("unknown policy %q (known: %s)", name, strings.Join(policyNames(), ","))
 			}
 			o.policies = append(o.policies, p)
+		}
+	}
+	if o.observe {
+		o.policies = slices.Clone(o.policies) // not the shared table's entries
+		for i, p := range o.policies {
+			if strings.HasPrefix(p.Name, "llm") {
+				o.policies[i].Transport = "llm"
+			}
 		}
 	}
 	switch {
