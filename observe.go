@@ -87,8 +87,8 @@ func (r *reservation) observeTokens(observer int32, n int) {
 
 // observeCached records the backend's report of r's cached prompt tokens; backendPrompt is its own
 // prompt_tokens (0 if not reported: this proxy's count is used). Only the first report counts. A report
-// of far fewer than the route table claimed drops the denied routes of r's upstream; every report with a
-// prediction moves the upstream's cache trust toward the share it confirmed.
+// of far fewer than the route table claimed drops the denied routes of r's upstream; every report on a
+// claim moves the upstream's cache trust toward the share of the claim it confirmed.
 func (r *reservation) observeCached(backendPrompt, cached int) {
 	if cached < 0 || backendPrompt < 0 || !r.cacheSeen.CompareAndSwap(false, true) {
 		return
@@ -107,13 +107,17 @@ func (r *reservation) observeCached(backendPrompt, cached int) {
 	c.predicted.Add(predicted)
 	c.cached.Add(int64(cached))
 	c.confirmed.Add(min(predicted, int64(cached)))
-	if predicted > 0 {
-		l := r.load
-		l.mu.Lock()
-		l.trust += observedTrustGain * (min(float64(cached)/float64(predicted), 1) - l.trust)
-		l.mu.Unlock()
+	if p.claimed == 0 {
+		return
 	}
-	if p.routes != nil && p.claimed > 0 && float64(cached) < denyShare*float64(p.claimed)*scale {
+	// Trust is the share of the route table's claims to believe: it follows the share of this claim
+	// the backend confirmed (not of the decision's figure, which trust already discounted).
+	claimed := float64(p.claimed) * scale
+	l := r.load
+	l.mu.Lock()
+	l.trust += observedTrustGain * (min(float64(cached)/claimed, 1) - l.trust)
+	l.mu.Unlock()
+	if p.routes != nil && float64(cached) < denyShare*claimed {
 		if p.routes.Correct(p.model, p.bounds, r.dial, int(float64(cached)/scale)) > 0 {
 			c.corrections.Add(1)
 		}

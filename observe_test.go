@@ -126,12 +126,13 @@ func TestDenialCorrectsRoutes(t *testing.T) {
 		backendPrompt   int // the backend counts twice as many tokens as the policy when 600
 		wantMatch       int
 		wantCorrections int64
+		wantTrust       float64 // from 1, moved by observedTrustGain toward the share confirmed
 	}{
-		{name: "confirmed", cached: 256, backendPrompt: 300, wantMatch: 256},
-		{name: "a little short is no denial", cached: 200, backendPrompt: 300, wantMatch: 256},
-		{name: "denied beyond the first block", cached: 100, backendPrompt: 300, wantMatch: 64, wantCorrections: 1},
-		{name: "nothing cached", cached: 0, backendPrompt: 300, wantMatch: 0, wantCorrections: 1},
-		{name: "scaled to the backend's tokens", cached: 200, backendPrompt: 600, wantMatch: 64, wantCorrections: 1},
+		{name: "confirmed", cached: 256, backendPrompt: 300, wantMatch: 256, wantTrust: 1},
+		{name: "a little short is no denial", cached: 192, backendPrompt: 300, wantMatch: 256, wantTrust: 0.975},
+		{name: "denied beyond the first block", cached: 64, backendPrompt: 300, wantMatch: 64, wantCorrections: 1, wantTrust: 0.925},
+		{name: "nothing cached", cached: 0, backendPrompt: 300, wantMatch: 0, wantCorrections: 1, wantTrust: 0.9},
+		{name: "scaled to the backend's tokens", cached: 128, backendPrompt: 600, wantMatch: 64, wantCorrections: 1, wantTrust: 0.925},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -147,8 +148,12 @@ func TestDenialCorrectsRoutes(t *testing.T) {
 			if cached[0] != tt.wantMatch {
 				t.Errorf("Match() after the report = %d, want %d", cached[0], tt.wantMatch)
 			}
-			if c := res.load.cacheFigures(); c.Corrections != tt.wantCorrections {
+			c := res.load.cacheFigures()
+			if c.Corrections != tt.wantCorrections {
 				t.Errorf("corrections = %d, want %d", c.Corrections, tt.wantCorrections)
+			}
+			if d := c.Trust - tt.wantTrust; d > 1e-9 || d < -1e-9 {
+				t.Errorf("trust = %g, want %g", c.Trust, tt.wantTrust)
 			}
 		})
 	}

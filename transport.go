@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 )
 
@@ -264,15 +263,6 @@ func lastInt(s, pat []byte) (int, bool) {
 	}
 }
 
-// UnmarshalCaddyfile sets up the transport from Caddyfile tokens. Syntax:
-//
-//	transport llm {
-//		<any option of transport http>
-//	}
-func (t *LLMTransport) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
-	return t.HTTPTransport.UnmarshalCaddyfile(d)
-}
-
 // Interface guards
 var (
 	_ caddy.Provisioner                                = (*LLMTransport)(nil)
@@ -283,5 +273,4 @@ var (
 	_ reverseproxy.HealthCheckSchemeOverriderTransport = (*LLMTransport)(nil)
 	_ reverseproxy.ProxyProtocolTransport              = (*LLMTransport)(nil)
 	_ reverseproxy.RequestHeaderOpsTransport           = (*LLMTransport)(nil)
-	_ caddyfile.Unmarshaler                            = (*LLMTransport)(nil)
 )
