@@ -62,8 +62,10 @@ type upstreamLoad struct {
 	// tokens per request, those figures (exact, and this proxy's own) move trust instead of the scrape's.
 	lastObserved int64
 	startTime    float64 // the backend's process_start_time_seconds at the last scrape; 0: unknown
-	// seenHits and seenQueries are the counters at the last scrape (the last* ones at the last comparison).
+	// seenHits and seenQueries are the counters of the last snapshot checked for a restart (checkedAt);
+	// the last* ones are those at the last trust comparison.
 	seenHits, seenQueries float64
+	checkedAt             int64
 
 	observed cacheCounters // what the backend reported cached, against the predictions (observe.go)
 }
@@ -368,41 +370,65 @@ const minTrustPrompt = 2000
 // cache is smaller than its share of the working set) confirms fewer hits, and its claims are discounted
 // until it confirms them again. While the backend reports cached tokens per request (observe.go), those
 // exact figures move trust instead, and this aggregate only keeps its baselines current: it is the check
-// for clients that never ask for usage. It reports a restart: the process start time changed or the
-// counters went back, and then trust starts again from 1 (the routes are forgotten by the caller). The
-// caller holds l.mu.
-func (l *upstreamLoad) updateTrustLocked(snap *scraper.Snapshot) (restarted bool) {
+// for clients that never ask for usage. The caller holds l.mu.
+func (l *upstreamLoad) updateTrustLocked(snap *scraper.Snapshot) {
 	predicted, prompt := l.predicted.Load(), l.prompt.Load()
 	dPred, dPrompt := predicted-l.lastPredicted, prompt-l.lastPrompt
 	dHits, dQueries := snap.PrefixHits-l.lastHits, snap.PrefixQueries-l.lastQuery
-	restarted = dHits < 0 || dQueries < 0 || snap.PrefixHits < l.seenHits || snap.PrefixQueries < l.seenQueries ||
-		snap.StartTime != 0 && l.startTime != 0 && snap.StartTime != l.startTime
-	l.seenHits, l.seenQueries = snap.PrefixHits, snap.PrefixQueries
-	if snap.StartTime != 0 {
-		l.startTime = snap.StartTime
-	}
-	observed := l.observed.prompt.Load()
-	if restarted || observed != l.lastObserved {
+	if observed := l.observed.prompt.Load(); dHits < 0 || dQueries < 0 || observed != l.lastObserved {
+		// Counters reset (the backend restarted: see checkRestartLocked), or reports per request.
 		l.lastHits, l.lastQuery = snap.PrefixHits, snap.PrefixQueries
 		l.lastPredicted, l.lastPrompt = predicted, prompt
 		l.lastObserved = observed
-		if restarted {
-			l.trust = 1
-		}
-		return restarted
+		return
 	}
 	if dPrompt < minTrustPrompt || dQueries <= 0 {
-		return false // too little since the last comparison: keep accumulating
+		return // too little since the last comparison: keep accumulating
 	}
 	l.lastHits, l.lastQuery = snap.PrefixHits, snap.PrefixQueries
 	l.lastPredicted, l.lastPrompt = predicted, prompt
 	predictedRate := float64(dPred) / float64(dPrompt)
 	if predictedRate < 0.05 {
-		return false // nothing much was predicted: nothing to confirm
+		return // nothing much was predicted: nothing to confirm
 	}
 	ratio := min(dHits/dQueries/predictedRate, 1)
 	l.trust += 0.3 * (ratio - l.trust)
-	return false
+}
+
+// noteScrape checks every new snapshot of dial, fresh or not, for a restart of the backend (its process
+// start time changed, or its prefix-cache counters went back): its KV cache is empty, so its learned
+// routes are forgotten (before the decision that reads them) and its cache trust starts again from 1.
+func (t *loadTable) noteScrape(dial string, snap *scraper.Snapshot, now int64) {
+	if snap.At.IsZero() {
+		return
+	}
+	l := t.entry(dial, now)
+	l.mu.Lock()
+	restarted := l.checkRestartLocked(snap)
+	l.mu.Unlock()
+	if restarted {
+		forgetRestarted(dial, l)
+	}
+}
+
+// checkRestartLocked reports whether snap, if newer than the last snapshot checked, shows a restart. The
+// caller holds l.mu.
+func (l *upstreamLoad) checkRestartLocked(snap *scraper.Snapshot) bool {
+	at := snap.At.UnixNano()
+	if at <= l.checkedAt {
+		return false
+	}
+	l.checkedAt = at
+	restarted := snap.PrefixHits < l.seenHits || snap.PrefixQueries < l.seenQueries ||
+		snap.StartTime != 0 && l.startTime != 0 && snap.StartTime != l.startTime
+	l.seenHits, l.seenQueries = snap.PrefixHits, snap.PrefixQueries
+	if snap.StartTime != 0 {
+		l.startTime = snap.StartTime
+	}
+	if restarted {
+		l.trust = 1
+	}
+	return restarted
 }
 
 // cacheTrust returns the share of predicted cache hits to believe.

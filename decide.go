@@ -162,7 +162,9 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 	for i, key := range keys {
 		var snap *scraper.Snapshot
 		if s.scrapes != nil {
-			if sn, fresh := s.scrapes.load(key); fresh {
+			sn, fresh := s.scrapes.load(key)
+			s.loads.noteScrape(key, &sn, q.now) // a restart forgets routes before the cache signal reads them
+			if fresh {
 				snap = &sn
 			}
 		}

@@ -1,11 +1,14 @@
 package caddyllm
 
 import (
+	"fmt"
 	"io"
 	"strings"
 	"testing"
 	"testing/iotest"
 	"time"
+
+	"github.com/caddyserver/caddy/v2"
 
 	"github.com/tokenrouter/caddy-llm/affinity"
 	"github.com/tokenrouter/caddy-llm/scraper"
@@ -175,23 +178,49 @@ func TestRestartForgetsRoutes(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
+			routes := affinity.New(affinity.Config{})
+			releaseRoutes := registerTestRoutes(t, routes)
+			defer releaseRoutes()
+			bounds := []tokenize.Boundary{{Tokens: 64, Hash: 1}}
+			routes.Learn("m", bounds, "u:1")
+			routes.Learn("m", bounds, "u:2")
 			lt := newTestLoads()
-			l := lt.entry("u:1", t0.UnixNano())
 			first := scraper.Snapshot{Running: 1, PrefixHits: 50, PrefixQueries: 100, StartTime: 1000, At: t0}
-			if _, _, restarted := l.fromScrape(&first); restarted {
-				t.Fatal("first scrape reported a restart")
-			}
+			lt.noteScrape("u:1", &first, t0.UnixNano())
+			l := lt.lookup("u:1")
+			l.mu.Lock()
 			l.trust = 0.4
+			l.mu.Unlock()
 			next := tt.next
 			next.At = t0.Add(time.Second)
-			if _, _, restarted := l.fromScrape(&next); restarted != tt.want {
-				t.Errorf("restarted = %t, want %t", restarted, tt.want)
+			lt.noteScrape("u:1", &next, next.At.UnixNano())
+			lt.noteScrape("u:1", &next, next.At.UnixNano()) // the same snapshot again: checked once
+			want := map[bool]int{true: 0, false: 1}[tt.want]
+			if got := routes.RouteCount("u:1"); got != want {
+				t.Errorf("routes of the scraped upstream = %d, want %d", got, want)
 			}
-			if tt.want && l.cacheTrust() != 1 {
-				t.Errorf("trust after restart = %g, want 1", l.cacheTrust())
+			if got := routes.RouteCount("u:2"); got != 1 {
+				t.Errorf("routes of the other upstream = %d, want 1", got)
+			}
+			wantRestarts, wantTrust := int64(0), 0.4
+			if tt.want {
+				wantRestarts, wantTrust = 1, 1
+			}
+			if c := l.cacheFigures(); c.Restarts != wantRestarts || c.Trust != wantTrust {
+				t.Errorf("restarts %d, trust %g; want %d, %g", c.Restarts, c.Trust, wantRestarts, wantTrust)
 			}
 		})
 	}
+}
+
+// registerTestRoutes makes routes one of the tables allRoutes returns, until the returned func runs.
+func registerTestRoutes(t *testing.T, routes *affinity.Table) func() {
+	t.Helper()
+	key := fmt.Sprintf("test %s %p", t.Name(), routes)
+	if _, _, err := routeTables.LoadOrNew(key, func() (caddy.Destructor, error) { return routeTable{routes}, nil }); err != nil {
+		t.Fatal(err)
+	}
+	return func() { releaseRoutes(key) }
 }
 
 // BenchmarkObservedBodyChunk measures the observer's cost per relayed SSE chunk: it must not allocate.
