@@ -142,15 +142,6 @@ func attemptOf(r *http.Request) *reservation {
 	return nil
 }
 
-// noteFirstToken records that the response to r's current attempt carried its first output token: the
-// request leaves its prefill phase, and the upstream's service model learns the delay. Observers of the
-// relayed response call it (idempotent per attempt); without one, the phase change is predicted.
-func noteFirstToken(r *http.Request) {
-	if res := attemptOf(r); res != nil {
-		res.noteFirstToken(time.Now().UnixNano())
-	}
-}
-
 // noteToken records tokens more output tokens relayed for r's current attempt, as seen by llm_resume
 // (the first call also marks the first token). The count teaches the service model the real output
 // length, which is often far below max_tokens.
