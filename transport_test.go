@@ -261,28 +261,35 @@ func TestTransportRelaysBytesUnchanged(t *testing.T) {
 // TestRestartedBackendLosesPredictions: a backend restarted mid-run (cache emptied, counters reset, new
 // process start time) stops receiving predicted cache hits at once: its next scrape forgets its routes.
 func TestRestartedBackendLosesPredictions(t *testing.T) {
-	a, b := newRecordedSim(t, vllmsim.Config{Seed: 1}), newRecordedSim(t, vllmsim.Config{Seed: 2})
+	sims := []*recordedSim{newRecordedSim(t, vllmsim.Config{Seed: 1}), newRecordedSim(t, vllmsim.Config{Seed: 2})}
 	tester := caddytest.NewTester(t)
-	tester.InitServer(observerConfig("llm", "\t\t\tmetrics {\n\t\t\t\tinterval 50ms\n\t\t\t}\n", a.dial, b.dial), "caddyfile")
+	tester.InitServer(observerConfig("llm", "\t\t\tmetrics {\n\t\t\t\tinterval 50ms\n\t\t\t}\n", sims[0].dial, sims[1].dial), "caddyfile")
 	client := &http.Client{Timeout: time.Minute}
 	const convs = 8
 	// Two turns of every conversation: the second is predicted cached where the first went.
-	onA := 0
+	kept := make([]int, len(sims)) // conversations whose second turn stayed on each upstream
 	for turn := range 2 {
 		for c := range convs {
 			ans := askProxy(t, client, fmt.Sprintf("warm-%d-%d", c, turn), conversationBody(c, turn, false))
-			_, firstOnA := a.sum(fmt.Sprintf("warm-%d-0", c))
-			_, nowOnA := a.sum(fmt.Sprintf("warm-%d-%d", c, turn))
-			if turn == 1 && firstOnA && nowOnA {
-				onA++
-				if ans.matched == 0 || ans.cached == 0 {
-					t.Errorf("conversation %d's second turn on the same upstream: predicted %d, cached %d, want both > 0", c, ans.matched, ans.cached)
+			for i, sim := range sims {
+				_, first := sim.sum(fmt.Sprintf("warm-%d-0", c))
+				_, now := sim.sum(fmt.Sprintf("warm-%d-%d", c, turn))
+				if turn == 1 && first && now {
+					kept[i]++
+					if ans.matched == 0 || ans.cached == 0 {
+						t.Errorf("conversation %d's second turn on the same upstream: predicted %d, cached %d, want both > 0", c, ans.matched, ans.cached)
+					}
 				}
 			}
 		}
 	}
-	if onA == 0 {
-		t.Fatal("no conversation went to the upstream to restart")
+	// Restart the upstream holding more conversations (the policy may have sent them all to one).
+	a := sims[0]
+	if kept[1] > kept[0] {
+		a = sims[1]
+	}
+	if max(kept[0], kept[1]) == 0 {
+		t.Fatalf("no conversation stayed on its upstream (%v)", kept)
 	}
 	restarted := time.Now()
 	a.sim.Restart()
@@ -324,11 +331,14 @@ func TestEvictingBackendCorrections(t *testing.T) {
 		}
 	}
 	ups := adminUpstreams(t)
-	corrections := int64(0)
+	corrections, evictions := int64(0), int64(0)
 	for _, u := range []*recordedSim{a, b} {
 		rep := ups[u.dial].Cache
 		st := u.sim.State()
-		if rep == nil || rep.Requests == 0 || st.PrefixQueries == 0 {
+		if st.PrefixQueries == 0 {
+			continue // the policy sent it nothing
+		}
+		if rep == nil || rep.Requests == 0 {
 			t.Fatalf("%s: cache report %+v, simulator %+v: nothing observed", u.dial, rep, st)
 		}
 		if st.Preemptions != 0 {
@@ -338,12 +348,13 @@ func TestEvictingBackendCorrections(t *testing.T) {
 		if d := rep.ObservedHitRate - truth; d > 0.02 || d < -0.02 {
 			t.Errorf("%s: observed hit rate %.3f, simulator's %.3f: more than 2 points apart", u.dial, rep.ObservedHitRate, truth)
 		}
-		if st.Evictions == 0 {
-			t.Errorf("%s: no evictions: the cache was not under pressure", u.dial)
-		}
+		evictions += st.Evictions
 		corrections += rep.Corrections
 		t.Logf("%s: predicted %.3f observed %.3f precision %.3f corrections %d evictions %d", u.dial,
 			rep.PredictedHitRate, rep.ObservedHitRate, deref(rep.Precision), rep.Corrections, st.Evictions)
+	}
+	if evictions == 0 {
+		t.Fatal("no evictions: the caches were not under pressure")
 	}
 	if corrections == 0 {
 		t.Error("no corrections from backends that evicted predicted prefixes")
