@@ -68,6 +68,9 @@ type upstreamLoad struct {
 	checkedAt             int64
 
 	observed cacheCounters // what the backend reported cached, against the predictions (observe.go)
+	// horizon (nanoseconds) is how long the backend has lately kept a prefix, learned from its reports:
+	// older claims are not credited. 0: not known (only route_ttl applies).
+	horizon int64
 }
 
 // endRing is how many recent ends an upstream remembers to tell its scraped counts from this proxy's.
@@ -426,7 +429,7 @@ func (l *upstreamLoad) checkRestartLocked(snap *scraper.Snapshot) bool {
 		l.startTime = snap.StartTime
 	}
 	if restarted {
-		l.trust = 1
+		l.trust, l.horizon = 1, 0
 	}
 	return restarted
 }

@@ -40,7 +40,9 @@ type query struct {
 	tenant string
 	retry  bool
 	now    int64
-	cached []int     // scratch for the cache signal
+	cached []int     // scratch for the cache signal: the route table's claim on each candidate
+	seen   []int64   // and when each claim was last learned (unix nanoseconds)
+	cut    []int     // claims older than their upstream's cache horizon, not credited
 	avail  []float64 // scratch for the availability signal
 	// adapter is set by the LoRA signal when the request's model is a LoRA adapter on some candidate.
 	adapter bool
@@ -125,9 +127,11 @@ func (d *decider) commit(q *query, dial string, dec selection.Decision) *reserva
 	matched := min(dec.MatchedTokens, q.req.PromptTokens)
 	pred := prediction{prompt: q.req.PromptTokens, predicted: matched}
 	if d.routes != nil {
-		pred.routes, pred.model, pred.bounds = d.routes, q.req.Model, q.bounds
-		if dec.Index < len(q.cached) {
-			pred.claimed = q.cached[dec.Index]
+		if i := dec.Index; i < len(q.cached) {
+			pred.claimed, pred.cut = q.cached[i], q.cut[i]
+			if q.seen[i] > 0 {
+				pred.claimAge = q.now - q.seen[i]
+			}
 		}
 	}
 	return d.loads.reserve(dial, work{
@@ -194,16 +198,31 @@ func (s cacheSignal) fill(q *query, keys []string, cands []selection.Candidate) 
 	if cap(q.cached) < len(keys) {
 		q.cached = make([]int, len(keys))
 	}
-	q.cached = q.cached[:len(keys)] // kept for commit: the route table's own claim on the chosen upstream
+	if cap(q.seen) < len(keys) {
+		q.seen = make([]int64, len(keys))
+	}
+	if cap(q.cut) < len(keys) {
+		q.cut = make([]int, len(keys))
+	}
+	// Kept for commit: the route table's own claim on the chosen upstream, its age, and what was cut.
+	q.cached, q.seen, q.cut = q.cached[:len(keys)], q.seen[:len(keys)], q.cut[:len(keys)]
 	cached := q.cached
-	s.routes.Match(q.req.Model, q.bounds, keys, cached)
+	s.routes.MatchSeen(q.req.Model, q.bounds, keys, cached, q.seen)
 	bs := s.routes.BlockSize()
+	clear(q.cut)
 	for i := range cands {
 		cached[i] = answeredThere(q.req.Messages, cached[i], bs)
 		cands[i].CachedTokens = cached[i]
-		if l := s.loads.lookup(keys[i]); l != nil && cached[i] > 0 {
-			cands[i].CachedTokens = int(float64(cached[i]) * l.cacheTrust())
+		l := s.loads.lookup(keys[i])
+		if l == nil || cached[i] == 0 {
+			continue
 		}
+		if h := l.cacheHorizon(); h > 0 && q.now-q.seen[i] > h {
+			// Older than the backend has lately kept a prefix: not credited (observe.go).
+			q.cut[i], cached[i], cands[i].CachedTokens = cached[i], 0, 0
+			continue
+		}
+		cands[i].CachedTokens = int(float64(cached[i]) * l.cacheTrust())
 	}
 	if q.conversation == "" {
 		return

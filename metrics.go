@@ -135,7 +135,7 @@ var (
 	descPredictedCached  = prometheus.NewDesc("caddy_llm_predicted_cached_tokens_total", "Of those, the tokens predicted cached (scaled to the upstream's count).", []string{"upstream"}, nil)
 	descObservedCached   = prometheus.NewDesc("caddy_llm_observed_cached_tokens_total", "Of those, the tokens the upstream reported cached (usage.prompt_tokens_details.cached_tokens).", []string{"upstream"}, nil)
 	descConfirmedCached  = prometheus.NewDesc("caddy_llm_confirmed_cached_tokens_total", "Of those, the predicted tokens the upstream confirmed: the sum over responses of min(predicted, reported).", []string{"upstream"}, nil)
-	descCorrections      = prometheus.NewDesc("caddy_llm_cache_corrections_total", "Responses reporting far fewer cached tokens than the route table claimed; the denied routes were dropped.", []string{"upstream"}, nil)
+	descCorrections      = prometheus.NewDesc("caddy_llm_cache_corrections_total", "Responses reporting far fewer cached tokens than the route table claimed; claims as old are no longer credited.", []string{"upstream"}, nil)
 	descRestarts         = prometheus.NewDesc("caddy_llm_upstream_restarts_total", "Restarts of the upstream seen in its metrics; its routes were forgotten.", []string{"upstream"}, nil)
 	descAvailability     = prometheus.NewDesc("caddy_llm_upstream_availability", "Adaptive availability of the upstream (0-1): the share of new work it takes relative to a healthy one (absent while availability is off).", []string{"upstream"}, nil)
 )
@@ -230,21 +230,24 @@ type upstreamStatus struct {
 // tokens the backend reported (the llm transport or llm_resume reads them), in the backend's tokens.
 // PredictedHitRate is the share of their prompt tokens predicted cached, ObservedHitRate the share the
 // backend reported cached, Precision the share of the predicted tokens it confirmed (absent before any
-// prediction), Corrections the reports of far fewer than the route table claimed (the denied routes were
-// dropped), Restarts the backend restarts seen in its metrics (its routes were forgotten) and Trust the
-// share of its remaining claims the decision believes.
+// prediction), Corrections the reports of far fewer than the route table claimed, HorizonSeconds how long
+// the backend has lately kept a prefix (older claims are not credited; absent while no report denied
+// one), Restarts the backend restarts seen in its metrics (its routes were forgotten) and Trust the share
+// of its claims the decision believes.
 type cacheReport struct {
 	Requests         int64    `json:"observed_requests"`
 	PredictedHitRate float64  `json:"predicted_hit_rate"`
 	ObservedHitRate  float64  `json:"observed_hit_rate"`
 	Precision        *float64 `json:"precision,omitempty"`
 	Corrections      int64    `json:"corrections"`
+	HorizonSeconds   float64  `json:"horizon_seconds,omitempty"`
 	Restarts         int64    `json:"restarts"`
 	Trust            float64  `json:"trust"`
 }
 
 func reportCache(c cacheFigures) *cacheReport {
-	r := &cacheReport{Requests: c.Requests, Corrections: c.Corrections, Restarts: c.Restarts, Trust: c.Trust}
+	r := &cacheReport{Requests: c.Requests, Corrections: c.Corrections, Restarts: c.Restarts, Trust: c.Trust,
+		HorizonSeconds: float64(c.Horizon) / 1e9}
 	if c.Prompt > 0 {
 		r.PredictedHitRate = float64(c.Predicted) / float64(c.Prompt)
 		r.ObservedHitRate = float64(c.Cached) / float64(c.Prompt)

@@ -6,9 +6,6 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
-
-	"github.com/tokenrouter/caddy-llm/affinity"
-	"github.com/tokenrouter/caddy-llm/tokenize"
 )
 
 // What the backends report about each response, checked against what the decision predicted.
@@ -17,9 +14,14 @@ import (
 // first token and counts its output tokens, which teach the upstream's service model, and at its end
 // reports the backend's usage.prompt_tokens_details.cached_tokens. That figure is the truth the route
 // table only predicts: per upstream, the observed cached tokens are added up next to the predicted ones,
-// a backend that reports far fewer than the route table claimed loses those claims (it evicted them),
-// and its figures move the trust the decision puts in its remaining claims. A backend restart, seen in
-// its scraped metrics, forgets its routes at once.
+// a backend that reports far fewer than the route table claimed kept that prefix for less than the
+// claim's age, which becomes its horizon: claims older than it are no longer credited (a claim older
+// than the horizon that it confirms lengthens the horizon), and its figures move the trust the decision
+// puts in its claims. A backend restart, seen in its scraped metrics, forgets its routes at once.
+//
+// Why a horizon and not dropping the denied routes: the report arrives with the end of the response,
+// when the backend has just computed that prompt again; its routes are true again for a while, and
+// dropping them lost precision in the benchmark (bench/README.md, "Observing responses").
 //
 // Every hook is idempotent per attempt (per reservation): the first observer to count an attempt's
 // tokens counts all of them, and its cached tokens are taken once, so the transport and llm_resume on
@@ -32,7 +34,7 @@ const (
 )
 
 // denyShare: a backend that reports fewer cached tokens than this share of the route table's claim
-// denied the claim, and its routes beyond what it reported are dropped.
+// denied the claim (and one that reports at least this share of a cut claim confirmed it).
 const denyShare = 0.5
 
 // observedTrustGain is how far one observed request moves an upstream's cache trust toward its
@@ -42,12 +44,11 @@ const observedTrustGain = 0.1
 // prediction is what the decision predicted cached for one attempt, and what to correct if the backend
 // denies it.
 type prediction struct {
-	prompt    int // prompt tokens, by this proxy's count
-	predicted int // of them, predicted cached (the decision's figure: trust and pins included)
-	claimed   int // of them, the route table's claim on this upstream
-	routes    *affinity.Table
-	model     string
-	bounds    []tokenize.Boundary // the boundaries learned there (read only)
+	prompt    int   // prompt tokens, by this proxy's count
+	predicted int   // of them, predicted cached (the decision's figure: trust and pins included)
+	claimed   int   // of them, the route table's claim on this upstream
+	claimAge  int64 // how old the claim (or the cut claim) was at the decision, nanoseconds
+	cut       int   // a claim older than the upstream's horizon, not credited (claimed is then 0)
 }
 
 // cacheCounters add up, per upstream, the attempts whose cached tokens the backend reported, all in the
@@ -63,6 +64,7 @@ type cacheCounters struct {
 type cacheFigures struct {
 	Requests, Prompt, Predicted, Cached, Confirmed, Corrections, Restarts int64
 	Trust                                                                 float64
+	Horizon                                                               int64 // nanoseconds; 0: not known
 }
 
 func (l *upstreamLoad) cacheFigures() cacheFigures {
@@ -70,7 +72,7 @@ func (l *upstreamLoad) cacheFigures() cacheFigures {
 	return cacheFigures{
 		Requests: c.requests.Load(), Prompt: c.prompt.Load(), Predicted: c.predicted.Load(),
 		Cached: c.cached.Load(), Confirmed: c.confirmed.Load(), Corrections: c.corrections.Load(),
-		Restarts: c.restarts.Load(), Trust: l.cacheTrust(),
+		Restarts: c.restarts.Load(), Trust: l.cacheTrust(), Horizon: l.cacheHorizon(),
 	}
 }
 
@@ -87,8 +89,9 @@ func (r *reservation) observeTokens(observer int32, n int) {
 
 // observeCached records the backend's report of r's cached prompt tokens; backendPrompt is its own
 // prompt_tokens (0 if not reported: this proxy's count is used). Only the first report counts. A report
-// of far fewer than the route table claimed drops the denied routes of r's upstream; every report on a
-// claim moves the upstream's cache trust toward the share of the claim it confirmed.
+// of far fewer than the route table claimed shortens the upstream's horizon to the claim's age, a cut
+// claim confirmed lengthens it, and every report on a claim moves the upstream's cache trust toward the
+// share of the claim it confirmed.
 func (r *reservation) observeCached(backendPrompt, cached int) {
 	if cached < 0 || backendPrompt < 0 || !r.cacheSeen.CompareAndSwap(false, true) {
 		return
@@ -107,21 +110,42 @@ func (r *reservation) observeCached(backendPrompt, cached int) {
 	c.predicted.Add(predicted)
 	c.cached.Add(int64(cached))
 	c.confirmed.Add(min(predicted, int64(cached)))
-	if p.claimed == 0 {
-		return
-	}
-	// Trust is the share of the route table's claims to believe: it follows the share of this claim
-	// the backend confirmed (not of the decision's figure, which trust already discounted).
-	claimed := float64(p.claimed) * scale
 	l := r.load
-	l.mu.Lock()
-	l.trust += observedTrustGain * (min(float64(cached)/claimed, 1) - l.trust)
-	l.mu.Unlock()
-	if p.routes != nil && float64(cached) < denyShare*claimed {
-		if p.routes.Correct(p.model, p.bounds, r.dial, int(float64(cached)/scale)) > 0 {
+	switch {
+	case p.claimed > 0:
+		// Trust is the share of the route table's claims to believe: it follows the share of this claim
+		// the backend confirmed (not of the decision's figure, which trust already discounted).
+		claimed := float64(p.claimed) * scale
+		denied := float64(cached) < denyShare*claimed
+		l.mu.Lock()
+		l.trust += observedTrustGain * (min(float64(cached)/claimed, 1) - l.trust)
+		if denied && p.claimAge > 0 {
+			// The backend kept the prefix for less than the claim's age: claims that old are not
+			// credited from now on. The routes themselves stay: this very response just cached the
+			// prompt again there, so they are true for a while.
+			if l.horizon == 0 || p.claimAge < l.horizon {
+				l.horizon = p.claimAge
+			}
+		}
+		l.mu.Unlock()
+		if denied {
 			c.corrections.Add(1)
 		}
+	case p.cut > 0 && float64(cached) >= denyShare*float64(p.cut)*scale && p.claimAge > 0:
+		// A claim older than the horizon that the backend confirmed: it keeps prefixes longer.
+		l.mu.Lock()
+		if p.claimAge > l.horizon {
+			l.horizon += (p.claimAge - l.horizon) / 2
+		}
+		l.mu.Unlock()
 	}
+}
+
+// cacheHorizon returns how long the backend has lately kept a prefix (nanoseconds; 0: not known).
+func (l *upstreamLoad) cacheHorizon() int64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.horizon
 }
 
 // forgetRestarted forgets every learned route and pin of an upstream whose backend restarted: its KV

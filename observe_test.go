@@ -12,6 +12,7 @@ import (
 
 	"github.com/tokenrouter/caddy-llm/affinity"
 	"github.com/tokenrouter/caddy-llm/scraper"
+	"github.com/tokenrouter/caddy-llm/selection"
 	"github.com/tokenrouter/caddy-llm/tokenize"
 )
 
@@ -119,37 +120,41 @@ func TestObserversNeverDoubleCount(t *testing.T) {
 	}
 }
 
-// TestDenialCorrectsRoutes: a backend that reports far fewer cached tokens than the route table claimed
-// loses its claim on the prefixes beyond what it reported; one that confirms keeps them.
-func TestDenialCorrectsRoutes(t *testing.T) {
-	bounds := []tokenize.Boundary{{Tokens: 64, Hash: 1}, {Tokens: 128, Hash: 2}, {Tokens: 256, Hash: 3}}
+// TestDenialShortensHorizon: a backend that reports far fewer cached tokens than the route table claimed
+// kept the prefix for less than the claim's age, which becomes its horizon (older claims are not
+// credited); a claim older than the horizon that it confirms lengthens it. Trust follows the share of
+// the claim confirmed.
+func TestDenialShortensHorizon(t *testing.T) {
+	const age = int64(4 * time.Second)
 	tests := []struct {
 		name            string
+		horizon         int64 // before the report
+		claimed, cut    int
 		cached          int // reported, in the backend's tokens
 		backendPrompt   int // the backend counts twice as many tokens as the policy when 600
-		wantMatch       int
+		wantHorizon     int64
 		wantCorrections int64
 		wantTrust       float64 // from 1, moved by observedTrustGain toward the share confirmed
 	}{
-		{name: "confirmed", cached: 256, backendPrompt: 300, wantMatch: 256, wantTrust: 1},
-		{name: "a little short is no denial", cached: 192, backendPrompt: 300, wantMatch: 256, wantTrust: 0.975},
-		{name: "denied beyond the first block", cached: 64, backendPrompt: 300, wantMatch: 64, wantCorrections: 1, wantTrust: 0.925},
-		{name: "nothing cached", cached: 0, backendPrompt: 300, wantMatch: 0, wantCorrections: 1, wantTrust: 0.9},
-		{name: "scaled to the backend's tokens", cached: 128, backendPrompt: 600, wantMatch: 64, wantCorrections: 1, wantTrust: 0.925},
+		{name: "confirmed", claimed: 256, cached: 256, backendPrompt: 300, wantTrust: 1},
+		{name: "a little short is no denial", claimed: 256, cached: 192, backendPrompt: 300, wantTrust: 0.975},
+		{name: "denied", claimed: 256, cached: 64, backendPrompt: 300, wantHorizon: age, wantCorrections: 1, wantTrust: 0.925},
+		{name: "denied, shorter than the horizon", horizon: 2 * age, claimed: 256, cached: 0, backendPrompt: 300, wantHorizon: age, wantCorrections: 1, wantTrust: 0.9},
+		{name: "denied, longer than the horizon", horizon: age / 2, claimed: 256, cached: 0, backendPrompt: 300, wantHorizon: age / 2, wantCorrections: 1, wantTrust: 0.9},
+		{name: "scaled to the backend's tokens", claimed: 256, cached: 128, backendPrompt: 600, wantHorizon: age, wantCorrections: 1, wantTrust: 0.925},
+		{name: "cut claim confirmed", horizon: age / 2, cut: 256, cached: 256, backendPrompt: 300, wantHorizon: age/2 + age/4, wantTrust: 1},
+		{name: "cut claim denied", horizon: age / 2, cut: 256, cached: 0, backendPrompt: 300, wantHorizon: age / 2, wantTrust: 1},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			routes := affinity.New(affinity.Config{})
-			routes.Learn("m", bounds, "u:1")
 			lt := newTestLoads()
-			res := lt.reserve("u:1", work{prompt: 300, matched: 256, prediction: prediction{
-				prompt: 300, predicted: 256, claimed: 256, routes: routes, model: "m", bounds: bounds,
+			res := lt.reserve("u:1", work{prompt: 300, matched: tt.claimed, prediction: prediction{
+				prompt: 300, predicted: tt.claimed, claimed: tt.claimed, cut: tt.cut, claimAge: age,
 			}}, time.Now().UnixNano())
+			res.load.horizon = tt.horizon
 			res.observeCached(tt.backendPrompt, tt.cached)
-			cached := make([]int, 1)
-			routes.Match("m", bounds, []string{"u:1"}, cached)
-			if cached[0] != tt.wantMatch {
-				t.Errorf("Match() after the report = %d, want %d", cached[0], tt.wantMatch)
+			if got := res.load.cacheHorizon(); got != tt.wantHorizon {
+				t.Errorf("horizon = %v, want %v", time.Duration(got), time.Duration(tt.wantHorizon))
 			}
 			c := res.load.cacheFigures()
 			if c.Corrections != tt.wantCorrections {
@@ -159,6 +164,35 @@ func TestDenialCorrectsRoutes(t *testing.T) {
 				t.Errorf("trust = %g, want %g", c.Trust, tt.wantTrust)
 			}
 		})
+	}
+}
+
+// TestHorizonCutsOldClaims: the cache signal does not credit a claim older than its upstream's horizon,
+// and commit records it as cut with its age.
+func TestHorizonCutsOldClaims(t *testing.T) {
+	now := time.Unix(1_700_000_000, 0)
+	clock := now
+	routes := affinity.New(affinity.Config{Now: func() time.Time { return clock }})
+	bounds := []tokenize.Boundary{{Tokens: 64, Hash: 1}, {Tokens: 128, Hash: 2}}
+	routes.Learn("m", bounds, "old:1")
+	clock = now.Add(9 * time.Second)
+	routes.Learn("m", bounds, "young:1")
+	clock = now.Add(10 * time.Second)
+	lt := newTestLoads()
+	for _, dial := range []string{"old:1", "young:1"} {
+		lt.entry(dial, clock.UnixNano()).horizon = int64(5 * time.Second)
+	}
+	q := &query{req: &tokenize.Request{Model: "m", PromptTokens: 200, Boundaries: bounds}, bounds: bounds, now: clock.UnixNano()}
+	keys := []string{"old:1", "young:1"}
+	cands := make([]selection.Candidate, 2)
+	cacheSignal{routes: routes, loads: lt}.fill(q, keys, cands)
+	if cands[0].CachedTokens != 0 || cands[1].CachedTokens != 128 {
+		t.Errorf("credited %d and %d cached tokens, want 0 (claim 10s old, horizon 5s) and 128 (1s old)", cands[0].CachedTokens, cands[1].CachedTokens)
+	}
+	d := &decider{routes: routes, loads: lt, outputTokens: 16}
+	res := d.commit(q, "old:1", selection.Decision{Index: 0})
+	if p := res.prediction; p.claimed != 0 || p.cut != 128 || p.claimAge != int64(10*time.Second) {
+		t.Errorf("prediction = claimed %d, cut %d, age %v; want 0, 128, 10s", p.claimed, p.cut, time.Duration(p.claimAge))
 	}
 }
 

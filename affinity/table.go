@@ -357,6 +357,16 @@ const matchIDsOnStack = 32
 // under the shared lock and does not change recency. Allocation-free when len(cached) >= len(upstreams)
 // and len(upstreams) <= 32; with a shorter cached, only its first len(cached) entries are written.
 func (t *Table) Match(model string, bounds []tokenize.Boundary, upstreams []string, cached []int) (longest int) {
+	return t.MatchSeen(model, bounds, upstreams, cached, nil)
+}
+
+// MatchSeen is Match that also writes into seen[i] when the route entry that matched upstreams[i] was last
+// learned (unix nanoseconds; 0 when nothing matched): how old the claim is. seen must be nil or have at
+// least len(upstreams) elements. Same cost as Match.
+func (t *Table) MatchSeen(model string, bounds []tokenize.Boundary, upstreams []string, cached []int, seen []int64) (longest int) {
+	if seen != nil {
+		clear(seen[:len(upstreams)])
+	}
 	out := cached
 	if len(out) < len(upstreams) {
 		out = make([]int, len(upstreams))
@@ -410,6 +420,9 @@ func (t *Table) Match(model string, bounds []tokenize.Boundary, upstreams []stri
 			for i, id := range ids {
 				if id == x && out[i] == 0 {
 					out[i] = a
+					if seen != nil {
+						seen[i] = r.seen[e]
+					}
 					unresolved--
 					longest = max(longest, a)
 				}
@@ -528,76 +541,4 @@ func (t *Table) Reconfigure(cfg Config) {
 	t.cfg = cfg
 	t.boundLocked()
 	t.feed.refresh(cfg)
-}
-
-// Correct applies a backend's own report of what it found cached for a prompt sent to upstream (vLLM's
-// usage.prompt_tokens_details.cached_tokens), in the table's tokens: the routes of boundaries whose aligned
-// prefix is longer than cachedTokens lose their upstream entry (the backend denied holding them), and those
-// up to it are learned again (it confirmed them). Other upstreams' entries are untouched; a route left
-// without upstreams is removed. Denials are local: they are not sent to peers through the feed. It returns
-// how many routes lost upstream. Cost: O(len(bounds)) LRU operations under the exclusive lock.
-func (t *Table) Correct(model string, bounds []tokenize.Boundary, upstream string, cachedTokens int) (denied int) {
-	if upstream == "" || len(bounds) == 0 {
-		return 0
-	}
-	mh := ModelHash(model)
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	now := t.cfg.Now().UnixNano()
-	id := t.ups.intern(upstream)
-	t.ups.ref(id) // hold: the slot must outlive the entries removed below
-	prev := 0
-	for _, b := range bounds {
-		a := align(b.Tokens, t.cfg.BlockSize)
-		if a <= 0 || a == prev {
-			continue
-		}
-		prev = a
-		key := RouteKey(mh, b.Hash)
-		if a <= cachedTokens {
-			t.mergeLocked(key, id, now, now, false)
-		} else if t.dropLocked(key, id) {
-			denied++
-		}
-	}
-	t.stats.Changes++
-	t.ups.unref(id)
-	return denied
-}
-
-// dropLocked removes id's entry from the route at key, local or remote, and reports whether it had one.
-// A route left empty is removed. Must hold t.mu.
-func (t *Table) dropLocked(key uint64, id uint32) bool {
-	lru := t.routes
-	r, ok := lru.Peek(key)
-	if !ok {
-		if lru = t.remote; lru.Len() == 0 {
-			return false
-		}
-		if r, ok = lru.Peek(key); !ok {
-			return false
-		}
-	}
-	var nr route
-	n, found := 0, false
-	for e, x := range r.ids {
-		switch {
-		case x == 0:
-		case x == id:
-			found = true
-		default:
-			nr.ids[n], nr.seen[n] = x, r.seen[e]
-			n++
-		}
-	}
-	if !found {
-		return false
-	}
-	t.ups.unrefRoute(id)
-	// Replacing a value does not call onRouteRemoved, so the entries kept are not released.
-	lru.Add(key, nr)
-	if n == 0 {
-		lru.Remove(key) // releases nothing: nr is empty
-	}
-	return true
 }

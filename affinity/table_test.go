@@ -543,59 +543,19 @@ func TestExportImport(t *testing.T) {
 	checkInvariants(t, dst)
 }
 
-func TestCorrect(t *testing.T) {
-	// Three blocks: 64, 128 and 192 tokens.
-	conv := []tokenize.Boundary{bd(64, 1), bd(128, 2), bd(192, 3)}
-	tests := []struct {
-		name       string
-		cached     int
-		wantDenied int
-		wantA      int // Match for a after the correction
-		wantRoutes int // routes listing a
-	}{
-		{name: "all confirmed", cached: 192, wantDenied: 0, wantA: 192, wantRoutes: 3},
-		{name: "longest denied", cached: 150, wantDenied: 1, wantA: 128, wantRoutes: 2},
-		{name: "all denied", cached: 0, wantDenied: 3, wantA: 0, wantRoutes: 0},
-		{name: "inside the first block", cached: 63, wantDenied: 3, wantA: 0, wantRoutes: 0},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			tb, _ := newTestTable(Config{})
-			tb.Learn("m", conv, "a")
-			tb.Learn("m", conv[:2], "b") // b shares the first two routes
-			if got := tb.Correct("m", conv, "a", tt.cached); got != tt.wantDenied {
-				t.Errorf("Correct() = %d, want %d", got, tt.wantDenied)
-			}
-			if got := match(tb, "m", conv, "a", "b"); got[0] != tt.wantA || got[1] != 128 {
-				t.Errorf("Match() = %v, want [%d 128] (b untouched)", got, tt.wantA)
-			}
-			if got := tb.RouteCount("a"); got != tt.wantRoutes {
-				t.Errorf("RouteCount(a) = %d, want %d", got, tt.wantRoutes)
-			}
-			if got := tb.RouteCount("b"); got != 2 {
-				t.Errorf("RouteCount(b) = %d, want 2", got)
-			}
-			checkInvariants(t, tb)
-		})
-	}
-}
-
-// TestCorrectConfirmsUnknown: a backend that reports a prefix cached which the table never learned there
-// (another proxy sent it) teaches the table that route.
-func TestCorrectConfirmsUnknown(t *testing.T) {
-	tb, _ := newTestTable(Config{})
+func TestMatchSeen(t *testing.T) {
+	tb, clock := newTestTable(Config{})
 	conv := []tokenize.Boundary{bd(64, 1), bd(128, 2)}
-	tb.Correct("m", conv, "a", 100)
-	if got := match(tb, "m", conv, "a"); got[0] != 64 {
-		t.Errorf("Match() = %v, want [64]", got)
+	learnedA := clock.Now().UnixNano()
+	tb.Learn("m", conv, "a")
+	clock.Advance(time.Second)
+	tb.Learn("m", conv[:1], "b")
+	cached, seen := make([]int, 3), []int64{7, 7, 7}
+	tb.MatchSeen("m", conv, []string{"a", "b", "c"}, cached, seen)
+	if want := []int{128, 64, 0}; !slices.Equal(cached, want) {
+		t.Errorf("MatchSeen() cached = %v, want %v", cached, want)
 	}
-	if s := tb.Stats(); s.Routes != 1 || s.Upstreams != 1 {
-		t.Errorf("Stats() = %+v, want 1 route, 1 upstream", s)
+	if want := []int64{learnedA, learnedA + int64(time.Second), 0}; !slices.Equal(seen, want) {
+		t.Errorf("MatchSeen() seen = %v, want %v", seen, want)
 	}
-	// Denying everything leaves nothing behind, the interned name included.
-	tb.Correct("m", conv, "a", 0)
-	if s := tb.Stats(); s.Routes != 0 || s.Upstreams != 0 {
-		t.Errorf("Stats() after denial = %+v, want empty", s)
-	}
-	checkInvariants(t, tb)
 }
