@@ -56,7 +56,7 @@ type prediction struct {
 // this proxy's, confirmed the part of each prediction the backend confirmed (min of the two).
 type cacheCounters struct {
 	requests, prompt, predicted, cached, confirmed atomic.Int64
-	corrections                                    atomic.Int64 // attempts whose denial dropped routes
+	corrections                                    atomic.Int64 // reports denying a claim (they set the horizon)
 	restarts                                       atomic.Int64 // restarts seen in scrapes
 }
 
