@@ -103,7 +103,7 @@ type Server struct {
 	lastStep       time.Duration
 	loras          []loraSlot // resident LoRA adapters, at most MaxLoRAs
 	loraLoads      int64      // adapters loaded into a slot
-	started        time.Time // the simulated process's start (process_start_time_seconds); Restart moves it
+	started        time.Time  // the simulated process's start (process_start_time_seconds); Restart moves it
 }
 
 // New validates cfg, fills in defaults and starts the engine goroutine; Close stops it.
