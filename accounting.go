@@ -60,6 +60,19 @@ type upstreamLoad struct {
 	lastPrompt          int64
 	lastHits, lastQuery float64
 	trust               float64 // 0-1; starts at 1
+	// lastObserved is observed.prompt at the last scrape comparison: while the backend reports cached
+	// tokens per request, those figures (exact, and this proxy's own) move trust instead of the scrape's.
+	lastObserved int64
+	startTime    float64 // the backend's process_start_time_seconds at the last scrape; 0: unknown
+	// seenHits and seenQueries are the counters of the last snapshot checked for a restart (checkedAt);
+	// the last* ones are those at the last trust comparison.
+	seenHits, seenQueries float64
+	checkedAt             int64
+
+	observed cacheCounters // what the backend reported cached, against the predictions (observe.go)
+	// horizon (nanoseconds) is how long the backend has lately kept a prefix, learned from its reports:
+	// older claims are not credited. 0: not known (only route_ttl applies).
+	horizon int64
 }
 
 // endRing is how many recent ends an upstream remembers to tell its scraped counts from this proxy's.
@@ -97,8 +110,14 @@ type reservation struct {
 	prefillDone int64
 	firstToken  bool
 	index       int // in load.inflight; -1 once released
-	// outputSeen counts the output tokens observed in the response (0 when it is not observed).
+	// outputSeen counts the output tokens observed in the response (0 when it is not observed), by the
+	// one observer that reported first (counter: observerTransport or observerResume), so that two
+	// observers of the same attempt never count it twice.
 	outputSeen atomic.Int64
+	counter    atomic.Int32
+	// prediction is what the decision predicted cached, for the observer to check (observe.go).
+	prediction prediction
+	cacheSeen  atomic.Bool // the backend's cached tokens were observed for this attempt
 }
 
 // work describes a request about to be reserved on an upstream.
@@ -106,6 +125,7 @@ type work struct {
 	uncached, output int
 	prompt, matched  int     // its prompt tokens and those predicted cached there
 	waited           float64 // predicted seconds before its prefill can start (from the decision)
+	prediction       prediction
 }
 
 // entry returns dial's load, creating it.
@@ -155,7 +175,8 @@ func (t *loadTable) reserve(dial string, w work, now int64) *reservation {
 // add records r as in flight and queues its prefill.
 func (l *upstreamLoad) add(dial string, w work, now int64) *reservation {
 	svc := l.model.Service()
-	r := &reservation{load: l, dial: dial, uncached: w.uncached, output: w.output, start: now, waited: w.waited}
+	r := &reservation{load: l, dial: dial, uncached: w.uncached, output: w.output, start: now, waited: w.waited,
+		prediction: w.prediction}
 	r.prefill = svc.PrefillSecondsPerToken * float64(w.uncached)
 	l.mu.Lock()
 	begin := max(now+seconds(w.waited), l.prefillUntil.Load())
@@ -379,14 +400,18 @@ const minTrustPrompt = 2000
 // updateTrustLocked compares the backend's prefix-cache hit rate since the last scrape with the rate this
 // proxy predicted for what it sent there. A backend that evicts what the route table thinks it holds (its
 // cache is smaller than its share of the working set) confirms fewer hits, and its claims are discounted
-// until it confirms them again. The caller holds l.mu.
+// until it confirms them again. While the backend reports cached tokens per request (observe.go), those
+// exact figures move trust instead, and this aggregate only keeps its baselines current: it is the check
+// for clients that never ask for usage. The caller holds l.mu.
 func (l *upstreamLoad) updateTrustLocked(snap *scraper.Snapshot) {
 	predicted, prompt := l.predicted.Load(), l.prompt.Load()
 	dPred, dPrompt := predicted-l.lastPredicted, prompt-l.lastPrompt
 	dHits, dQueries := snap.PrefixHits-l.lastHits, snap.PrefixQueries-l.lastQuery
-	if dHits < 0 || dQueries < 0 { // counters reset: the backend restarted
+	if observed := l.observed.prompt.Load(); dHits < 0 || dQueries < 0 || observed != l.lastObserved {
+		// Counters reset (the backend restarted: see checkRestartLocked), or reports per request.
 		l.lastHits, l.lastQuery = snap.PrefixHits, snap.PrefixQueries
 		l.lastPredicted, l.lastPrompt = predicted, prompt
+		l.lastObserved = observed
 		return
 	}
 	if dPrompt < minTrustPrompt || dQueries <= 0 {
@@ -400,6 +425,42 @@ func (l *upstreamLoad) updateTrustLocked(snap *scraper.Snapshot) {
 	}
 	ratio := min(dHits/dQueries/predictedRate, 1)
 	l.trust += 0.3 * (ratio - l.trust)
+}
+
+// noteScrape checks every new snapshot of dial, fresh or not, for a restart of the backend (its process
+// start time changed, or its prefix-cache counters went back): its KV cache is empty, so its learned
+// routes are forgotten (before the decision that reads them) and its cache trust starts again from 1.
+func (t *loadTable) noteScrape(dial string, snap *scraper.Snapshot, now int64) {
+	if snap.At.IsZero() {
+		return
+	}
+	l := t.entry(dial, now)
+	l.mu.Lock()
+	restarted := l.checkRestartLocked(snap)
+	l.mu.Unlock()
+	if restarted {
+		forgetRestarted(dial, l)
+	}
+}
+
+// checkRestartLocked reports whether snap, if newer than the last snapshot checked, shows a restart. The
+// caller holds l.mu.
+func (l *upstreamLoad) checkRestartLocked(snap *scraper.Snapshot) bool {
+	at := snap.At.UnixNano()
+	if at <= l.checkedAt {
+		return false
+	}
+	l.checkedAt = at
+	restarted := snap.PrefixHits < l.seenHits || snap.PrefixQueries < l.seenQueries ||
+		snap.StartTime != 0 && l.startTime != 0 && snap.StartTime != l.startTime
+	l.seenHits, l.seenQueries = snap.PrefixHits, snap.PrefixQueries
+	if snap.StartTime != 0 {
+		l.startTime = snap.StartTime
+	}
+	if restarted {
+		l.trust, l.horizon = 1, 0
+	}
+	return restarted
 }
 
 // cacheTrust returns the share of predicted cache hits to believe.
@@ -445,6 +506,7 @@ func (t *loadTable) snapshot(now int64) []upstreamInflight {
 		out[i].Tokens, out[i].Requests = l.tokens.Load(), l.requests.Load()
 		out[i].Service = l.model.Service()
 		out[i].QueuedSeconds = max(float64(l.prefillUntil.Load()-now)/1e9, 0)
+		out[i].Cache = l.cacheFigures()
 		l.mu.Lock()
 		for _, r := range l.inflight {
 			if r.prefillDone > now {
@@ -465,6 +527,7 @@ type upstreamInflight struct {
 	PrefillTokens        int64
 	QueuedSeconds        float64
 	Service              selection.Service
+	Cache                cacheFigures
 }
 
 // sweepLocked deletes idle entries. The caller holds the write lock.
@@ -517,18 +580,11 @@ func (h *reservationHolder) swap(next *reservation) {
 	}
 }
 
-// tokens records output tokens of the current attempt's response as they are relayed; the first call
-// marks its first token (the end of its prefill).
-func (h *reservationHolder) tokens(n int) {
+// attempt returns the current attempt's reservation (nil if none).
+func (h *reservationHolder) attempt() *reservation {
 	h.mu.Lock()
-	r := h.current
-	h.mu.Unlock()
-	if r == nil {
-		return
-	}
-	if r.outputSeen.Add(int64(n)) == int64(n) {
-		r.noteFirstToken(time.Now().UnixNano())
-	}
+	defer h.mu.Unlock()
+	return h.current
 }
 
 // finish releases the last reservation; it runs once, when the request's context is done.

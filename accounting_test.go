@@ -83,9 +83,11 @@ func TestHolderRetriesAndEnd(t *testing.T) {
 	if _, n := lt.get("a:1"); n != 0 {
 		t.Errorf("a:1 still holds %d requests after the retry", n)
 	}
-	h.tokens(1)
-	h.tokens(5)
-	if r := h.current; !r.firstToken || r.outputSeen.Load() != 6 {
+	r := h.attempt()
+	r.observeTokens(observerTransport, 1)
+	r.observeTokens(observerResume, 3) // a second observer of the same attempt: not counted again
+	r.observeTokens(observerTransport, 5)
+	if !r.firstToken || r.outputSeen.Load() != 6 {
 		t.Errorf("after 6 relayed tokens: first token %t, seen %d", r.firstToken, r.outputSeen.Load())
 	}
 	h.finish() // what the request's end runs (synchronously here)

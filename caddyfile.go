@@ -590,9 +590,19 @@ func loadFallbackPolicy(d *caddyfile.Dispenser) ([]byte, error) {
 	return caddyconfig.JSONModuleObject(sel, "policy", name, nil), nil
 }
 
+// UnmarshalCaddyfile sets up the transport from Caddyfile tokens. Syntax:
+//
+//	transport llm {
+//		<any option of transport http>
+//	}
+func (t *LLMTransport) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	return t.HTTPTransport.UnmarshalCaddyfile(d)
+}
+
 // Interface guards
 var (
 	_ caddyfile.Unmarshaler = (*LLMSelection)(nil)
 	_ caddyfile.Unmarshaler = (*MatchLLM)(nil)
 	_ caddyfile.Unmarshaler = (*LLMErrors)(nil)
+	_ caddyfile.Unmarshaler = (*LLMTransport)(nil)
 )

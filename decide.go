@@ -40,7 +40,9 @@ type query struct {
 	tenant string
 	retry  bool
 	now    int64
-	cached []int     // scratch for the cache signal
+	cached []int     // scratch for the cache signal: the route table's claim on each candidate
+	seen   []int64   // and when each claim was last learned (unix nanoseconds)
+	cut    []int     // claims older than their upstream's cache horizon, not credited
 	avail  []float64 // scratch for the availability signal
 	// adapter is set by the LoRA signal when the request's model is a LoRA adapter on some candidate.
 	adapter bool
@@ -122,12 +124,23 @@ func (d *decider) commit(q *query, dial string, dec selection.Decision) *reserva
 			d.routes.Pin(q.req.Model, q.conversation, dial)
 		}
 	}
+	matched := min(dec.MatchedTokens, q.req.PromptTokens)
+	pred := prediction{prompt: q.req.PromptTokens, predicted: matched}
+	if d.routes != nil {
+		if i := dec.Index; i < len(q.cached) {
+			pred.claimed, pred.cut = q.cached[i], q.cut[i]
+			if q.seen[i] > 0 {
+				pred.claimAge = q.now - q.seen[i]
+			}
+		}
+	}
 	return d.loads.reserve(dial, work{
-		prompt:   q.req.PromptTokens,
-		matched:  min(dec.MatchedTokens, q.req.PromptTokens),
-		uncached: q.req.PromptTokens - min(dec.MatchedTokens, q.req.PromptTokens),
-		output:   d.outputEstimate(q.req.MaxTokens),
-		waited:   dec.Wait,
+		prompt:     q.req.PromptTokens,
+		matched:    matched,
+		uncached:   q.req.PromptTokens - matched,
+		output:     d.outputEstimate(q.req.MaxTokens),
+		waited:     dec.Wait,
+		prediction: pred,
 	}, q.now)
 }
 
@@ -153,7 +166,9 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 	for i, key := range keys {
 		var snap *scraper.Snapshot
 		if s.scrapes != nil {
-			if sn, fresh := s.scrapes.load(key); fresh {
+			sn, fresh := s.scrapes.load(key)
+			s.loads.noteScrape(key, &sn, q.now) // a restart forgets routes before the cache signal reads them
+			if fresh {
 				snap = &sn
 			}
 		}
@@ -184,15 +199,31 @@ func (s cacheSignal) fill(q *query, keys []string, cands []selection.Candidate) 
 	if cap(q.cached) < len(keys) {
 		q.cached = make([]int, len(keys))
 	}
-	cached := q.cached[:len(keys)]
-	s.routes.Match(q.req.Model, q.bounds, keys, cached)
+	if cap(q.seen) < len(keys) {
+		q.seen = make([]int64, len(keys))
+	}
+	if cap(q.cut) < len(keys) {
+		q.cut = make([]int, len(keys))
+	}
+	// Kept for commit: the route table's own claim on the chosen upstream, its age, and what was cut.
+	q.cached, q.seen, q.cut = q.cached[:len(keys)], q.seen[:len(keys)], q.cut[:len(keys)]
+	cached := q.cached
+	s.routes.MatchSeen(q.req.Model, q.bounds, keys, cached, q.seen)
 	bs := s.routes.BlockSize()
+	clear(q.cut)
 	for i := range cands {
 		cached[i] = answeredThere(q.req.Messages, cached[i], bs)
 		cands[i].CachedTokens = cached[i]
-		if l := s.loads.lookup(keys[i]); l != nil && cached[i] > 0 {
-			cands[i].CachedTokens = int(float64(cached[i]) * l.cacheTrust())
+		l := s.loads.lookup(keys[i])
+		if l == nil || cached[i] == 0 {
+			continue
 		}
+		if h := l.cacheHorizon(); h > 0 && q.now-q.seen[i] > h {
+			// Older than the backend has lately kept a prefix: not credited (observe.go).
+			q.cut[i], cached[i], cands[i].CachedTokens = cached[i], 0, 0
+			continue
+		}
+		cands[i].CachedTokens = int(float64(cached[i]) * l.cacheTrust())
 	}
 	if q.conversation == "" {
 		return

@@ -131,13 +131,20 @@ var (
 	descTokenSeconds     = prometheus.NewDesc("caddy_llm_upstream_output_token_seconds", "Learned time per output token of one sequence on the upstream.", []string{"upstream"}, nil)
 	descOverhead         = prometheus.NewDesc("caddy_llm_upstream_first_token_overhead_seconds", "Learned time to first token beyond prefill on the upstream.", []string{"upstream"}, nil)
 	descSlots            = prometheus.NewDesc("caddy_llm_upstream_slots", "Learned number of sequences the upstream runs before it queues (absent while unknown).", []string{"upstream"}, nil)
+	descObservedPrompt   = prometheus.NewDesc("caddy_llm_observed_prompt_tokens_total", "Prompt tokens of the responses whose cached tokens the upstream reported, by its count.", []string{"upstream"}, nil)
+	descPredictedCached  = prometheus.NewDesc("caddy_llm_predicted_cached_tokens_total", "Of those, the tokens predicted cached (scaled to the upstream's count).", []string{"upstream"}, nil)
+	descObservedCached   = prometheus.NewDesc("caddy_llm_observed_cached_tokens_total", "Of those, the tokens the upstream reported cached (usage.prompt_tokens_details.cached_tokens).", []string{"upstream"}, nil)
+	descConfirmedCached  = prometheus.NewDesc("caddy_llm_confirmed_cached_tokens_total", "Of those, the predicted tokens the upstream confirmed: the sum over responses of min(predicted, reported).", []string{"upstream"}, nil)
+	descCorrections      = prometheus.NewDesc("caddy_llm_cache_corrections_total", "Responses reporting far fewer cached tokens than the route table claimed; claims as old are no longer credited.", []string{"upstream"}, nil)
+	descRestarts         = prometheus.NewDesc("caddy_llm_upstream_restarts_total", "Restarts of the upstream seen in its metrics; its routes were forgotten.", []string{"upstream"}, nil)
 	descAvailability     = prometheus.NewDesc("caddy_llm_upstream_availability", "Adaptive availability of the upstream (0-1): the share of new work it takes relative to a healthy one (absent while availability is off).", []string{"upstream"}, nil)
 )
 
 func (stateCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descInflightTokens, descInflightRequests, descSaturated, descQueue, descRunning, descKV,
 		descScrapeAge, descScrapeErrors, descRoutes, descRouteEvictions, descRoutesExpired, descPins,
-		descPhase, descQueuedPrefill, descPrefillRate, descTokenSeconds, descOverhead, descSlots, descAvailability} {
+		descPhase, descQueuedPrefill, descPrefillRate, descTokenSeconds, descOverhead, descSlots, descAvailability,
+		descObservedPrompt, descPredictedCached, descObservedCached, descConfirmedCached, descCorrections, descRestarts} {
 		ch <- d
 	}
 }
@@ -150,6 +157,14 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descPhase, prometheus.GaugeValue, float64(u.Prefilling), u.Upstream, "prefill")
 		ch <- prometheus.MustNewConstMetric(descPhase, prometheus.GaugeValue, float64(u.Decoding), u.Upstream, "decode")
 		ch <- prometheus.MustNewConstMetric(descQueuedPrefill, prometheus.GaugeValue, u.QueuedSeconds, u.Upstream)
+		if c := u.cache; c != nil {
+			ch <- prometheus.MustNewConstMetric(descObservedPrompt, prometheus.CounterValue, float64(c.Prompt), u.Upstream)
+			ch <- prometheus.MustNewConstMetric(descPredictedCached, prometheus.CounterValue, float64(c.Predicted), u.Upstream)
+			ch <- prometheus.MustNewConstMetric(descObservedCached, prometheus.CounterValue, float64(c.Cached), u.Upstream)
+			ch <- prometheus.MustNewConstMetric(descConfirmedCached, prometheus.CounterValue, float64(c.Confirmed), u.Upstream)
+			ch <- prometheus.MustNewConstMetric(descCorrections, prometheus.CounterValue, float64(c.Corrections), u.Upstream)
+			ch <- prometheus.MustNewConstMetric(descRestarts, prometheus.CounterValue, float64(c.Restarts), u.Upstream)
+		}
 		if u.Availability != nil {
 			ch <- prometheus.MustNewConstMetric(descAvailability, prometheus.GaugeValue, *u.Availability, u.Upstream)
 		}
@@ -206,6 +221,42 @@ type upstreamStatus struct {
 	// Availability is the upstream's adaptive availability (the lowest, if policies with different
 	// controller settings track it); absent while availability is off.
 	Availability *float64 `json:"availability,omitempty"`
+	// Cache compares the predicted cache hits with what the backend reported (see cacheReport).
+	Cache *cacheReport  `json:"cache,omitempty"`
+	cache *cacheFigures // the counters behind Cache, for the metrics
+}
+
+// cacheReport is how well the route table predicts an upstream's cache, from the responses whose cached
+// tokens the backend reported (the llm transport or llm_resume reads them), in the backend's tokens.
+// PredictedHitRate is the share of their prompt tokens predicted cached, ObservedHitRate the share the
+// backend reported cached, Precision the share of the predicted tokens it confirmed (absent before any
+// prediction), Corrections the reports of far fewer than the route table claimed, HorizonSeconds how long
+// the backend has lately kept a prefix (older claims are not credited; absent while no report denied
+// one), Restarts the backend restarts seen in its metrics (its routes were forgotten) and Trust the share
+// of its claims the decision believes.
+type cacheReport struct {
+	Requests         int64    `json:"observed_requests"`
+	PredictedHitRate float64  `json:"predicted_hit_rate"`
+	ObservedHitRate  float64  `json:"observed_hit_rate"`
+	Precision        *float64 `json:"precision,omitempty"`
+	Corrections      int64    `json:"corrections"`
+	HorizonSeconds   float64  `json:"horizon_seconds,omitempty"`
+	Restarts         int64    `json:"restarts"`
+	Trust            float64  `json:"trust"`
+}
+
+func reportCache(c cacheFigures) *cacheReport {
+	r := &cacheReport{Requests: c.Requests, Corrections: c.Corrections, Restarts: c.Restarts, Trust: c.Trust,
+		HorizonSeconds: float64(c.Horizon) / 1e9}
+	if c.Prompt > 0 {
+		r.PredictedHitRate = float64(c.Predicted) / float64(c.Prompt)
+		r.ObservedHitRate = float64(c.Cached) / float64(c.Prompt)
+	}
+	if c.Predicted > 0 {
+		p := float64(c.Confirmed) / float64(c.Predicted)
+		r.Precision = &p
+	}
+	return r
 }
 
 // serviceModel is the learned service of an upstream, as reported.
@@ -215,10 +266,12 @@ type serviceModel struct {
 	TokenMS                float64 `json:"ms_per_output_token"`
 	Slots                  float64 `json:"slots,omitempty"` // 0: not known (no metrics, or never queued)
 	MeanDurationSeconds    float64 `json:"mean_request_seconds"`
+	// FirstTokens counts the first tokens observed (by the llm transport or llm_resume) that taught it.
+	FirstTokens int `json:"first_tokens_observed"`
 }
 
 func reportService(s selection.Service) *serviceModel {
-	m := &serviceModel{OverheadMS: 1000 * s.Overhead, TokenMS: 1000 * s.TokenSeconds, Slots: s.Slots, MeanDurationSeconds: s.MeanDuration}
+	m := &serviceModel{OverheadMS: 1000 * s.Overhead, TokenMS: 1000 * s.TokenSeconds, Slots: s.Slots, MeanDurationSeconds: s.MeanDuration, FirstTokens: s.FirstTokens}
 	if s.PrefillSecondsPerToken > 0 {
 		m.PrefillTokensPerSecond = 1 / s.PrefillSecondsPerToken
 	}
@@ -283,6 +336,7 @@ func upstreamReport(withRoutes bool) []upstreamStatus {
 			Upstream: l.Dial, InflightTokens: l.Tokens, InflightRequests: l.Requests,
 			Saturated: loads.saturated(l.Dial, now), Prefilling: l.Prefilling, Decoding: l.Decoding,
 			PrefillTokens: l.PrefillTokens, QueuedSeconds: l.QueuedSeconds, Model: reportService(l.Service),
+			Cache: reportCache(l.Cache), cache: &l.Cache,
 		})
 	}
 	liveScrapesMu.Lock()

@@ -404,7 +404,7 @@ func (s *LLMSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, w
 		return nil
 	}
 	q := &sc.query
-	*q = query{req: req, now: start.UnixNano(), cached: q.cached}
+	*q = query{req: req, now: start.UnixNano(), cached: q.cached, seen: q.seen}
 	if s.ConversationHeader != "" {
 		q.conversation = r.Header.Get(s.ConversationHeader)
 	}
@@ -515,7 +515,7 @@ func (sc *scratch) reset() {
 	sc.cands = sc.cands[:0]
 	sc.avoid = sc.avoid[:0]
 	sc.floats = sc.floats[:0]
-	sc.query = query{cached: sc.query.cached[:0]}
+	sc.query = query{cached: sc.query.cached[:0], seen: sc.query.seen[:0]}
 }
 
 const (
@@ -568,7 +568,7 @@ func (sc *scratch) gather(pool reverseproxy.UpstreamPool, tried []string, now in
 }
 
 var scratchPool = sync.Pool{New: func() any {
-	return &scratch{floats: make([]float64, 0, 48), query: query{cached: make([]int, 0, 16)}}
+	return &scratch{floats: make([]float64, 0, 48), query: query{cached: make([]int, 0, 16), seen: make([]int64, 0, 16)}}
 }}
 
 // Interface guards

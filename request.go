@@ -279,17 +279,3 @@ var errBodySentOnce = io.NopCloser(errReader{errors.New("request body over max_b
 type errReader struct{ err error }
 
 func (e errReader) Read([]byte) (int, error) { return 0, e.err }
-
-// noteFirstToken records that the response to r's current attempt carried its first output token: the
-// request leaves its prefill phase, and the upstream's service model learns the delay. Handlers that see
-// the relayed response (llm_resume) call it; without one, the phase change is predicted.
-func noteFirstToken(r *http.Request) { noteToken(r, 1) }
-
-// noteToken records tokens more output tokens relayed for r's current attempt (the first call also
-// marks the first token). The count teaches the service model the real output length, which is often
-// far below max_tokens.
-func noteToken(r *http.Request, tokens int) {
-	if lr, ok := caddyhttp.GetVar(r.Context(), varKey).(*llmRequest); ok && lr.acct != nil && tokens > 0 {
-		lr.acct.tokens(tokens)
-	}
-}

@@ -819,8 +819,11 @@ type streamChunk struct {
 		FinishReason string `json:"finish_reason"`
 	} `json:"choices"`
 	Usage *struct {
-		PromptTokens     int `json:"prompt_tokens"`
-		CompletionTokens int `json:"completion_tokens"`
+		PromptTokens        int `json:"prompt_tokens"`
+		CompletionTokens    int `json:"completion_tokens"`
+		PromptTokensDetails *struct {
+			CachedTokens *int `json:"cached_tokens"`
+		} `json:"prompt_tokens_details"`
 	} `json:"usage"`
 	Error json.RawMessage `json:"error"`
 }
@@ -915,17 +918,15 @@ func (rl *relay) relayEvent(ev []byte) {
 	rl.writeClient(out)
 	rl.finished = rl.finished || finish
 	rl.usageSent = rl.usageSent || len(chunk.Choices) == 0 && chunk.Usage != nil
+	if u := chunk.Usage; len(chunk.Choices) == 0 && u != nil && u.PromptTokensDetails != nil && u.PromptTokensDetails.CachedTokens != nil {
+		noteCached(rl.r, u.PromptTokens, *u.PromptTokensDetails.CachedTokens) // the attempt's final usage
+	}
 	if content != "" || rl.unjoinable {
 		rl.sentOutput = true
 	}
 	if content != "" {
 		rl.keepText(content)
-		if rl.attemptTokens == 0 {
-			noteFirstToken(rl.r)      // this attempt leaves its prefill phase: one token
-			noteToken(rl.r, tokens-1) // and the rest of the chunk's, if any
-		} else {
-			noteToken(rl.r, tokens)
-		}
+		noteToken(rl.r, tokens) // the first also ends this attempt's prefill phase
 		rl.attemptTokens += tokens
 		rl.sentTokens += tokens
 	}

@@ -248,6 +248,7 @@ type resumeTest struct {
 	t      *testing.T
 	tester *caddytest.Tester
 	url    string // the site's base URL
+	admin  int    // the admin API's port
 	ups    []*resumeUpstream
 }
 
@@ -322,6 +323,12 @@ func (u *resumeUpstream) received() [][]byte {
 // newResumeTest starts the proxy with the given llm_resume block options in front of the upstreams.
 func newResumeTest(t *testing.T, resumeOptions string, ups ...*resumeUpstream) *resumeTest {
 	t.Helper()
+	return newResumeTestWith(t, resumeOptions, "", ups...)
+}
+
+// newResumeTestWith is newResumeTest with proxyOptions added to the reverse_proxy block.
+func newResumeTestWith(t *testing.T, resumeOptions, proxyOptions string, ups ...*resumeUpstream) *resumeTest {
+	t.Helper()
 	admin, port := resumePorts()
 	dials := make([]string, len(ups))
 	for i, u := range ups {
@@ -341,12 +348,13 @@ func newResumeTest(t *testing.T, resumeOptions string, ups ...*resumeUpstream) *
 	}
 	reverse_proxy %s {
 		lb_policy llm
+		%s
 	}
 }
-`, admin, port, pickPort(), port, resumeOptions, strings.Join(dials, " "))
+`, admin, port, pickPort(), port, resumeOptions, strings.Join(dials, " "), proxyOptions)
 	tester := caddytest.NewTester(t).WithDefaultOverrides(caddytest.Config{AdminPort: admin})
 	tester.InitServer(cfg, "caddyfile")
-	rt := &resumeTest{t: t, tester: tester, url: fmt.Sprintf("http://localhost:%d", port), ups: ups}
+	rt := &resumeTest{t: t, tester: tester, url: fmt.Sprintf("http://localhost:%d", port), admin: admin, ups: ups}
 	t.Cleanup(func() { assertAllZero(t, dials) })
 	return rt
 }
@@ -520,6 +528,48 @@ func TestResumeContinuesCutStreams(t *testing.T) {
 	completion := fmt.Appendf(nil, `{"model":"sim-model","stream":true,"max_tokens":9,"prompt":"Once upon a time"}`)
 	sr = rt.postStream("/v1/completions", completion, "X-Sim-Cut-After", "4")
 	checkComplete(t, "completions", sr, 9, false)
+}
+
+// TestResumeObservesOnce: llm_resume reads the stream it relays, so without transport llm it tells the
+// policy the attempt's first token and the backend's cached tokens; with transport llm too, the two
+// observers of the same attempt count it once.
+func TestResumeObservesOnce(t *testing.T) {
+	for _, proxyOptions := range []string{"", "transport llm"} {
+		t.Run(strings.TrimSpace("resume "+proxyOptions), func(t *testing.T) {
+			up := newResumeUpstream(t, vllmsim.Config{})
+			rt := newResumeTestWith(t, "", proxyOptions, up)
+			const n = 3
+			for i := range n {
+				sr := rt.postStream("/v1/chat/completions", resumeChat(6, fmt.Sprintf("question %d", i)))
+				checkComplete(t, "chat", sr, 6, true)
+			}
+			var report struct {
+				Upstreams []upstreamStatus `json:"upstreams"`
+			}
+			waitFor(t, "the requests' ends", func() bool {
+				res, err := http.Get(fmt.Sprintf("http://localhost:%d/llm/upstreams", rt.admin))
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer res.Body.Close()
+				report.Upstreams = nil
+				if err := json.NewDecoder(res.Body).Decode(&report); err != nil {
+					t.Fatal(err)
+				}
+				for _, u := range report.Upstreams {
+					if u.Upstream == up.dial {
+						return u.InflightRequests == 0 && u.Cache != nil && u.Cache.Requests == n
+					}
+				}
+				return false
+			})
+			for _, u := range report.Upstreams {
+				if u.Upstream == up.dial && (u.Cache.Requests != n || u.Model == nil || u.Model.FirstTokens != n) {
+					t.Errorf("%s: %d usages and %+v first tokens observed, want %d of each", u.Upstream, u.Cache.Requests, u.Model, n)
+				}
+			}
+		})
+	}
 }
 
 // TestResumeGivesUp: when max_attempts run out, a started stream ends with an error event, never a silent

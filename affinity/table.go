@@ -357,6 +357,16 @@ const matchIDsOnStack = 32
 // under the shared lock and does not change recency. Allocation-free when len(cached) >= len(upstreams)
 // and len(upstreams) <= 32; with a shorter cached, only its first len(cached) entries are written.
 func (t *Table) Match(model string, bounds []tokenize.Boundary, upstreams []string, cached []int) (longest int) {
+	return t.MatchSeen(model, bounds, upstreams, cached, nil)
+}
+
+// MatchSeen is Match that also writes into seen[i] when the route entry that matched upstreams[i] was last
+// learned (unix nanoseconds; 0 when nothing matched): how old the claim is. seen must be nil or have at
+// least len(upstreams) elements. Same cost as Match.
+func (t *Table) MatchSeen(model string, bounds []tokenize.Boundary, upstreams []string, cached []int, seen []int64) (longest int) {
+	if seen != nil {
+		clear(seen[:len(upstreams)])
+	}
 	out := cached
 	if len(out) < len(upstreams) {
 		out = make([]int, len(upstreams))
@@ -410,6 +420,9 @@ func (t *Table) Match(model string, bounds []tokenize.Boundary, upstreams []stri
 			for i, id := range ids {
 				if id == x && out[i] == 0 {
 					out[i] = a
+					if seen != nil {
+						seen[i] = r.seen[e]
+					}
 					unresolved--
 					longest = max(longest, a)
 				}

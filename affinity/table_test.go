@@ -542,3 +542,20 @@ func TestExportImport(t *testing.T) {
 	}
 	checkInvariants(t, dst)
 }
+
+func TestMatchSeen(t *testing.T) {
+	tb, clock := newTestTable(Config{})
+	conv := []tokenize.Boundary{bd(64, 1), bd(128, 2)}
+	learnedA := clock.Now().UnixNano()
+	tb.Learn("m", conv, "a")
+	clock.Advance(time.Second)
+	tb.Learn("m", conv[:1], "b")
+	cached, seen := make([]int, 3), []int64{7, 7, 7}
+	tb.MatchSeen("m", conv, []string{"a", "b", "c"}, cached, seen)
+	if want := []int{128, 64, 0}; !slices.Equal(cached, want) {
+		t.Errorf("MatchSeen() cached = %v, want %v", cached, want)
+	}
+	if want := []int64{learnedA, learnedA + int64(time.Second), 0}; !slices.Equal(seen, want) {
+		t.Errorf("MatchSeen() seen = %v, want %v", seen, want)
+	}
+}

@@ -17,36 +17,42 @@ import (
 type policy struct {
 	Name string
 	JSON string
+	// Transport is the reverse_proxy transport module: "" is Caddy's http transport, "llm" this
+	// plugin's, which shows the llm policy every response (first tokens, cached tokens).
+	Transport string
 }
 
 // allPolicies are the policies the benchmark compares, in report order. least_conn is the
 // baseline the ratios are computed against.
 var allPolicies = []policy{
-	{"round_robin", `{"policy":"round_robin"}`},
-	{"least_conn", `{"policy":"least_conn"}`},
-	{"random", `{"policy":"random"}`},
-	{"header", `{"policy":"header","field":"X-Conversation-ID"}`},
-	{"llm", `{"policy":"llm"}`},
-	{"llm-least_tokens", `{"policy":"llm","mode":"least_tokens"}`},
-	{"llm-prefix", `{"policy":"llm","mode":"prefix"}`},
-	{"llm-combined", `{"policy":"llm","mode":"combined"}`},
-	{"oracle", `{"policy":"oracle"}`},
+	{Name: "round_robin", JSON: `{"policy":"round_robin"}`},
+	{Name: "least_conn", JSON: `{"policy":"least_conn"}`},
+	{Name: "random", JSON: `{"policy":"random"}`},
+	{Name: "header", JSON: `{"policy":"header","field":"X-Conversation-ID"}`},
+	{Name: "llm", JSON: `{"policy":"llm"}`},
+	{Name: "llm-least_tokens", JSON: `{"policy":"llm","mode":"least_tokens"}`},
+	{Name: "llm-prefix", JSON: `{"policy":"llm","mode":"prefix"}`},
+	{Name: "llm-combined", JSON: `{"policy":"llm","mode":"combined"}`},
+	{Name: "oracle", JSON: `{"policy":"oracle"}`},
 }
 
 // extraPolicies can be named with -policies but are not part of "all": variants for one experiment.
 // llm-combined+metrics scrapes the simulators' /metrics every 200 ms of wall time (1 s simulated at
 // time scale 5), for runs with -bypass-rate where load the balancer does not route reaches a backend.
 var extraPolicies = []policy{
-	{"llm-combined+metrics", `{"policy":"llm","mode":"combined","metrics":{"interval":"200ms"}}`},
-	{"llm-prefix+metrics", `{"policy":"llm","mode":"prefix","metrics":{"interval":"200ms"}}`},
+	{Name: "llm-combined+metrics", JSON: `{"policy":"llm","mode":"combined","metrics":{"interval":"200ms"}}`},
+	{Name: "llm-prefix+metrics", JSON: `{"policy":"llm","mode":"prefix","metrics":{"interval":"200ms"}}`},
 	// llm's default scrapes every second of wall time, 5-20 s simulated at the matrix's time
 	// scales: these two tell a stale scrape from the decision itself.
-	{"llm-nometrics", `{"policy":"llm","metrics":{"off":true}}`},
-	{"llm+metrics100ms", `{"policy":"llm","metrics":{"interval":"100ms"}}`},
+	{Name: "llm-nometrics", JSON: `{"policy":"llm","metrics":{"off":true}}`},
+	{Name: "llm+metrics100ms", JSON: `{"policy":"llm","metrics":{"interval":"100ms"}}`},
 	// Every 20 ms of wall time (100 ms simulated at time scale 5): with -instances, where each
 	// instance counts only its own requests in flight, how much a fresher view of the backends'
 	// queues gives back.
-	{"llm+metrics20ms", `{"policy":"llm","metrics":{"interval":"20ms"}}`},
+	{Name: "llm+metrics20ms", JSON: `{"policy":"llm","metrics":{"interval":"20ms"}}`},
+	// llm behind transport llm: the policy sees the cached tokens each backend reports and corrects
+	// its route table (against llm, the same policy without the observer).
+	{Name: "llm-observed", JSON: `{"policy":"llm"}`, Transport: "llm"},
 }
 
 // matrixPolicies are the policies of -matrix: Caddy's stock policies (stockPolicies), this
@@ -110,6 +116,10 @@ func caddyConfig(port int, upstreams []string, p policy, extras proxyExtras) ([]
 	type upstream struct {
 		Dial string `json:"dial"`
 	}
+	transport := p.Transport
+	if transport == "" {
+		transport = "http"
+	}
 	ups := make([]upstream, len(upstreams))
 	for i, u := range upstreams {
 		ups[i] = upstream{Dial: u}
@@ -131,8 +141,14 @@ func caddyConfig(port int, upstreams []string, p policy, extras proxyExtras) ([]
 		"flush_interval": -1,
 		"upstreams":      ups,
 		"load_balancing": lb,
+		// What the llm policy predicted cached, for the prediction's precision (empty for other
+		// policies).
+		"headers": map[string]any{"response": map[string]any{"set": map[string]any{
+			"X-LLM-Matched-Tokens": []string{"{http.llm.matched_tokens}"},
+			"X-LLM-Prompt-Tokens":  []string{"{http.llm.prompt_tokens}"},
+		}}},
 		"transport": map[string]any{
-			"protocol":                "http",
+			"protocol":                transport,
 			"keep_alive":              map[string]any{"max_idle_conns_per_host": 1024},
 			"response_header_timeout": "60s",
 		},
@@ -227,7 +243,7 @@ func scalePrior(p policy, timeScale float64, dials []string) policy {
 	if err != nil {
 		return p
 	}
-	return policy{Name: p.Name, JSON: string(b)}
+	return policy{Name: p.Name, JSON: string(b), Transport: p.Transport}
 }
 
 // scaleScrapes returns p with the llm policy's default scrape interval (1 s of wall time) divided by the
@@ -253,5 +269,5 @@ func scaleScrapes(p policy, timeScale float64) policy {
 	if err != nil {
 		return p
 	}
-	return policy{Name: p.Name, JSON: string(b)}
+	return policy{Name: p.Name, JSON: string(b), Transport: p.Transport}
 }

@@ -10,6 +10,7 @@ import (
 	"io"
 	"math/rand/v2"
 	"net/http"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -270,6 +271,8 @@ func (d *driver) send(ctx context.Context, req Request) requestResult {
 	defer resp.Body.Close()
 	r.Status = resp.StatusCode
 	r.Upstream, r.Conversation = resp.Header.Get("X-Upstream"), req.Conversation
+	r.Matched, _ = strconv.Atoi(resp.Header.Get("X-LLM-Matched-Tokens"))
+	r.PolicyPrompt, _ = strconv.Atoi(resp.Header.Get("X-LLM-Prompt-Tokens"))
 	if resp.StatusCode != http.StatusOK {
 		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<16))
 		return fail(fmt.Errorf("status %d", resp.StatusCode))

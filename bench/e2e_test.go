@@ -128,13 +128,13 @@ func TestEndToEnd(t *testing.T) {
 // TestSkipsUnregisteredPolicy checks that a policy whose module is missing is reported as
 // skipped instead of failing the run.
 func TestSkipsUnregisteredPolicy(t *testing.T) {
-	if err := policyAvailable(policy{"nope", `{"policy":"no_such_policy"}`}); err == nil {
+	if err := policyAvailable(policy{Name: "nope", JSON: `{"policy":"no_such_policy"}`}); err == nil {
 		t.Error("policyAvailable(no_such_policy) = nil, want an error")
 	}
-	if err := policyAvailable(policy{"rr", `{"policy":"round_robin"}`}); err != nil {
+	if err := policyAvailable(policy{Name: "rr", JSON: `{"policy":"round_robin"}`}); err != nil {
 		t.Errorf("policyAvailable(round_robin) = %v, want nil", err)
 	}
-	if err := policyAvailable(policy{"oracle", `{"policy":"oracle"}`}); err != nil {
+	if err := policyAvailable(policy{Name: "oracle", JSON: `{"policy":"oracle"}`}); err != nil {
 		t.Errorf("policyAvailable(oracle) = %v, want nil", err)
 	}
 }

@@ -46,11 +46,11 @@ type faultRow struct {
 // upstream read the body fails with 502, "ContentLength=N with Body length 0"), so the stock row has
 // them; the llm policy keeps the body itself.
 var faultRows = []faultRow{
-	{"least_conn + lb_retries", policy{"least_conn", `{"policy":"least_conn"}`}, proxyExtras{Retries: faultRetries, RequestBuffers: 1 << 20}},
-	{"llm", policy{"llm", `{"policy":"llm"}`}, proxyExtras{Retries: faultRetries}},
-	{"llm, availability off", policy{"llm-availability-off", `{"policy":"llm","availability":{"off":true}}`}, proxyExtras{Retries: faultRetries}},
-	{"llm + llm_resume", policy{"llm", `{"policy":"llm"}`}, proxyExtras{Retries: faultRetries, Resume: true}},
-	{"llm + llm_resume, availability off", policy{"llm-availability-off", `{"policy":"llm","availability":{"off":true}}`}, proxyExtras{Retries: faultRetries, Resume: true}},
+	{"least_conn + lb_retries", policy{Name: "least_conn", JSON: `{"policy":"least_conn"}`}, proxyExtras{Retries: faultRetries, RequestBuffers: 1 << 20}},
+	{"llm", policy{Name: "llm", JSON: `{"policy":"llm"}`}, proxyExtras{Retries: faultRetries}},
+	{"llm, availability off", policy{Name: "llm-availability-off", JSON: `{"policy":"llm","availability":{"off":true}}`}, proxyExtras{Retries: faultRetries}},
+	{"llm + llm_resume", policy{Name: "llm", JSON: `{"policy":"llm"}`}, proxyExtras{Retries: faultRetries, Resume: true}},
+	{"llm + llm_resume, availability off", policy{Name: "llm-availability-off", JSON: `{"policy":"llm","availability":{"off":true}}`}, proxyExtras{Retries: faultRetries, Resume: true}},
 }
 
 // FaultSummary is one row's figures, over every seed's measured requests.
@@ -137,7 +137,7 @@ func scaleAvailability(p policy, timeScale float64) policy {
 	if err != nil {
 		return p
 	}
-	return policy{Name: p.Name, JSON: string(b)}
+	return policy{Name: p.Name, JSON: string(b), Transport: p.Transport}
 }
 
 // runFaults runs every fault row on every seed and writes faults.json and faults.md to o.out.

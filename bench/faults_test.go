@@ -62,7 +62,7 @@ func TestFaultsEndToEnd(t *testing.T) {
 // TestCaddyConfigExtras: the extras put llm_resume before reverse_proxy and retry POSTs and 429/5xx
 // answers; without them the config is the plain proxy.
 func TestCaddyConfigExtras(t *testing.T) {
-	p := policy{"llm", `{"policy":"llm"}`}
+	p := policy{Name: "llm", JSON: `{"policy":"llm"}`}
 	handlers := func(extras proxyExtras) []map[string]any {
 		t.Helper()
 		raw, err := caddyConfig(8080, []string{"127.0.0.1:1"}, p, extras)
@@ -124,7 +124,7 @@ func TestScaleAvailability(t *testing.T) {
 		{`{"policy":"llm","availability":{"interval":"1s"}}`, `{"policy":"llm","availability":{"interval":"1s"}}`},
 		{`{"policy":"least_conn"}`, `{"policy":"least_conn"}`},
 	} {
-		if got := scaleAvailability(policy{"p", tc.in}, 5).JSON; got != tc.want {
+		if got := scaleAvailability(policy{Name: "p", JSON: tc.in}, 5).JSON; got != tc.want {
 			t.Errorf("scaleAvailability(%s, 5) = %s, want %s", tc.in, got, tc.want)
 		}
 	}

@@ -28,6 +28,7 @@ import (
 	"os"
 	"runtime"
 	"runtime/pprof"
+	"slices"
 	"strings"
 	"time"
 
@@ -52,6 +53,7 @@ type options struct {
 	overhead   bool
 	bypassRate float64
 	cpuProfile string
+	observe    bool // llm policies behind transport llm
 	maxReruns  int
 	// overheadSeconds overrides the measuring time per policy of -overhead (tests).
 	overheadSeconds float64
@@ -137,6 +139,7 @@ func parseOptions(args []string) (options, error) {
 	var setups string
 	fs.StringVar(&setups, "setups", "one,shared,unshared", "with -instances: which setups to run")
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the run to this file")
+	fs.BoolVar(&o.observe, "observe", false, "run every llm policy behind transport llm (it reads each response's cached tokens and corrects the routes)")
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
@@ -228,6 +231,14 @@ func parseOptions(args []string) (options, error) {
 				return o, fmt.Errorf("unknown policy %q (known: %s)", name, strings.Join(policyNames(), ","))
 			}
 			o.policies = append(o.policies, p)
+		}
+	}
+	if o.observe {
+		o.policies = slices.Clone(o.policies) // not the shared table's entries
+		for i, p := range o.policies {
+			if strings.HasPrefix(p.Name, "llm") {
+				o.policies[i].Transport = "llm"
+			}
 		}
 	}
 	switch {

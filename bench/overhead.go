@@ -104,7 +104,7 @@ func runOverhead(ctx context.Context, o options) (OverheadResult, error) {
 	// Alternate the policies in short rounds so that background load on a shared machine hits
 	// both alike, and add the rounds up.
 	const rounds = 4
-	policies := []policy{{"round_robin", `{"policy":"round_robin"}`}, {"llm", `{"policy":"llm"}`}}
+	policies := []policy{{Name: "round_robin", JSON: `{"policy":"round_robin"}`}, {Name: "llm", JSON: `{"policy":"llm"}`}}
 	sums := make([]overheadSum, len(policies))
 	for round := range rounds {
 		for i, p := range policies {

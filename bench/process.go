@@ -302,5 +302,5 @@ func withOption(p policy, name string, value any) policy {
 	if err != nil {
 		panic(err)
 	}
-	return policy{Name: p.Name, JSON: string(b)}
+	return policy{Name: p.Name, JSON: string(b), Transport: p.Transport}
 }

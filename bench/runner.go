@@ -166,7 +166,11 @@ func runWorkload(ctx context.Context, o options, sims []simSettings, w Workload,
 			prog.add(w.NumRequests())
 		}
 		wr.Policies = append(wr.Policies, s)
-		prog.stepDone(fmt.Sprintf("%s: TTFT p50 %.0f ms, hit rate %.0f%%", label, s.TTFTP50, 100*s.CacheHitRate))
+		done := fmt.Sprintf("%s: TTFT p50 %.0f ms, hit rate %.0f%%", label, s.TTFTP50, 100*s.CacheHitRate)
+		if s.PredictedCachedRate > 0 {
+			done += fmt.Sprintf(", predicted %.0f%%, precision %.0f%%", 100*s.PredictedCachedRate, 100*s.PredictionPrecision)
+		}
+		prog.stepDone(done)
 	}
 	return wr
 }

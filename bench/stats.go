@@ -82,9 +82,12 @@ type requestResult struct {
 	MaxTokens    int
 	ContentBytes int
 	ExtraEvents  int
-	Failed       bool
-	Status       int
-	Err          string
+	// Matched and PolicyPrompt are the llm policy's predicted cached tokens and prompt tokens, in its
+	// own tokenizer's count (0 for other policies).
+	Matched, PolicyPrompt int
+	Failed                bool
+	Status                int
+	Err                   string
 	// Upstream is the backend that answered, when the proxy says so (X-Upstream, -instances only), and
 	// Conversation the request's X-Conversation-ID.
 	Upstream, Conversation string
@@ -113,11 +116,16 @@ type Summary struct {
 	RequestsPerS     float64 `json:"requests_per_s"`
 	CacheHitRate     float64 `json:"cache_hit_rate"`
 	ClientCachedRate float64 `json:"client_cached_rate"`
-	BackendRequests  []int   `json:"backend_requests"`
-	LagP50           float64 `json:"sched_lag_p50_wall_ms"`
-	LagP99           float64 `json:"sched_lag_p99_wall_ms"`
-	LagMax           float64 `json:"sched_lag_max_wall_ms"`
-	WallSeconds      float64 `json:"wall_seconds"`
+	// PredictedCachedRate is the share of prompt tokens the llm policy predicted cached and
+	// PredictionPrecision the share of those the backends reported cached (per request, the smaller of
+	// the two, in the backends' tokens); zero for other policies.
+	PredictedCachedRate float64 `json:"predicted_cached_rate,omitempty"`
+	PredictionPrecision float64 `json:"prediction_precision,omitempty"`
+	BackendRequests     []int   `json:"backend_requests"`
+	LagP50              float64 `json:"sched_lag_p50_wall_ms"`
+	LagP99              float64 `json:"sched_lag_p99_wall_ms"`
+	LagMax              float64 `json:"sched_lag_max_wall_ms"`
+	WallSeconds         float64 `json:"wall_seconds"`
 	// CPUPercent is the CPU time of the whole benchmark process (Caddy, simulators and load
 	// generator) during the run, in percent of one core.
 	CPUPercent float64 `json:"cpu_percent_of_one_core"`
@@ -132,6 +140,7 @@ func summarize(policy string, results []requestResult, scale float64) Summary {
 	var ttft, e2e, tpot, lag []float64
 	var first, last time.Time
 	outTokens, prompt, cached := 0, 0, 0
+	var predicted, confirmed float64
 	for _, r := range results {
 		if r.Arrival {
 			lag = append(lag, ms(r.Lag))
@@ -159,6 +168,11 @@ func summarize(policy string, results []requestResult, scale float64) Summary {
 		outTokens += r.OutputTokens
 		prompt += r.PromptTokens
 		cached += r.CachedTokens
+		if r.Matched > 0 && r.PolicyPrompt > 0 && r.PromptTokens > 0 {
+			m := float64(r.Matched) * float64(r.PromptTokens) / float64(r.PolicyPrompt) // in backend tokens
+			predicted += m
+			confirmed += min(m, float64(r.CachedTokens))
+		}
 	}
 	t, e, p, l := newDistribution(ttft), newDistribution(e2e), newDistribution(tpot), newDistribution(lag)
 	for _, d := range []*distribution{&t, &e, &p, &l} {
@@ -177,6 +191,10 @@ func summarize(policy string, results []requestResult, scale float64) Summary {
 	}
 	if prompt > 0 {
 		s.ClientCachedRate = float64(cached) / float64(prompt)
+		s.PredictedCachedRate = round3(predicted/float64(prompt)*1e3) / 1e3
+	}
+	if predicted > 0 {
+		s.PredictionPrecision = round3(confirmed/predicted*1e3) / 1e3
 	}
 	s.ttft = t.sorted
 	for _, f := range []*float64{&s.TTFTP50, &s.TTFTP90, &s.TTFTP99, &s.TTFTMean, &s.E2EP50, &s.E2EP90, &s.E2EP99,

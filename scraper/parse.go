@@ -49,6 +49,10 @@ type Snapshot struct {
 	// LoRA is the adapter residency vLLM reports in vllm:lora_requests_info; its zero value (MaxLoRA 0)
 	// when the target does not report it (LoRA disabled, SGLang, older versions).
 	LoRA LoRA
+	// StartTime is the backend process's start (process_start_time_seconds, Unix seconds, the largest
+	// if several processes report one); zero when absent. A change means the backend restarted, and
+	// with it its KV cache is empty and its counters start again from zero.
+	StartTime float64
 	// Flavor is FlavorVLLM or FlavorSGLang. A text carrying both families is read as vLLM.
 	Flavor string
 	// At is when the scrape that produced this snapshot started (Parse leaves it zero).
@@ -103,6 +107,9 @@ func Parse(r io.Reader, model string) (Snapshot, error) {
 	s.PrefixHits = clampCount(s.PrefixHits)
 	s.PrefixQueries = clampCount(s.PrefixQueries)
 	s.KVUsage = math.Min(math.Max(s.KVUsage, 0), 1)
+	if start, ok := maxValue(families["process_start_time_seconds"], ""); ok && start > 0 && !math.IsInf(start, 0) {
+		s.StartTime = start
+	}
 	return s, nil
 }
 

@@ -32,14 +32,14 @@ func TestParseRecorded(t *testing.T) {
 			name: "vLLM V1 two engines are summed, KV usage averaged",
 			file: "vllm_v1_two_engines.txt",
 			want: Snapshot{Running: 12, Waiting: 4, KVUsage: 0.52, PrefixHits: 120000, PrefixQueries: 200000,
-				BlockSize: 16, NumBlocks: 2 * 27165, Flavor: FlavorVLLM},
+				BlockSize: 16, NumBlocks: 2 * 27165, StartTime: 1.73210040912e+09, Flavor: FlavorVLLM},
 		},
 		{
 			name:  "vLLM V1 filtered by its own model",
 			file:  "vllm_v1_two_engines.txt",
 			model: "meta-llama/Llama-3.1-8B-Instruct",
 			want: Snapshot{Running: 12, Waiting: 4, KVUsage: 0.52, PrefixHits: 120000, PrefixQueries: 200000,
-				BlockSize: 16, NumBlocks: 2 * 27165, Flavor: FlavorVLLM},
+				BlockSize: 16, NumBlocks: 2 * 27165, StartTime: 1.73210040912e+09, Flavor: FlavorVLLM},
 		},
 		{
 			name: "legacy vLLM names",
@@ -105,7 +105,8 @@ func snapshotsClose(a, b Snapshot) bool {
 	return near(a.Running, b.Running) && near(a.Waiting, b.Waiting) && near(a.KVUsage, b.KVUsage) &&
 		near(a.PrefixHits, b.PrefixHits) && near(a.PrefixQueries, b.PrefixQueries) &&
 		a.BlockSize == b.BlockSize && a.NumBlocks == b.NumBlocks && a.Flavor == b.Flavor && a.At.Equal(b.At) &&
-		a.LoRA == b.LoRA
+		a.LoRA == b.LoRA &&
+		near(a.StartTime, b.StartTime)
 }
 
 func TestParseErrors(t *testing.T) {

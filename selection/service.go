@@ -22,6 +22,8 @@ type Service struct {
 	MeanDuration float64
 	// Samples is how many observations the estimate rests on (0: it is the prior).
 	Samples int
+	// FirstTokens is how many of them are observed first tokens (ObserveFirstToken).
+	FirstTokens int
 }
 
 // TTFT is the time from the start of its prefill to the first token of a request with uncached
@@ -194,6 +196,7 @@ func (m *ServiceModel) serviceLocked() Service {
 		Slots:                  m.slots,
 		MeanDuration:           max(m.meanDur, 1e-3),
 		Samples:                m.durN + m.ttftN,
+		FirstTokens:            m.ttftN,
 	}
 	if m.ttftN >= minFirstTokens {
 		// Keep estimates within a plausible band: no GPU is 50x faster or slower than the prior.

@@ -103,6 +103,7 @@ type Server struct {
 	lastStep       time.Duration
 	loras          []loraSlot // resident LoRA adapters, at most MaxLoRAs
 	loraLoads      int64      // adapters loaded into a slot
+	started        time.Time  // the simulated process's start (process_start_time_seconds); Restart moves it
 }
 
 // New validates cfg, fills in defaults and starts the engine goroutine; Close stops it.
@@ -130,6 +131,7 @@ func newServer(cfg Config) (*Server, error) {
 		kv:     newKVCache(cfg.NumGPUBlocks),
 		// Like vLLM's 1% watermark: admission keeps a few blocks free for running sequences to grow.
 		watermark: cfg.NumGPUBlocks / 100,
+		started:   time.Now(),
 	}
 	s.modelJSON = appendJSONString(nil, cfg.Model)
 	s.idBase = nextIDBase()
@@ -608,6 +610,46 @@ func (s *Server) shutdown() {
 		end(r)
 	}
 	s.running, s.waiting, s.waitHead, s.numWaiting = nil, nil, 0, 0
+}
+
+// errRestarted ends the requests in flight when the server restarts.
+var errRestarted = errors.New("simulated engine restarted")
+
+// Restart simulates the server process restarting, as after a crash or a redeploy: every waiting or
+// running request ends with an error (503, or an error event that ends a stream), the KV cache is
+// emptied, the counters start again from zero and process_start_time_seconds moves on. Fault knobs
+// are kept. Requests that arrive afterwards are served by the new process.
+func (s *Server) Restart() {
+	s.mu.Lock()
+	end := func(r *request) {
+		if r.state == stateDone {
+			return
+		}
+		s.retireLocked(r)
+		r.err = errRestarted
+		close(r.done)
+	}
+	for _, r := range s.running {
+		end(r)
+	}
+	for _, r := range s.waiting[s.waitHead:] {
+		end(r)
+	}
+	s.running, s.waiting, s.waitHead, s.numWaiting = nil, nil, 0, 0
+	s.kv = newKVCache(s.cfg.NumGPUBlocks)
+	s.pendingPrefill = 0
+	s.preemptions, s.prefixQueries, s.prefixHits, s.promptTotal, s.outputTotal, s.finished = 0, 0, 0, 0, 0, 0
+	s.steps, s.busy, s.lastStep = 0, 0, 0
+	// A new start time, even if the clock has not moved on since the last one.
+	if now := time.Now(); now.After(s.started) {
+		s.started = now
+	} else {
+		s.started = s.started.Add(time.Millisecond)
+	}
+	s.mu.Unlock()
+	s.requests.Store(0)
+	s.failed429.Store(0)
+	s.failed5xx.Store(0)
 }
 
 // chance reports true with probability p from the seeded RNG.

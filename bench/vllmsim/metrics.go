@@ -44,6 +44,12 @@ func (s *Server) metricsText() []byte {
 		fmt.Fprintf(&b, "# HELP %s %s\n# TYPE %s %s\n%s{%s} %s\n", name, help, name, typ, name, labels,
 			strconv.FormatFloat(v, 'g', -1, 64))
 	}
+	s.mu.Lock()
+	started := s.started
+	s.mu.Unlock()
+	// Like prometheus_client's process collector, which both vLLM and SGLang export.
+	fmt.Fprintf(&b, "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds %s\n",
+		strconv.FormatFloat(float64(started.UnixNano())/1e9, 'f', -1, 64))
 	switch s.cfg.Metrics {
 	case MetricsSGLang:
 		labels := "model_name=" + model

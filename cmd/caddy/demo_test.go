@@ -184,4 +184,33 @@ func TestDemoReloadMidStream(t *testing.T) {
 		t.Errorf("stream carried %d content chunks, usage %d completion tokens; want %d of each",
 			tokens, usage.CompletionTokens, maxTokens)
 	}
+
+	// The demo's transport llm observed the stream across the reload: its first token taught the
+	// service model, and its usage the cache figures.
+	var report struct {
+		Upstreams []struct {
+			Model struct {
+				FirstTokens int `json:"first_tokens_observed"`
+			} `json:"model"`
+			Cache struct {
+				Requests int `json:"observed_requests"`
+			} `json:"cache"`
+		} `json:"upstreams"`
+	}
+	res, err := http.Get(fmt.Sprintf("http://localhost:%d/llm/upstreams", admin))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer res.Body.Close()
+	if err := json.NewDecoder(res.Body).Decode(&report); err != nil {
+		t.Fatalf("decoding /llm/upstreams: %v", err)
+	}
+	firstTokens, observed := 0, 0
+	for _, u := range report.Upstreams {
+		firstTokens += u.Model.FirstTokens
+		observed += u.Cache.Requests
+	}
+	if firstTokens != 1 || observed != 1 {
+		t.Errorf("/llm/upstreams: %d first tokens and %d usages observed, want the stream's one of each", firstTokens, observed)
+	}
 }

@@ -1,0 +1,301 @@
+package caddyllm
+
+import (
+	"fmt"
+	"io"
+	"strings"
+	"testing"
+	"testing/iotest"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+
+	"github.com/tokenrouter/caddy-llm/affinity"
+	"github.com/tokenrouter/caddy-llm/scraper"
+	"github.com/tokenrouter/caddy-llm/selection"
+	"github.com/tokenrouter/caddy-llm/tokenize"
+)
+
+// sseChunk is one vLLM chat chunk event with the given delta content.
+func sseChunk(content string) string {
+	return `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"` +
+		content + `"},"logprobs":null,"finish_reason":null}]}` + "\n\n"
+}
+
+const (
+	sseRole  = `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}` + "\n\n"
+	sseUsage = `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[],"usage":{"prompt_tokens":200,"total_tokens":203,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":96}}}` + "\n\n"
+	sseDone  = "data: [DONE]\n\n"
+	whole    = `{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"say \"cached_tokens\":5"},"finish_reason":"stop"}],"usage":{"prompt_tokens":200,"total_tokens":207,"completion_tokens":7,"prompt_tokens_details":{"cached_tokens":128}},"prompt_logprobs":null,"kv_transfer_params":null}`
+)
+
+// observeAll reads body through an observer (piece 0: in one read, 1: byte by byte, 2: in halves) and
+// returns what came out.
+func observeAll(t *testing.T, res *reservation, body string, stream bool, piece int) []byte {
+	t.Helper()
+	var r io.Reader = strings.NewReader(body) // piece 0: all at once
+	switch piece {
+	case 1:
+		r = iotest.OneByteReader(r)
+	case 2:
+		r = iotest.HalfReader(r)
+	}
+	rc := io.NopCloser(r)
+	b := &observedBody{body: rc, res: res, stream: stream, lineEmpty: true}
+	out, err := io.ReadAll(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Close(); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+func TestObservedBody(t *testing.T) {
+	tests := []struct {
+		name       string
+		body       string
+		stream     bool
+		wantTokens int64
+		wantCached int64 // -1: none reported
+		wantPrompt int64
+	}{
+		{name: "stream with usage", body: sseRole + sseChunk("Hel") + sseChunk("lo") + sseChunk("!") + sseUsage + sseDone, stream: true, wantTokens: 3, wantCached: 96, wantPrompt: 200},
+		{name: "stream without usage", body: sseRole + sseChunk("a") + sseChunk("b") + sseDone, stream: true, wantTokens: 2, wantCached: -1},
+		{name: "stream with CRLF", body: strings.ReplaceAll(sseRole+sseChunk("a")+sseUsage+sseDone, "\n", "\r\n"), stream: true, wantTokens: 1, wantCached: 96, wantPrompt: 200},
+		{name: "stream with continuous usage", stream: true, wantTokens: 5, wantCached: -1,
+			body: `data: {"choices":[{"index":0,"delta":{"content":"ab"}}],"usage":{"prompt_tokens":9,"completion_tokens":2}}` + "\n\n" +
+				`data: {"choices":[{"index":0,"delta":{"content":"cde"}}],"usage":{"prompt_tokens":9,"completion_tokens":5}}` + "\n\n" + sseDone},
+		{name: "completions stream", body: `data: {"choices":[{"index":0,"text":"x"}]}` + "\n\n" + `data: {"choices":[{"index":0,"text":""}]}` + "\n\n" + sseDone, stream: true, wantTokens: 1, wantCached: -1},
+		{name: "whole answer", body: whole, wantTokens: 7, wantCached: 128, wantPrompt: 200},
+		{name: "whole answer without details", body: `{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1,"prompt_tokens_details":null}}`, wantTokens: 1, wantCached: -1},
+	}
+	for _, tt := range tests {
+		for _, piece := range []int{0, 1, 2} {
+			t.Run(tt.name, func(t *testing.T) {
+				lt := newTestLoads()
+				res := lt.reserve("u:1", work{uncached: 100, prompt: 200, matched: 100, prediction: prediction{prompt: 200, predicted: 100}}, time.Now().UnixNano())
+				out := observeAll(t, res, tt.body, tt.stream, piece)
+				if string(out) != tt.body {
+					t.Fatalf("relayed bytes differ:\n%q\nwant\n%q", out, tt.body)
+				}
+				if got := res.outputSeen.Load(); got != tt.wantTokens {
+					t.Errorf("output tokens = %d, want %d", got, tt.wantTokens)
+				}
+				if !res.firstToken {
+					t.Error("first token not marked")
+				}
+				c := res.load.cacheFigures()
+				if tt.wantCached < 0 {
+					if c.Requests != 0 {
+						t.Errorf("cache figures = %+v, want nothing reported", c)
+					}
+					return
+				}
+				if c.Requests != 1 || c.Cached != tt.wantCached || c.Prompt != tt.wantPrompt || c.Predicted != 100 || c.Confirmed != min(100, tt.wantCached) {
+					t.Errorf("cache figures = %+v, want cached %d of %d prompt, 100 predicted", c, tt.wantCached, tt.wantPrompt)
+				}
+			})
+		}
+	}
+}
+
+// TestObserversNeverDoubleCount: the transport and llm_resume both report the same attempt; the first to
+// count it counts it all, and its cached tokens are taken once.
+func TestObserversNeverDoubleCount(t *testing.T) {
+	lt := newTestLoads()
+	res := lt.reserve("u:1", work{uncached: 10, prompt: 10, prediction: prediction{prompt: 10}}, time.Now().UnixNano())
+	for range 3 {
+		res.observeTokens(observerTransport, 1)
+		res.observeTokens(observerResume, 1)
+	}
+	res.observeCached(10, 4)
+	res.observeCached(10, 4)
+	if got := res.outputSeen.Load(); got != 3 {
+		t.Errorf("output tokens = %d, want 3", got)
+	}
+	if c := res.load.cacheFigures(); c.Requests != 1 || c.Cached != 4 {
+		t.Errorf("cache figures = %+v, want one report of 4", c)
+	}
+}
+
+// TestDenialShortensHorizon: a backend that reports far fewer cached tokens than the route table claimed
+// kept the prefix for less than the claim's age, which becomes its horizon (older claims are not
+// credited); a claim older than the horizon that it confirms lengthens it. Trust follows the share of
+// the claim confirmed.
+func TestDenialShortensHorizon(t *testing.T) {
+	const age = int64(4 * time.Second)
+	tests := []struct {
+		name            string
+		horizon         int64 // before the report
+		claimed, cut    int
+		cached          int // reported, in the backend's tokens
+		backendPrompt   int // the backend counts twice as many tokens as the policy when 600
+		wantHorizon     int64
+		wantCorrections int64
+		wantTrust       float64 // from 1, moved by observedTrustGain toward the share confirmed
+	}{
+		{name: "confirmed", claimed: 256, cached: 256, backendPrompt: 300, wantTrust: 1},
+		{name: "a little short is no denial", claimed: 256, cached: 192, backendPrompt: 300, wantTrust: 0.975},
+		{name: "denied", claimed: 256, cached: 64, backendPrompt: 300, wantHorizon: age, wantCorrections: 1, wantTrust: 0.925},
+		{name: "denied, shorter than the horizon", horizon: 2 * age, claimed: 256, cached: 0, backendPrompt: 300, wantHorizon: age, wantCorrections: 1, wantTrust: 0.9},
+		{name: "denied, longer than the horizon", horizon: age / 2, claimed: 256, cached: 0, backendPrompt: 300, wantHorizon: age / 2, wantCorrections: 1, wantTrust: 0.9},
+		{name: "scaled to the backend's tokens", claimed: 256, cached: 128, backendPrompt: 600, wantHorizon: age, wantCorrections: 1, wantTrust: 0.925},
+		{name: "cut claim confirmed", horizon: age / 2, cut: 256, cached: 256, backendPrompt: 300, wantHorizon: age/2 + age/4, wantTrust: 1},
+		{name: "cut claim denied", horizon: age / 2, cut: 256, cached: 0, backendPrompt: 300, wantHorizon: age / 2, wantTrust: 1},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			lt := newTestLoads()
+			res := lt.reserve("u:1", work{prompt: 300, matched: tt.claimed, prediction: prediction{
+				prompt: 300, predicted: tt.claimed, claimed: tt.claimed, cut: tt.cut, claimAge: age,
+			}}, time.Now().UnixNano())
+			res.load.horizon = tt.horizon
+			res.observeCached(tt.backendPrompt, tt.cached)
+			if got := res.load.cacheHorizon(); got != tt.wantHorizon {
+				t.Errorf("horizon = %v, want %v", time.Duration(got), time.Duration(tt.wantHorizon))
+			}
+			c := res.load.cacheFigures()
+			if c.Corrections != tt.wantCorrections {
+				t.Errorf("corrections = %d, want %d", c.Corrections, tt.wantCorrections)
+			}
+			if d := c.Trust - tt.wantTrust; d > 1e-9 || d < -1e-9 {
+				t.Errorf("trust = %g, want %g", c.Trust, tt.wantTrust)
+			}
+		})
+	}
+}
+
+// TestHorizonCutsOldClaims: the cache signal does not credit a claim older than its upstream's horizon,
+// and commit records it as cut with its age.
+func TestHorizonCutsOldClaims(t *testing.T) {
+	now := time.Unix(1_700_000_000, 0)
+	clock := now
+	routes := affinity.New(affinity.Config{Now: func() time.Time { return clock }})
+	bounds := []tokenize.Boundary{{Tokens: 64, Hash: 1}, {Tokens: 128, Hash: 2}}
+	routes.Learn("m", bounds, "old:1")
+	clock = now.Add(9 * time.Second)
+	routes.Learn("m", bounds, "young:1")
+	clock = now.Add(10 * time.Second)
+	lt := newTestLoads()
+	for _, dial := range []string{"old:1", "young:1"} {
+		lt.entry(dial, clock.UnixNano()).horizon = int64(5 * time.Second)
+	}
+	q := &query{req: &tokenize.Request{Model: "m", PromptTokens: 200, Boundaries: bounds}, bounds: bounds, now: clock.UnixNano()}
+	keys := []string{"old:1", "young:1"}
+	cands := make([]selection.Candidate, 2)
+	cacheSignal{routes: routes, loads: lt}.fill(q, keys, cands)
+	if cands[0].CachedTokens != 0 || cands[1].CachedTokens != 128 {
+		t.Errorf("credited %d and %d cached tokens, want 0 (claim 10s old, horizon 5s) and 128 (1s old)", cands[0].CachedTokens, cands[1].CachedTokens)
+	}
+	d := &decider{routes: routes, loads: lt, outputTokens: 16}
+	res := d.commit(q, "old:1", selection.Decision{Index: 0})
+	if p := res.prediction; p.claimed != 0 || p.cut != 128 || p.claimAge != int64(10*time.Second) {
+		t.Errorf("prediction = claimed %d, cut %d, age %v; want 0, 128, 10s", p.claimed, p.cut, time.Duration(p.claimAge))
+	}
+}
+
+// TestRestartForgetsRoutes: a scrape showing a new process start time, or counters gone back, forgets the
+// upstream's routes in every route table at once, and trust starts again from 1.
+func TestRestartForgetsRoutes(t *testing.T) {
+	t0 := time.Unix(1_700_000_000, 0)
+	tests := []struct {
+		name string
+		next scraper.Snapshot
+		want bool
+	}{
+		{name: "same process", next: scraper.Snapshot{Running: 1, PrefixHits: 60, PrefixQueries: 200, StartTime: 1000}, want: false},
+		{name: "new start time", next: scraper.Snapshot{Running: 1, PrefixHits: 60, PrefixQueries: 200, StartTime: 2000}, want: true},
+		{name: "counters reset", next: scraper.Snapshot{Running: 1, PrefixHits: 0, PrefixQueries: 10, StartTime: 1000}, want: true},
+		{name: "counters reset, no start time", next: scraper.Snapshot{Running: 1, PrefixHits: 0, PrefixQueries: 10}, want: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			routes := affinity.New(affinity.Config{})
+			releaseRoutes := registerTestRoutes(t, routes)
+			defer releaseRoutes()
+			bounds := []tokenize.Boundary{{Tokens: 64, Hash: 1}}
+			routes.Learn("m", bounds, "u:1")
+			routes.Learn("m", bounds, "u:2")
+			lt := newTestLoads()
+			first := scraper.Snapshot{Running: 1, PrefixHits: 50, PrefixQueries: 100, StartTime: 1000, At: t0}
+			lt.noteScrape("u:1", &first, t0.UnixNano())
+			l := lt.lookup("u:1")
+			l.mu.Lock()
+			l.trust = 0.4
+			l.mu.Unlock()
+			next := tt.next
+			next.At = t0.Add(time.Second)
+			lt.noteScrape("u:1", &next, next.At.UnixNano())
+			lt.noteScrape("u:1", &next, next.At.UnixNano()) // the same snapshot again: checked once
+			want := map[bool]int{true: 0, false: 1}[tt.want]
+			if got := routes.RouteCount("u:1"); got != want {
+				t.Errorf("routes of the scraped upstream = %d, want %d", got, want)
+			}
+			if got := routes.RouteCount("u:2"); got != 1 {
+				t.Errorf("routes of the other upstream = %d, want 1", got)
+			}
+			wantRestarts, wantTrust := int64(0), 0.4
+			if tt.want {
+				wantRestarts, wantTrust = 1, 1
+			}
+			if c := l.cacheFigures(); c.Restarts != wantRestarts || c.Trust != wantTrust {
+				t.Errorf("restarts %d, trust %g; want %d, %g", c.Restarts, c.Trust, wantRestarts, wantTrust)
+			}
+		})
+	}
+}
+
+// registerTestRoutes makes routes one of the tables allRoutes returns, until the returned func runs.
+func registerTestRoutes(t *testing.T, routes *affinity.Table) func() {
+	t.Helper()
+	key := fmt.Sprintf("test %s %p", t.Name(), routes)
+	if _, _, err := routeTables.LoadOrNew(key, func() (caddy.Destructor, error) { return routeTable{routes}, nil }); err != nil {
+		t.Fatal(err)
+	}
+	return func() { releaseRoutes(key) }
+}
+
+// BenchmarkObservedBodyChunk measures the observer's cost per relayed SSE chunk: it must not allocate.
+func BenchmarkObservedBodyChunk(b *testing.B) {
+	chunk := []byte(sseChunk(" token"))
+	lt := newTestLoads()
+	res := lt.reserve("u:1", work{uncached: 10, prompt: 10, prediction: prediction{prompt: 10}}, time.Now().UnixNano())
+	src := &repeatReader{chunk: chunk}
+	body := &observedBody{body: io.NopCloser(src), res: res, stream: true, lineEmpty: true}
+	buf := make([]byte, 32<<10)
+	b.ReportAllocs()
+	b.SetBytes(int64(len(chunk)))
+	b.ResetTimer()
+	for range b.N {
+		if _, err := body.Read(buf); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.StopTimer()
+	if res.outputSeen.Load() != int64(b.N) {
+		b.Fatalf("counted %d tokens in %d chunks", res.outputSeen.Load(), b.N)
+	}
+}
+
+// BenchmarkObservedBodyWhole measures the observer on a whole answer read in one piece.
+func BenchmarkObservedBodyWhole(b *testing.B) {
+	body := []byte(whole)
+	lt := newTestLoads()
+	res := lt.reserve("u:1", work{uncached: 10, prompt: 10, prediction: prediction{prompt: 10}}, time.Now().UnixNano())
+	ob := &observedBody{res: res}
+	buf := make([]byte, 4096)
+	b.ReportAllocs()
+	b.ResetTimer()
+	for range b.N {
+		ob.tailLen = 0
+		ob.observe(body)
+		copy(buf, body)
+	}
+}
+
+// repeatReader returns one chunk per Read, forever.
+type repeatReader struct{ chunk []byte }
+
+func (r *repeatReader) Read(p []byte) (int, error) { return copy(p, r.chunk), nil }
