@@ -45,7 +45,8 @@ type upstreamLoad struct {
 	foreignAt    int64
 	foreign      float64
 	meanUncached float64 // uncached prompt tokens of this proxy's recent requests there (EWMA)
-	gap          float64 // seconds between this proxy's requests sent there (EWMA; 0: fewer than two)
+	gap          float64 // seconds between this proxy's requests sent there (EWMA)
+	gaps         int     // gaps observed, up to minGaps
 	lastSent     int64   // unix nanoseconds of the last one
 	// waitingOurs are this proxy's requests its last scrape counted as waiting, and foreignWaiting the
 	// waiting requests beyond them (other clients'), computed once per scrape.
@@ -191,11 +192,12 @@ func (l *upstreamLoad) add(dial string, w work, now int64) *reservation {
 	}
 	if l.lastSent > 0 {
 		dt := max(float64(now-l.lastSent)/1e9, 0)
-		if l.gap == 0 {
+		if l.gaps == 0 {
 			l.gap = dt
 		} else {
 			l.gap += 0.1 * (dt - l.gap)
 		}
+		l.gaps = min(l.gaps+1, minGaps)
 	}
 	l.lastSent = now
 	l.mu.Unlock()
@@ -309,13 +311,16 @@ func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstrea
 	return v
 }
 
+// minGaps is how many gaps between requests an arrival rate needs.
+const minGaps = 4
+
 // arrivalRate is how many requests a second this proxy has been sending there: the inverse of the mean
 // gap between them, or of the time since the last one when that is longer (traffic stopped).
 func (l *upstreamLoad) arrivalRate(now int64) float64 {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if l.gap == 0 && l.lastSent == 0 {
-		return 0
+	if l.gaps < minGaps {
+		return 0 // a rate from one or two gaps is a guess: a burst of two looks like thousands a second
 	}
 	gap := max(l.gap, float64(now-l.lastSent)/1e9)
 	if gap <= 0 {

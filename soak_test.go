@@ -274,6 +274,9 @@ func TestNoSecretsInLogs(t *testing.T) {
 		{"/v1/chat/completions", chat("m", "x"), []string{"X-Fail", "1"}, 500}, // upstream 500, retried
 	}
 	for i, c := range cases {
+		// A fresh connection per case: an error answered before its body was read may close the
+		// connection the client would reuse, and this test is about logs, not keep-alive.
+		client.CloseIdleConnections()
 		headers := append([]string{"Authorization", "Bearer " + marker, "Cookie", "session=" + marker}, c.headers...)
 		if res, _ := post(t, client, c.path, c.body, headers...); res.StatusCode != c.want {
 			t.Errorf("case %d: POST %s: status %d, want %d (the case does not test the path it should)", i, c.path, res.StatusCode, c.want)
