@@ -270,27 +270,8 @@ func runFront(ctx context.Context, o options, sims []simSettings, w Workload, ra
 	client := newClient()
 	defer client.CloseIdleConnections()
 	before := c.states()
-	var (
-		mu       sync.Mutex
-		measured = before
-	)
-	turns := float64(w.NumRequests()) / float64(len(w.Sessions))
-	d := &driver{
-		targets:   urls,
-		client:    client,
-		model:     benchModel,
-		rate:      rate / turns * o.sim.TimeScale,
-		timeScale: o.sim.TimeScale,
-		seed:      o.seed,
-		warmup:    warmupCount(w.NumRequests()),
-		onMeasure: func() {
-			st := c.states()
-			mu.Lock()
-			measured = st
-			mu.Unlock()
-		},
-		onDone: func() { prog.add(1) },
-	}
+	d, measured := c.measuredDriver(client, w, rate, o, prog)
+	d.targets = urls
 	start, cpuStart := time.Now(), processCPU()
 	results := d.run(ctx, w)
 	wall, cpu := time.Since(start), processCPU()-cpuStart
@@ -317,9 +298,7 @@ func runFront(ctx context.Context, o options, sims []simSettings, w Workload, ra
 	s := summarize(setup.Name, results, o.sim.TimeScale)
 	s.WallSeconds = round3(wall.Seconds())
 	s.CPUPercent = round3(100 * cpu.Seconds() / wall.Seconds()) // the bench process only: Caddy runs apart
-	mu.Lock()
-	s.CacheHitRate = hitRate(measured, after)
-	mu.Unlock()
+	s.CacheHitRate = hitRate(measured(), after)
 	for i := range after {
 		s.BackendRequests = append(s.BackendRequests, int(after[i].Requests-before[i].Requests))
 	}

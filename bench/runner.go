@@ -86,6 +86,36 @@ func (c *cluster) serve(h http.Handler) error {
 }
 
 // states returns every simulator's state.
+// measuredDriver returns a driver of w's sessions at rate requests a simulated second (its target left
+// to the caller), and the backends' states when its measured part began (before that, at the call).
+func (c *cluster) measuredDriver(client *http.Client, w Workload, rate float64, o options, prog *progress) (*driver, func() []vllmsim.State) {
+	var (
+		mu       sync.Mutex
+		measured = c.states()
+	)
+	turns := float64(w.NumRequests()) / float64(len(w.Sessions))
+	d := &driver{
+		client:    client,
+		model:     benchModel,
+		rate:      rate / turns * o.sim.TimeScale,
+		timeScale: o.sim.TimeScale,
+		seed:      o.seed,
+		warmup:    warmupCount(w.NumRequests()),
+		onMeasure: func() {
+			st := c.states()
+			mu.Lock()
+			measured = st
+			mu.Unlock()
+		},
+		onDone: func() { prog.add(1) },
+	}
+	return d, func() []vllmsim.State {
+		mu.Lock()
+		defer mu.Unlock()
+		return measured
+	}
+}
+
 func (c *cluster) states() []vllmsim.State {
 	out := make([]vllmsim.State, len(c.sims))
 	for i, s := range c.sims {
@@ -216,27 +246,8 @@ func runPolicyResults(ctx context.Context, o options, sims []simSettings, w Work
 	client := newClient()
 	defer client.CloseIdleConnections()
 	before := c.states()
-	var (
-		mu       sync.Mutex
-		measured = before
-	)
-	turns := float64(w.NumRequests()) / float64(len(w.Sessions))
-	d := &driver{
-		baseURL:   url,
-		client:    client,
-		model:     benchModel,
-		rate:      rate / turns * o.sim.TimeScale,
-		timeScale: o.sim.TimeScale,
-		seed:      o.seed,
-		warmup:    warmupCount(w.NumRequests()),
-		onMeasure: func() {
-			st := c.states()
-			mu.Lock()
-			measured = st
-			mu.Unlock()
-		},
-		onDone: func() { prog.add(1) },
-	}
+	d, measured := c.measuredDriver(client, w, rate, o, prog)
+	d.baseURL = url
 
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -262,9 +273,7 @@ func runPolicyResults(ctx context.Context, o options, sims []simSettings, w Work
 	s := summarize(p.Name, results, o.sim.TimeScale)
 	s.WallSeconds = wall.Seconds()
 	s.CPUPercent = round3(100 * cpu.Seconds() / wall.Seconds())
-	mu.Lock()
-	from := measured
-	mu.Unlock()
+	from := measured()
 	var hits, queries int64
 	for i := range after {
 		hits += after[i].PrefixHits - from[i].PrefixHits
