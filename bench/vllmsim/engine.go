@@ -595,12 +595,17 @@ func (s *Server) shutdown() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.closed = true
+	s.endAllLocked(ErrClosed)
+}
+
+// endAllLocked ends every waiting or running request with err and empties the queues.
+func (s *Server) endAllLocked(err error) {
 	end := func(r *request) {
 		if r.state == stateDone {
 			return
 		}
 		s.retireLocked(r)
-		r.err = ErrClosed
+		r.err = err
 		close(r.done)
 	}
 	for _, r := range s.running {
@@ -621,21 +626,7 @@ var errRestarted = errors.New("simulated engine restarted")
 // are kept. Requests that arrive afterwards are served by the new process.
 func (s *Server) Restart() {
 	s.mu.Lock()
-	end := func(r *request) {
-		if r.state == stateDone {
-			return
-		}
-		s.retireLocked(r)
-		r.err = errRestarted
-		close(r.done)
-	}
-	for _, r := range s.running {
-		end(r)
-	}
-	for _, r := range s.waiting[s.waitHead:] {
-		end(r)
-	}
-	s.running, s.waiting, s.waitHead, s.numWaiting = nil, nil, 0, 0
+	s.endAllLocked(errRestarted)
 	s.kv = newKVCache(s.cfg.NumGPUBlocks)
 	s.pendingPrefill = 0
 	s.preemptions, s.prefixQueries, s.prefixHits, s.promptTotal, s.outputTotal, s.finished = 0, 0, 0, 0, 0, 0
