@@ -81,6 +81,7 @@ func TestDemoReloadMidStream(t *testing.T) {
 	// The demo's backends decode a token per ~30 ms: 128 tokens stream for ~4 s, where a reload takes
 	// milliseconds (a second on a busy machine). The test checks that it really landed mid-stream.
 	const maxTokens = 128
+	firstBefore, observedBefore := observedByDemo(t, admin) // the policy's state is process-wide: other tests' requests count too
 	body := fmt.Sprintf(`{"model":"sim-model","stream":true,"max_tokens":%d,"stream_options":{"include_usage":true},`+
 		`"messages":[{"role":"user","content":"Tell me a long story."}]}`, maxTokens)
 	resp, err := http.Post(fmt.Sprintf("http://127.0.0.1:%d/v1/chat/completions", proxy), "application/json", strings.NewReader(body))
@@ -187,6 +188,16 @@ func TestDemoReloadMidStream(t *testing.T) {
 
 	// The demo's transport llm observed the stream across the reload: its first token taught the
 	// service model, and its usage the cache figures.
+	firstTokens, observed := observedByDemo(t, admin)
+	if firstTokens-firstBefore != 1 || observed-observedBefore != 1 {
+		t.Errorf("/llm/upstreams: %d first tokens and %d usages observed during the test, want the stream's one of each",
+			firstTokens-firstBefore, observed-observedBefore)
+	}
+}
+
+// observedByDemo returns the first tokens and the usages the demo's policy has observed, over its upstreams.
+func observedByDemo(t *testing.T, admin int) (firstTokens, observed int) {
+	t.Helper()
 	var report struct {
 		Upstreams []struct {
 			Model struct {
@@ -205,12 +216,9 @@ func TestDemoReloadMidStream(t *testing.T) {
 	if err := json.NewDecoder(res.Body).Decode(&report); err != nil {
 		t.Fatalf("decoding /llm/upstreams: %v", err)
 	}
-	firstTokens, observed := 0, 0
 	for _, u := range report.Upstreams {
 		firstTokens += u.Model.FirstTokens
 		observed += u.Cache.Requests
 	}
-	if firstTokens != 1 || observed != 1 {
-		t.Errorf("/llm/upstreams: %d first tokens and %d usages observed, want the stream's one of each", firstTokens, observed)
-	}
+	return firstTokens, observed
 }
