@@ -340,6 +340,10 @@ func (s *Sharer) readLoop(ctx context.Context) {
 		var err error
 		if lastID == "" {
 			lastID, err = s.warmUp(ctx)
+			if err != nil && ctx.Err() == nil {
+				s.setConnected(false, err) // recorded before WaitWarm returns, so Status explains the failure
+			}
+			s.markWarm()
 		} else {
 			lastID, err = s.follow(ctx, lastID)
 		}
@@ -359,8 +363,8 @@ func (s *Sharer) readLoop(ctx context.Context) {
 
 // warmUp imports the entries of the last Window and returns the ID to follow from. The start of the
 // window is computed from the Redis server's clock, which also stamps the entry IDs.
+// The caller marks the sharer warm when it returns.
 func (s *Sharer) warmUp(ctx context.Context) (string, error) {
-	defer s.markWarm()
 	tctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
 	now, err := s.client.Time(tctx).Result()
 	cancel()
