@@ -161,6 +161,9 @@ func TestPersistAcrossStop(t *testing.T) {
 	}
 
 	tester.InitServer(persistConfig(dir, ups...), "caddyfile")
+	// Unload before t.TempDir's removal (cleanups run last first): the table's last snapshot would
+	// otherwise recreate the directory after it was removed, leaving it behind in the temp dir.
+	t.Cleanup(func() { tester.InitServer(globalOptions+site+" {\n\trespond ok\n}\n", "caddyfile") })
 	state := adminState(t, adminURL)
 	if p := state.Tables[0].Persist; p == nil || p.RestoredRoutes == 0 || p.RestoredPins != 6 {
 		t.Fatalf("/llm/state after restart = %+v, want routes and 6 pins restored", state)
