@@ -150,11 +150,12 @@ func (l *upstreamLoad) cacheHorizon() int64 {
 
 // forgetRestarted forgets every learned route and pin of an upstream whose backend restarted: its KV
 // cache is empty. O(routes) per route table, once per restart.
+// The restart is counted once its routes are gone, so a report that shows it shows them forgotten.
 func forgetRestarted(dial string, l *upstreamLoad) {
-	l.observed.restarts.Add(1)
 	for _, t := range allRoutes() {
 		t.Forget(dial)
 	}
+	l.observed.restarts.Add(1)
 }
 
 // attemptOf returns the reservation of r's current attempt, or nil when the policy did not route it.

@@ -291,9 +291,11 @@ func TestRestartedBackendLosesPredictions(t *testing.T) {
 	if max(kept[0], kept[1]) == 0 {
 		t.Fatalf("no conversation stayed on its upstream (%v)", kept)
 	}
-	restarted := time.Now()
 	a.sim.Restart()
-	// Wait for a scrape after the restart (only its age is visible), then send the next turns.
+	restarted := time.Now()
+	// Wait for a scrape started after the restart completed (only its age is visible; a scrape
+	// started during the restart may read the old counters), then send the next turns: their
+	// decision sees the restart and forgets the routes first.
 	waitFor(t, "a scrape after the restart", func() bool {
 		m := adminUpstreams(t)[a.dial].Metrics
 		return m != nil && m.AgeSeconds >= 0 && time.Since(restarted).Seconds() > m.AgeSeconds+0.01
