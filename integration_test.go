@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -14,6 +15,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -163,13 +165,31 @@ func post(t *testing.T, client *http.Client, path, body string, headers ...strin
 	for i := 0; i+1 < len(headers); i += 2 {
 		req.Header.Set(headers[i], headers[i+1])
 	}
-	res, err := client.Do(req)
+	res, err := doReloadSafe(client, req)
 	if err != nil {
 		t.Fatalf("POST %s: %v", path, err)
 	}
 	defer res.Body.Close()
 	got, _ := io.ReadAll(res.Body)
 	return res, string(got)
+}
+
+// doReloadSafe sends req, once more if the connection was reset before any response: right after a
+// config load, the previous config's server (stopped with the tests' 1 ns grace period) can accept a
+// new connection on the shared listener just before it closes, resetting it unanswered. Requests
+// whose body cannot be replayed (no GetBody) are sent once.
+func doReloadSafe(client *http.Client, req *http.Request) (*http.Response, error) {
+	res, err := client.Do(req)
+	if err == nil || req.GetBody == nil || !(errors.Is(err, syscall.ECONNRESET) || errors.Is(err, io.EOF)) {
+		return res, err
+	}
+	body, berr := req.GetBody()
+	if berr != nil {
+		return nil, err
+	}
+	retry := req.Clone(req.Context())
+	retry.Body = body
+	return client.Do(retry)
 }
 
 // waitInflightZero waits (boundedly) for every upstream's in-flight counters to return to zero: the last

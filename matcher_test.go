@@ -101,7 +101,7 @@ func TestMatcherRoutes(t *testing.T) {
 			if tc.contentType != "" {
 				req.Header.Set("Content-Type", tc.contentType)
 			}
-			res, err := tester.Client.Do(req)
+			res, err := doReloadSafe(tester.Client, req)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -146,7 +146,7 @@ func TestMatcherSniffsUndeclaredJSON(t *testing.T) {
 		before := tc.want.requests.Load()
 		req, _ := http.NewRequest(http.MethodPost, proxyURL+"/v1/chat/completions", strings.NewReader(tc.body))
 		req.Header.Set("Content-Type", tc.contentType)
-		res, err := tester.Client.Do(req)
+		res, err := doReloadSafe(tester.Client, req)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -448,7 +448,7 @@ func TestFallbackCounted(t *testing.T) {
 		before := testutil.ToFloat64(fallbackDecisions)
 		req, _ := http.NewRequest(http.MethodPost, "http://localhost"+site+"/v1/chat/completions", strings.NewReader(tc.body))
 		req.Header.Set("Content-Type", tc.contentType)
-		res, err := tester.Client.Do(req)
+		res, err := doReloadSafe(tester.Client, req)
 		if err != nil {
 			t.Fatal(err)
 		}
