@@ -200,10 +200,12 @@ func Cost(c *Candidate, req Request, cached int) (cost, wait, ttft float64) {
 // Wait is how long a new request that needs kv tokens of KV cache waits on c before its prefill starts:
 // behind the prefill queued there, for a slot, or for cache space, whichever is longest.
 //
-// A slot frees every MeanDuration/Slots seconds; with the request among n in flight on s slots
-// (utilisation rho = n/s), the wait is that interval times rho^2/(1-rho), the queueing delay of a busy
-// server that grows before the slots are all taken (arrivals and durations vary), and past full it grows
-// by one interval per request beyond the slots.
+// A slot frees every MeanDuration/Slots seconds (MeanDuration is the time a request holds its slot). With
+// the request among n in flight on s slots, it starts at once while n <= s, and otherwise waits for the
+// n-s requests ahead of it to be given a slot: one interval each. (A rho^2/(1-rho) queueing term, rho =
+// n/s, once stood here: past full it grew as s x rho^2 intervals, so a backend with 18 requests on 8
+// slots was predicted to queue 9.5 s instead of 1.9 s, and every prefix there moved to the one upstream
+// whose slots were not yet known.)
 //
 // Cache space frees as requests end: what is in use, every MeanDuration seconds. A request that does not
 // fit in what is free waits until enough has ended. The cache is counted in tokens, not in requests: a
@@ -211,10 +213,7 @@ func Cost(c *Candidate, req Request, cached int) (cost, wait, ttft float64) {
 func Wait(c *Candidate, kv float64) float64 {
 	wait := c.Queued
 	if s := c.Service.Slots; s > 0 {
-		interval := c.Service.MeanDuration / s
-		n := c.Requests + 1
-		rho := n / s
-		wait = max(wait, interval*rho*rho/max(1-rho, 1/s)+interval*max(n-s, 0))
+		wait = max(wait, c.Service.MeanDuration/s*max(c.Requests+1-s, 0))
 	}
 	if c.KVCapacity > 0 {
 		kv = min(kv, c.KVCapacity)

@@ -94,9 +94,22 @@ func TestChoose(t *testing.T) {
 			want: 0, wantReason: ReasonAffinity,
 		},
 		{
-			// 8 of 8 slots taken with this one: the wait (~1 s) grows before the slots are all taken.
-			name:  "the last free slot already costs a wait",
+			// 8 of 8 slots taken with this one: it starts at once, and the cache saves 0.2 s.
+			name:  "the last free slot costs no wait",
 			cands: withRequests(withCached(cands(0, 0), 2000, 0), 7, 0), req: Request{PromptTokens: 2100}, cfg: cfg,
+			want: 0, wantReason: ReasonAffinity,
+		},
+		{
+			// One request ahead of it for a slot: one interval (1 s / 8 slots) is less than the 0.2 s saved.
+			name:  "one request ahead for a slot waits one interval, less than the cache saves",
+			cands: withRequests(withCached(cands(0, 0), 2000, 0), 8, 0), req: Request{PromptTokens: 2100}, cfg: cfg,
+			want: 0, wantReason: ReasonAffinity,
+		},
+		{
+			// Two ahead: 0.25 s, more than the cache saves. The wait grows by one interval a request, not
+			// quadratically: 18 requests on 8 slots wait 11 intervals.
+			name:  "two requests ahead for a slot wait longer than the cache saves",
+			cands: withRequests(withCached(cands(0, 0), 2000, 0), 9, 0), req: Request{PromptTokens: 2100}, cfg: cfg,
 			want: 1, wantReason: ReasonGuard,
 		},
 		{

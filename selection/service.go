@@ -18,7 +18,8 @@ type Service struct {
 	// Slots is the number of sequences the backend runs at once before new requests queue (vLLM's
 	// max_num_seqs, or fewer when its KV cache is the limit); 0 when not known.
 	Slots float64
-	// MeanDuration is the mean time a request spends on the upstream, admission to last byte.
+	// MeanDuration is the mean time a request holds one of the upstream's slots: from its prefill's start
+	// (not its wait for a slot) to its last byte.
 	MeanDuration float64
 	// Samples is how many observations the estimate rests on (0: it is the prior).
 	Samples int
@@ -134,7 +135,9 @@ func (m *ServiceModel) ObserveEnd(uncached, output int, waited, duration float64
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	m.meanDur += scaleRate * (duration - m.meanDur)
+	// MeanDuration is the time a request holds its slot: what it waited for one is not part of it (a
+	// queue would otherwise lengthen the predicted interval between slots freeing, and so the queue).
+	m.meanDur += scaleRate * (max(duration-waited, duration/10) - m.meanDur)
 	s := m.serviceLocked()
 	pred := waited + s.TTFT(uncached) + float64(output)*s.TokenSeconds
 	if !(pred > 0) {
