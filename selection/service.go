@@ -59,16 +59,17 @@ var Prior = Service{
 //
 // A ServiceModel is safe for concurrent use; every method is O(1) and takes one short lock.
 type ServiceModel struct {
-	mu       sync.Mutex
-	prior    Service
-	ttft     rls2    // first-token delay = overhead + prefill seconds per 1000 tokens x uncached/1000
-	ttftN    int     // first tokens observed
-	logScale float64 // log of observed/predicted durations (EWMA)
-	durN     int
-	meanDur  float64
-	slots    float64 // the most it runs, once seen at that ceiling with others waiting; 0: unknown
-	ceiling  float64 // the most it was ever seen running
-	atCeil   int     // consecutive scrapes at the ceiling with requests waiting
+	mu        sync.Mutex
+	prior     Service
+	ttft      rls2    // first-token delay = overhead + prefill seconds per 1000 tokens x uncached/1000
+	ttftN     int     // first tokens observed
+	logScale  float64 // log of observed/predicted durations (EWMA)
+	durN      int
+	meanDur   float64
+	slots     float64 // the most it runs, once seen pinned at that ceiling with others waiting; 0: unknown
+	ceiling   float64 // the most it was seen running
+	atCeil    int     // scrapes with requests waiting (and cache room) running at the ceiling
+	belowCeil int     // and running below it
 }
 
 // forgetting is the weight each older first-token observation keeps when a new one arrives: about 20
@@ -100,7 +101,7 @@ func (m *ServiceModel) resetLocked(prior Service) {
 	m.prior, m.meanDur = prior, prior.MeanDuration
 	m.ttft, m.ttftN = newRLS2(prior.Overhead, prior.PrefillSecondsPerToken*1000), 0
 	m.logScale, m.durN = 0, 0
-	m.slots, m.ceiling, m.atCeil = 0, 0, 0
+	m.slots, m.ceiling, m.atCeil, m.belowCeil = 0, 0, 0, 0
 }
 
 // ObserveFirstToken records a first token that came ttft seconds after the request was sent, where
@@ -152,28 +153,40 @@ func (m *ServiceModel) ObserveEnd(uncached, output int, waited, duration float64
 const maxScale = 30
 
 // ObserveQueue records the backend's own count of running and waiting requests and its KV-cache usage
-// (0-1; 0 when unknown), from its metrics. The slot count is the most it was seen running, once it was
-// seen there with requests waiting in two scrapes in a row (with chunked prefill a request also waits a
-// step or two for the token budget, at any batch size: that is no limit) while its KV cache had room: a
-// full cache is the other limit, and a ceiling it caused (two 4k-token prompts in an 8k-token cache) is
-// no slot count. The decision counts the cache in tokens (see Wait): how many requests it holds depends
-// on their lengths, and a count learned from the requests one upstream happens to run would draw more
-// of the same kind there, or keep every request away.
+// (0-1; 0 when unknown), from its metrics. The slot count is the ceiling the running count is pinned at
+// while requests wait: of the scrapes with requests waiting and room in the KV cache, at least
+// minAtCeiling at the most it was seen running, and three times as many there as below it. A backend
+// limited by something else queues at varying batch sizes: with chunked prefill, requests wait for the
+// token budget at any batch size (slow prefill: 4, 5, 13, 17, 22 running with requests waiting, on 64
+// slots), and a full KV cache holds as many requests as their lengths allow (a ceiling it caused, two
+// 4k-token prompts in an 8k-token cache, is no slot count; the decision counts the cache in tokens, see
+// Wait). Running more than the ceiling proves it was no limit: the count starts again.
 func (m *ServiceModel) ObserveQueue(running, waiting, kvUsage float64) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if running > m.ceiling {
-		m.ceiling, m.atCeil = running, 0
+		m.ceiling, m.atCeil, m.belowCeil, m.slots = running, 0, 0, 0
 	}
-	if waiting >= 1 && running >= m.ceiling && kvUsage < kvFull {
+	if waiting < 1 || kvUsage >= kvFull {
+		return
+	}
+	if running >= m.ceiling {
 		m.atCeil++
 	} else {
-		m.atCeil = 0
+		m.belowCeil++
 	}
-	if m.atCeil >= 2 || m.slots > 0 {
+	if m.atCeil+m.belowCeil > 64 { // a bounded memory: recent scrapes count as much as old ones
+		m.atCeil, m.belowCeil = (m.atCeil+1)/2, m.belowCeil/2
+	}
+	m.slots = 0
+	if m.atCeil >= minAtCeiling && m.atCeil >= 3*m.belowCeil {
 		m.slots = m.ceiling
 	}
 }
+
+// minAtCeiling is how many scrapes must show requests waiting at the running ceiling before it is
+// taken for the slot count.
+const minAtCeiling = 3
 
 // kvFull is the KV-cache usage from which requests waiting are explained by the cache, not by the slots.
 const kvFull = 0.9

@@ -92,27 +92,43 @@ func TestServiceModelAdaptsToSlowdown(t *testing.T) {
 	}
 }
 
-// TestServiceModelSlots: the running count while requests wait is the slot count; a backend that runs
-// more later (its KV cache had been the limit) raises it.
+// TestServiceModelSlots: the running count that requests waiting find pinned at is the slot count; a
+// backend seen running more (the ceiling was no limit) or queueing at varying batch sizes (waiting for
+// the prefill budget, or for KV cache space) has none known.
 func TestServiceModelSlots(t *testing.T) {
+	slots := func(m *ServiceModel) float64 { return m.Service().Slots }
 	m := NewServiceModel(Prior)
 	m.ObserveQueue(5, 0, 0)
-	if s := m.Service().Slots; s != 0 {
+	if s := slots(m); s != 0 {
 		t.Errorf("slots %v before any queue, want 0 (unknown)", s)
 	}
 	m.ObserveQueue(6, 1, 0) // a momentary wait for the prefill budget: no limit
-	if s := m.Service().Slots; s != 0 {
+	if s := slots(m); s != 0 {
 		t.Errorf("slots %v after a momentary wait, want 0 (unknown)", s)
 	}
 	m.ObserveQueue(8, 3, 0)
-	m.ObserveQueue(8, 4, 0) // at its ceiling with others waiting, twice
-	m.ObserveQueue(6, 1, 0)
-	if s := m.Service().Slots; s != 8 {
+	m.ObserveQueue(8, 4, 0)
+	m.ObserveQueue(5, 0, 0) // no one waiting: says nothing
+	m.ObserveQueue(8, 2, 0) // pinned at 8 with others waiting, three times
+	if s := slots(m); s != 8 {
 		t.Errorf("slots %v, want 8", s)
 	}
+	m.ObserveQueue(7, 1, 0) // once below it: still pinned there three times as often
+	if s := slots(m); s != 8 {
+		t.Errorf("slots %v after one wait below the ceiling, want 8", s)
+	}
 	m.ObserveQueue(12, 0, 0)
-	if s := m.Service().Slots; s != 12 {
-		t.Errorf("slots %v after running 12, want 12", s)
+	if s := slots(m); s != 0 {
+		t.Errorf("slots %v after running 12, want 0 (8 was no limit; 12 not yet seen pinned)", s)
+	}
+
+	// Prefill-bound with chunked prefill: requests wait at whatever batch size the token budget allows.
+	budget := NewServiceModel(Prior)
+	for _, r := range []float64{4, 5, 5, 3, 13, 12, 9, 13, 11, 15, 17, 14, 17, 22, 19} {
+		budget.ObserveQueue(r, 3, 0.4)
+		if s := slots(budget); s != 0 {
+			t.Fatalf("slots %v while waiting at varying batch sizes (running %v), want 0 (unknown)", s, r)
+		}
 	}
 
 	// Two long prompts fill the KV cache and the rest wait: that ceiling is the cache's, not the slots'.
@@ -120,7 +136,7 @@ func TestServiceModelSlots(t *testing.T) {
 	for range 5 {
 		kv.ObserveQueue(2, 3, 0.97)
 	}
-	if s := kv.Service().Slots; s != 0 {
+	if s := slots(kv); s != 0 {
 		t.Errorf("slots %v learned while the KV cache was full, want 0 (unknown)", s)
 	}
 }
