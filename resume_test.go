@@ -384,7 +384,7 @@ func (rt *resumeTest) postStream(path string, body []byte, header ...string) str
 	for i := 0; i+1 < len(header); i += 2 {
 		req.Header.Set(header[i], header[i+1])
 	}
-	res, err := http.DefaultClient.Do(req)
+	res, err := doReloadSafe(http.DefaultClient, req)
 	if err != nil {
 		rt.t.Fatalf("POST %s: %v", path, err)
 	}
@@ -588,7 +588,7 @@ func TestResumeGivesUp(t *testing.T) {
 		body := fmt.Appendf(nil, `{"model":"sim-model","stream":%t,"max_tokens":4,"messages":[{"role":"user","content":"hi"}]}`, stream)
 		req, _ := http.NewRequest(http.MethodPost, rt.url+"/v1/chat/completions", bytes.NewReader(body))
 		req.Header.Set("X-Sim-Status", "503")
-		res, err := http.DefaultClient.Do(req)
+		res, err := doReloadSafe(http.DefaultClient, req)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -997,7 +997,7 @@ func TestResumeBackendKilled(t *testing.T) {
 	for i := range streams {
 		req, _ := http.NewRequest(http.MethodPost, rt.url+"/v1/chat/completions", bytes.NewReader(resumeChat(maxTokens, fmt.Sprintf("stream %d", i))))
 		req.Header.Set("Content-Type", "application/json")
-		res, err := http.DefaultClient.Do(req)
+		res, err := doReloadSafe(http.DefaultClient, req)
 		if err != nil {
 			t.Fatal(err)
 		}

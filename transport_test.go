@@ -145,7 +145,7 @@ func askProxy(t *testing.T, client *http.Client, id string, body []byte) observe
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("X-Test-ID", id)
-	res, err := client.Do(req)
+	res, err := doReloadSafe(client, req)
 	if err != nil {
 		t.Fatal(err)
 	}
