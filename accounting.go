@@ -69,6 +69,9 @@ type upstreamLoad struct {
 	// the last* ones are those at the last trust comparison.
 	seenHits, seenQueries float64
 	checkedAt             int64
+	// busyFrom is the snapshot the next busy interval is measured from (ObserveBusy); its At is zero
+	// before the first.
+	busyFrom scraper.Snapshot
 
 	observed cacheCounters // what the backend reported cached, against the predictions (observe.go)
 	// horizon (nanoseconds) is how long the backend has lately kept a prefix, learned from its reports:
@@ -396,7 +399,42 @@ func (l *upstreamLoad) scrapedLocked(snap *scraper.Snapshot, at int64) {
 	l.foreignAt, l.foreign = at, max(snap.Running+snap.Waiting-float64(ours), 0)
 	l.updateTrustLocked(snap)
 	l.model.ObserveQueue(snap.Running, snap.Waiting, snap.KVUsage)
+	l.observeBusyLocked(snap)
 }
+
+// observeBusyLocked teaches the service model what the backend did since the snapshot the current busy
+// interval started at: the prefill it did (prefix-cache queries not hit) and the tokens it generated, over
+// the time between the scrapes. An interval lasts while the backend is running requests at every scrape
+// (vLLM steps while anything runs) and ends once it spans minBusySteps decode steps: counters move only
+// when a step ends, and one prefill step can outlast a scrape interval (8k tokens at 2k tokens/s), so a
+// shorter interval would credit a step's work to less than its time. A scrape with nothing running, or
+// counters that went back (a restart), starts a new interval. The caller holds l.mu.
+func (l *upstreamLoad) observeBusyLocked(snap *scraper.Snapshot) {
+	from := &l.busyFrom
+	if from.At.IsZero() || !snap.At.After(from.At) || snap.Running < 1 || from.Running < 1 ||
+		snap.PrefixQueries < from.PrefixQueries || snap.PrefixHits < from.PrefixHits ||
+		snap.GenerationTokens < from.GenerationTokens || snap.Steps < from.Steps {
+		l.busyFrom = *snap
+		return
+	}
+	uncached := (snap.PrefixQueries - from.PrefixQueries) - (snap.PrefixHits - from.PrefixHits)
+	// The steps the engine ran: counted by vLLM's per-step histogram, else estimated as the tokens
+	// generated over the batch size (which undercounts when part of the batch is prefilling).
+	steps := (snap.GenerationTokens - from.GenerationTokens) / max((snap.Running+from.Running)/2, 1)
+	if snap.Steps > 0 && from.Steps > 0 {
+		steps = snap.Steps - from.Steps
+	}
+	if steps < minBusySteps {
+		return // not enough steps ended yet: the interval goes on
+	}
+	if uncached >= 0 {
+		l.model.ObserveBusy(snap.At.Sub(from.At).Seconds(), uncached, steps)
+	}
+	l.busyFrom = *snap
+}
+
+// minBusySteps is how many engine steps a busy interval must span to be observed.
+const minBusySteps = 4
 
 // minTrustPrompt is how many prompt tokens this proxy must have sent an upstream between two scrapes
 // for their counters to say anything about its predictions.

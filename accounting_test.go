@@ -228,3 +228,63 @@ func TestCacheTrust(t *testing.T) {
 		t.Errorf("trust %.2f after every predicted hit was confirmed again, want about 1", got)
 	}
 }
+
+// TestBusyIntervalsTeachPrefill: a backend's own counters between scrapes, while it runs requests
+// throughout, pin its prefill speed (here 2k tokens/s, a quarter of the prior's): scrapes inside one long
+// step (no counter moved) extend the interval rather than end it, an idle scrape and a restart start a
+// new one, and no proxy-side timing enters.
+func TestBusyIntervalsTeachPrefill(t *testing.T) {
+	const (
+		dial     = "10.0.0.1:8000"
+		step     = 0.03       // seconds a decode step
+		perToken = 1.0 / 2000 // seconds a prefilled token
+		running  = 8
+	)
+	lt := newTestLoads()
+	t0 := time.Unix(1_700_000_000, 0)
+	at, snap := t0, scraper.Snapshot{Running: running}
+	scrape := func(d time.Duration, s scraper.Snapshot) {
+		t.Helper()
+		at = at.Add(d)
+		s.At = at
+		lt.view(dial, at.UnixNano(), &s)
+	}
+	// work advances the counters by one second of work: steps decode steps and the prefill that fills
+	// the rest of the second.
+	work := func(steps int) {
+		uncached := (1 - float64(steps)*step) / perToken
+		snap.PrefixQueries += uncached + 500
+		snap.PrefixHits += 500
+		snap.GenerationTokens += float64(steps * running)
+	}
+	busy := func() int { return lt.lookup(dial).model.Service().BusyIntervals }
+
+	scrape(0, snap)
+	scrape(200*time.Millisecond, snap) // inside a long prefill step: no counter moved
+	scrape(200*time.Millisecond, snap)
+	work(10)
+	scrape(600*time.Millisecond, snap) // the step ended: one interval of 1 s
+	if n := busy(); n != 1 {
+		t.Fatalf("%d busy intervals after the first second, want 1 (scrapes within a step extend it)", n)
+	}
+	for _, steps := range []int{25, 5} {
+		work(steps)
+		scrape(time.Second, snap)
+	}
+	s := lt.lookup(dial).model.Service()
+	if s.BusyIntervals != 3 || math.Abs(s.PrefillSecondsPerToken-perToken) > 0.15*perToken {
+		t.Errorf("after 3 busy seconds: %d intervals, %.0f tokens/s, want 3 and about %.0f", s.BusyIntervals, 1/s.PrefillSecondsPerToken, 1/perToken)
+	}
+
+	// Idle at a scrape: what happened since is unknown (the engine stops stepping), nothing is learned.
+	idle := snap
+	idle.Running = 0
+	scrape(time.Second, idle)
+	work(10)
+	scrape(10*time.Second, snap)
+	// A restart: counters back to zero.
+	scrape(time.Second, scraper.Snapshot{Running: running, GenerationTokens: 80})
+	if n := busy(); n != 3 {
+		t.Errorf("%d busy intervals after an idle scrape and a restart, want still 3", n)
+	}
+}

@@ -268,10 +268,13 @@ type serviceModel struct {
 	MeanDurationSeconds    float64 `json:"mean_request_seconds"`
 	// FirstTokens counts the first tokens observed (by the llm transport or llm_resume) that taught it.
 	FirstTokens int `json:"first_tokens_observed"`
+	// BusyIntervals counts the intervals between two scrapes over which the backend's own counters
+	// taught it the prefill speed (when no first tokens are observed).
+	BusyIntervals int `json:"busy_intervals_observed"`
 }
 
 func reportService(s selection.Service) *serviceModel {
-	m := &serviceModel{OverheadMS: 1000 * s.Overhead, TokenMS: 1000 * s.TokenSeconds, Slots: s.Slots, MeanDurationSeconds: s.MeanDuration, FirstTokens: s.FirstTokens}
+	m := &serviceModel{OverheadMS: 1000 * s.Overhead, TokenMS: 1000 * s.TokenSeconds, Slots: s.Slots, MeanDurationSeconds: s.MeanDuration, FirstTokens: s.FirstTokens, BusyIntervals: s.BusyIntervals}
 	if s.PrefillSecondsPerToken > 0 {
 		m.PrefillTokensPerSecond = 1 / s.PrefillSecondsPerToken
 	}

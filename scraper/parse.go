@@ -37,6 +37,13 @@ type Snapshot struct {
 	// (vllm:prefix_cache_{hits,queries}_total or the older vllm:gpu_prefix_cache_*), summed over
 	// engines. Zero for SGLang. See HitRate for a ratio between two snapshots.
 	PrefixHits, PrefixQueries float64
+	// GenerationTokens is the output tokens the target has generated (vllm:generation_tokens_total,
+	// sglang:generation_tokens_total), summed over engines; zero when absent. With the prefix-cache
+	// counters it tells how much prefill and decode work the target did between two snapshots.
+	GenerationTokens float64
+	// Steps is how many engine steps the target has run: the count of vLLM's vllm:iteration_tokens_total
+	// histogram (one observation a step), summed over engines; zero when absent.
+	Steps float64
 	// BlockSize is the KV block (vLLM) or page (SGLang) size in tokens and NumBlocks the number of
 	// blocks summed over engines, from the labels of vllm:cache_config_info
 	// {block_size,num_gpu_blocks} or sglang:cache_config_info{page_size,num_pages} (SGLang's
@@ -70,6 +77,9 @@ var (
 	sglangWaiting     = []string{"sglang:num_queue_reqs"}
 	sglangKV          = []string{"sglang:token_usage"}
 	vllmLoRAInfo      = "vllm:lora_requests_info"
+	vllmGenerated     = []string{"vllm:generation_tokens_total", "vllm:generation_tokens"}
+	vllmSteps         = []string{"vllm:iteration_tokens_total"}
+	sglangGenerated   = []string{"sglang:generation_tokens_total", "sglang:generation_tokens"}
 )
 
 const modelLabel = "model_name"
@@ -106,6 +116,8 @@ func Parse(r io.Reader, model string) (Snapshot, error) {
 	s.Waiting = clampCount(s.Waiting)
 	s.PrefixHits = clampCount(s.PrefixHits)
 	s.PrefixQueries = clampCount(s.PrefixQueries)
+	s.GenerationTokens = clampCount(s.GenerationTokens)
+	s.Steps = clampCount(s.Steps)
 	s.KVUsage = math.Min(math.Max(s.KVUsage, 0), 1)
 	if start, ok := maxValue(families["process_start_time_seconds"], ""); ok && start > 0 && !math.IsInf(start, 0) {
 		s.StartTime = start
@@ -123,6 +135,8 @@ func extractVLLM(families map[string]*dto.MetricFamily, model string, s *Snapsho
 	s.Running, s.Waiting, s.KVUsage = running, waiting, kv
 	s.PrefixHits, _ = sum(families, vllmPrefixHits, model)
 	s.PrefixQueries, _ = sum(families, vllmPrefixQueries, model)
+	s.GenerationTokens, _ = sum(families, vllmGenerated, model)
+	s.Steps, _ = sum(families, vllmSteps, model)
 	s.BlockSize, s.NumBlocks = geometryFromLabels(families["vllm:cache_config_info"], model, "block_size", "num_gpu_blocks")
 	s.Model = modelName(families, vllmRunning[0], model)
 	s.LoRA = loraFromLabels(families[vllmLoRAInfo], model)
@@ -137,6 +151,7 @@ func extractSGLang(families map[string]*dto.MetricFamily, model string, s *Snaps
 		return false
 	}
 	s.Running, s.Waiting, s.KVUsage = running, waiting, kv
+	s.GenerationTokens, _ = sum(families, sglangGenerated, model)
 	s.BlockSize, s.NumBlocks = geometryFromLabels(families["sglang:cache_config_info"], model, "page_size", "num_pages")
 	if s.BlockSize == 0 || s.NumBlocks == 0 {
 		// Newer SGLang versions export the geometry as plain gauges.
@@ -193,7 +208,8 @@ func maxValue(mf *dto.MetricFamily, model string) (float64, bool) {
 	return best, found
 }
 
-// sampleValue returns the value of a gauge, counter or untyped series that passes the model filter.
+// sampleValue returns the value of a gauge, counter or untyped series, or the sample count of a
+// histogram, that passes the model filter.
 func sampleValue(m *dto.Metric, model string) (float64, bool) {
 	if !matchesModel(m, model) {
 		return 0, false
@@ -206,6 +222,8 @@ func sampleValue(m *dto.Metric, model string) (float64, bool) {
 		v = m.GetCounter().GetValue()
 	case m.Untyped != nil:
 		v = m.GetUntyped().GetValue()
+	case m.Histogram != nil:
+		v = float64(m.GetHistogram().GetSampleCount())
 	default:
 		return 0, false
 	}

@@ -32,14 +32,14 @@ func TestParseRecorded(t *testing.T) {
 			name: "vLLM V1 two engines are summed, KV usage averaged",
 			file: "vllm_v1_two_engines.txt",
 			want: Snapshot{Running: 12, Waiting: 4, KVUsage: 0.52, PrefixHits: 120000, PrefixQueries: 200000,
-				BlockSize: 16, NumBlocks: 2 * 27165, StartTime: 1.73210040912e+09, Flavor: FlavorVLLM},
+				GenerationTokens: 75319, BlockSize: 16, NumBlocks: 2 * 27165, StartTime: 1.73210040912e+09, Flavor: FlavorVLLM},
 		},
 		{
 			name:  "vLLM V1 filtered by its own model",
 			file:  "vllm_v1_two_engines.txt",
 			model: "meta-llama/Llama-3.1-8B-Instruct",
 			want: Snapshot{Running: 12, Waiting: 4, KVUsage: 0.52, PrefixHits: 120000, PrefixQueries: 200000,
-				BlockSize: 16, NumBlocks: 2 * 27165, StartTime: 1.73210040912e+09, Flavor: FlavorVLLM},
+				GenerationTokens: 75319, BlockSize: 16, NumBlocks: 2 * 27165, StartTime: 1.73210040912e+09, Flavor: FlavorVLLM},
 		},
 		{
 			name: "legacy vLLM names",
@@ -104,9 +104,39 @@ func snapshotsClose(a, b Snapshot) bool {
 	near := func(x, y float64) bool { return math.Abs(x-y) < 1e-9 }
 	return near(a.Running, b.Running) && near(a.Waiting, b.Waiting) && near(a.KVUsage, b.KVUsage) &&
 		near(a.PrefixHits, b.PrefixHits) && near(a.PrefixQueries, b.PrefixQueries) &&
+		near(a.GenerationTokens, b.GenerationTokens) && near(a.Steps, b.Steps) &&
 		a.BlockSize == b.BlockSize && a.NumBlocks == b.NumBlocks && a.Flavor == b.Flavor && a.At.Equal(b.At) &&
 		a.LoRA == b.LoRA &&
 		near(a.StartTime, b.StartTime)
+}
+
+// TestParseWork: the counters of the work done (generated tokens, and engine steps as the count of the
+// per-step token histogram) are summed over engines, for vLLM and SGLang.
+func TestParseWork(t *testing.T) {
+	vllm := `# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3
+vllm:num_requests_running{engine="1",model_name="m"} 4
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="m"} 1000
+vllm:generation_tokens_total{engine="1",model_name="m"} 500
+# TYPE vllm:iteration_tokens_total histogram
+vllm:iteration_tokens_total_bucket{engine="0",model_name="m",le="1.0"} 10
+vllm:iteration_tokens_total_bucket{engine="0",model_name="m",le="+Inf"} 300
+vllm:iteration_tokens_total_sum{engine="0",model_name="m"} 90000
+vllm:iteration_tokens_total_count{engine="0",model_name="m"} 300
+vllm:iteration_tokens_total_bucket{engine="1",model_name="m",le="+Inf"} 200
+vllm:iteration_tokens_total_sum{engine="1",model_name="m"} 40000
+vllm:iteration_tokens_total_count{engine="1",model_name="m"} 200
+`
+	got, err := Parse(strings.NewReader(vllm), "m")
+	if err != nil || got.GenerationTokens != 1500 || got.Steps != 500 || got.Running != 7 {
+		t.Errorf("vLLM: Parse() = %+v, %v; want 1500 generated tokens, 500 steps, 7 running", got, err)
+	}
+	sglang := "sglang:num_running_reqs{model_name=\"m\"} 2\nsglang:generation_tokens_total{model_name=\"m\"} 42\n"
+	got, err = Parse(strings.NewReader(sglang), "")
+	if err != nil || got.GenerationTokens != 42 || got.Steps != 0 {
+		t.Errorf("SGLang: Parse() = %+v, %v; want 42 generated tokens, steps unknown", got, err)
+	}
 }
 
 func TestParseErrors(t *testing.T) {

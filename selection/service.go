@@ -23,8 +23,9 @@ type Service struct {
 	MeanDuration float64
 	// Samples is how many observations the estimate rests on (0: it is the prior).
 	Samples int
-	// FirstTokens is how many of them are observed first tokens (ObserveFirstToken).
-	FirstTokens int
+	// FirstTokens is how many of them are observed first tokens (ObserveFirstToken), and BusyIntervals
+	// how many are the backend's own counters over an interval it was busy (ObserveBusy).
+	FirstTokens, BusyIntervals int
 }
 
 // TTFT is the time from the start of its prefill to the first token of a request with uncached
@@ -63,6 +64,8 @@ type ServiceModel struct {
 	prior     Service
 	ttft      rls2    // first-token delay = overhead + prefill seconds per 1000 tokens x uncached/1000
 	ttftN     int     // first tokens observed
+	busy      rls2    // a busy interval's seconds = step time x steps + prefill seconds per 1000 tokens x uncached/1000
+	busyN     int     // busy intervals observed
 	logScale  float64 // log of observed/predicted durations (EWMA)
 	durN      int
 	meanDur   float64
@@ -100,6 +103,7 @@ func (m *ServiceModel) SetPrior(prior Service) {
 func (m *ServiceModel) resetLocked(prior Service) {
 	m.prior, m.meanDur = prior, prior.MeanDuration
 	m.ttft, m.ttftN = newRLS2(prior.Overhead, prior.PrefillSecondsPerToken*1000), 0
+	m.busy, m.busyN = newRLS2(prior.TokenSeconds, prior.PrefillSecondsPerToken*1000), 0
 	m.logScale, m.durN = 0, 0
 	m.slots, m.ceiling, m.atCeil, m.belowCeil = 0, 0, 0, 0
 }
@@ -148,6 +152,35 @@ func (m *ServiceModel) ObserveEnd(uncached, output int, waited, duration float64
 	m.logScale = clamp(m.logScale+scaleRate*math.Log(ratio), -math.Log(maxScale), math.Log(maxScale))
 	m.durN++
 }
+
+// ObserveBusy records what the backend did between two of its metrics snapshots seconds apart, during
+// which it was running requests throughout: it ran steps engine steps and prefilled uncached prompt
+// tokens. An engine that has requests runs steps back to back, each a decode step for the batch plus the
+// prefill it carries, so
+//
+//	seconds = steps x step time + uncached x prefill seconds per token,
+//
+// fitted by recursive least squares on the two slopes: the prefill speed comes from the backend's own
+// counters and clock, no proxy-side guess in it. It pins the prefill speed for a proxy that sees no
+// first tokens (a bare lb_policy llm sees only when responses end, and a request's duration is mostly
+// decoding: one speed scale fitted to durations took a backend that prefills at 2k tokens/s and decodes
+// at 30 ms a step for the 8k-tokens/s prior, and priced its cache misses at a quarter of their cost).
+func (m *ServiceModel) ObserveBusy(seconds, uncached, steps float64) {
+	if !(seconds > 0) || !(steps >= 1) || !(uncached >= 0) || math.IsInf(seconds+uncached+steps, 0) {
+		return
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	phi := [2]float64{steps, uncached / 1000}
+	pred := m.busy.theta[0]*phi[0] + m.busy.theta[1]*phi[1]
+	y := min(seconds, 10*max(pred, 1e-3)+1) // a stall (a preempted batch, a paused process) must not teach a 10x slowdown
+	m.busy.updatePhi(phi, y)
+	m.busyN++
+}
+
+// minBusy is how many busy intervals the model needs before it prefers them over the scaled prior for
+// the prefill.
+const minBusy = 2
 
 // maxScale bounds how far from the prior the speed scale goes, and one observation's pull on it.
 const maxScale = 30
@@ -211,13 +244,16 @@ func (m *ServiceModel) serviceLocked() Service {
 		TokenSeconds:           p.TokenSeconds * scale,
 		Slots:                  m.slots,
 		MeanDuration:           max(m.meanDur, 1e-3),
-		Samples:                m.durN + m.ttftN,
+		Samples:                m.durN + m.ttftN + m.busyN,
+		BusyIntervals:          m.busyN,
 		FirstTokens:            m.ttftN,
 	}
+	// Keep estimates within a plausible band: no GPU is 50x faster or slower than the prior.
 	if m.ttftN >= minFirstTokens {
-		// Keep estimates within a plausible band: no GPU is 50x faster or slower than the prior.
 		s.Overhead = clamp(m.ttft.theta[0], 0, max(p.Overhead, 1e-3)*maxScale)
 		s.PrefillSecondsPerToken = clamp(m.ttft.theta[1]/1000, p.PrefillSecondsPerToken/maxScale, p.PrefillSecondsPerToken*maxScale)
+	} else if m.busyN >= minBusy {
+		s.PrefillSecondsPerToken = clamp(m.busy.theta[1]/1000, p.PrefillSecondsPerToken/maxScale, p.PrefillSecondsPerToken*maxScale)
 	}
 	return s
 }
@@ -254,8 +290,10 @@ func newRLS2(a, b float64) rls2 {
 	return r
 }
 
-func (r *rls2) update(x, y float64) {
-	phi := [2]float64{1, x}
+func (r *rls2) update(x, y float64) { r.updatePhi([2]float64{1, x}, y) }
+
+// updatePhi fits y = theta . phi: the intercept form with phi = (1, x), or two slopes.
+func (r *rls2) updatePhi(phi [2]float64, y float64) {
 	var pphi [2]float64
 	for i := range 2 {
 		pphi[i] = r.p[i][0]*phi[0] + r.p[i][1]*phi[1]

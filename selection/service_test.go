@@ -217,3 +217,33 @@ func TestServiceModelSkipsQueuedFirstTokens(t *testing.T) {
 		t.Errorf("prefill %.0f tokens/s after first tokens served at once, want about 2000", got)
 	}
 }
+
+// TestServiceModelBusy: busy intervals of a backend 4x slower to prefill than the prior and 1.7x faster
+// to decode pin its prefill speed within a few intervals, from the prior's 8k tokens/s; invalid
+// intervals teach nothing; observed first tokens, when there are enough, take precedence.
+func TestServiceModelBusy(t *testing.T) {
+	const step, perToken = 0.018, 1.0 / 2000
+	rng := rand.New(rand.NewPCG(9, 9))
+	m := NewServiceModel(Prior)
+	m.ObserveBusy(1, 1000, 0)   // no step ended
+	m.ObserveBusy(-1, 1000, 10) // no time
+	if n := m.Service().BusyIntervals; n != 0 {
+		t.Fatalf("%d busy intervals from invalid ones, want 0", n)
+	}
+	for i := range 6 {
+		steps := 5 + rng.Float64()*40
+		uncached := rng.Float64() * 3000
+		noise := 1 + 0.05*(rng.Float64()-0.5)
+		m.ObserveBusy((steps*step+uncached*perToken)*noise, uncached, steps)
+		if got := m.Service().PrefillSecondsPerToken; i >= 3 && math.Abs(got-perToken) > 0.2*perToken {
+			t.Errorf("after %d busy intervals: %.0f prefill tokens/s, want about %.0f", i+1, 1/got, 1/perToken)
+		}
+	}
+	for range 2 * minFirstTokens {
+		uncached := 200 + rng.IntN(4000)
+		m.ObserveFirstToken(uncached, 0, 0.030+float64(uncached)/20000)
+	}
+	if got := m.Service().PrefillSecondsPerToken; got > 2.0/20000 {
+		t.Errorf("with %d first tokens at 20k tokens/s: %.0f tokens/s, want the first tokens' estimate", 2*minFirstTokens, 1/got)
+	}
+}

@@ -83,6 +83,11 @@ func (s *Server) metricsText() []byte {
 		s.mu.Unlock()
 		metric("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", labels, float64(promptTotal))
 		metric("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", labels, float64(outputTotal))
+		// Like vLLM: a histogram of the tokens each engine step processed, one observation a step
+		// (only its count and sum here, with the +Inf bucket).
+		fmt.Fprintf(&b, "# HELP vllm:iteration_tokens_total Histogram of number of tokens per engine_step.\n# TYPE vllm:iteration_tokens_total histogram\n"+
+			"vllm:iteration_tokens_total_bucket{%s,le=\"+Inf\"} %d\nvllm:iteration_tokens_total_sum{%s} %d\nvllm:iteration_tokens_total_count{%s} %d\n",
+			labels, st.Steps, labels, promptTotal+outputTotal, labels, st.Steps)
 		metric("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig.",
 			fmt.Sprintf("block_size=\"%d\",engine=\"0\",model_name=%s,num_gpu_blocks=\"%d\"", s.cfg.BlockSize, model, st.NumBlocks), 1)
 		if len(s.cfg.LoRAAdapters) > 0 {
