@@ -405,10 +405,12 @@ func (l *upstreamLoad) scrapedLocked(snap *scraper.Snapshot, at int64) {
 // observeBusyLocked teaches the service model what the backend did since the snapshot the current busy
 // interval started at: the prefill it did (prefix-cache queries not hit) and the tokens it generated, over
 // the time between the scrapes. An interval lasts while the backend is running requests at every scrape
-// (vLLM steps while anything runs) and ends once it spans minBusySteps decode steps: counters move only
+// (vLLM steps while anything runs) and ends once it spans minBusySteps engine steps: counters move only
 // when a step ends, and one prefill step can outlast a scrape interval (8k tokens at 2k tokens/s), so a
 // shorter interval would credit a step's work to less than its time. A scrape with nothing running, or
-// counters that went back (a restart), starts a new interval. The caller holds l.mu.
+// counters that went back (a restart), starts a new interval. A backend without prefix-cache counters
+// (SGLang) shows no prefill this way, and an interval without prefill does not pin the prefill speed
+// (ObserveBusy). The caller holds l.mu.
 func (l *upstreamLoad) observeBusyLocked(snap *scraper.Snapshot) {
 	from := &l.busyFrom
 	if from.At.IsZero() || !snap.At.After(from.At) || snap.Running < 1 || from.Running < 1 ||
@@ -433,8 +435,12 @@ func (l *upstreamLoad) observeBusyLocked(snap *scraper.Snapshot) {
 	l.busyFrom = *snap
 }
 
-// minBusySteps is how many engine steps a busy interval must span to be observed.
-const minBusySteps = 4
+// minBusySteps is how many engine steps a busy interval must span to be observed. Prefix-cache queries
+// count a prompt when it is scheduled, its prefill runs after: a 4,000-token prompt scheduled at the end
+// of a short interval made it look prefilled in no time (traced: 4,004 tokens in 0.1 s, 19 steps, on a
+// 2k-tokens/s backend), the next one look slow to step. Over 64 steps a prompt at the edges is a small
+// part of the work.
+const minBusySteps = 64
 
 // minTrustPrompt is how many prompt tokens this proxy must have sent an upstream between two scrapes
 // for their counters to say anything about its predictions.

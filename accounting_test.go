@@ -236,7 +236,7 @@ func TestCacheTrust(t *testing.T) {
 func TestBusyIntervalsTeachPrefill(t *testing.T) {
 	const (
 		dial     = "10.0.0.1:8000"
-		step     = 0.03       // seconds a decode step
+		step     = 0.005      // seconds a decode step
 		perToken = 1.0 / 2000 // seconds a prefilled token
 		running  = 8
 	)
@@ -262,12 +262,12 @@ func TestBusyIntervalsTeachPrefill(t *testing.T) {
 	scrape(0, snap)
 	scrape(200*time.Millisecond, snap) // inside a long prefill step: no counter moved
 	scrape(200*time.Millisecond, snap)
-	work(10)
+	work(80)
 	scrape(600*time.Millisecond, snap) // the step ended: one interval of 1 s
 	if n := busy(); n != 1 {
 		t.Fatalf("%d busy intervals after the first second, want 1 (scrapes within a step extend it)", n)
 	}
-	for _, steps := range []int{25, 5} {
+	for _, steps := range []int{150, 100} {
 		work(steps)
 		scrape(time.Second, snap)
 	}
@@ -280,11 +280,21 @@ func TestBusyIntervalsTeachPrefill(t *testing.T) {
 	idle := snap
 	idle.Running = 0
 	scrape(time.Second, idle)
-	work(10)
+	work(80)
 	scrape(10*time.Second, snap)
 	// A restart: counters back to zero.
 	scrape(time.Second, scraper.Snapshot{Running: running, GenerationTokens: 80})
 	if n := busy(); n != 3 {
 		t.Errorf("%d busy intervals after an idle scrape and a restart, want still 3", n)
+	}
+
+	// No prefix-cache counters (SGLang): the prefill done is unknown, nothing is learned.
+	const sglang = "10.0.0.2:30000"
+	for i := range 5 {
+		s := scraper.Snapshot{Running: running, GenerationTokens: float64(i * 80), At: at.Add(time.Duration(i) * time.Second)}
+		lt.view(sglang, s.At.UnixNano(), &s)
+	}
+	if n := lt.lookup(sglang).model.Service().BusyIntervals; n != 0 {
+		t.Errorf("%d busy intervals without prefix-cache counters, want 0", n)
 	}
 }

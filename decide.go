@@ -182,7 +182,11 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 	// first upstream to be measured looks faster (or slower) than the prior of all the others, and
 	// takes every request (or none) until they are measured too.
 	for i := range cands {
+		own := cands[i].Service.PrefillSecondsPerToken
 		cands[i].Service = fleet.Blend(cands[i].Service)
+		if own > 0 { // the queued prefill, in the blended speed too
+			cands[i].Queued *= cands[i].Service.PrefillSecondsPerToken / own
+		}
 	}
 }
 

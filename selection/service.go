@@ -24,8 +24,14 @@ type Service struct {
 	// Samples is how many observations the estimate rests on (0: it is the prior).
 	Samples int
 	// FirstTokens is how many of them are observed first tokens (ObserveFirstToken), and BusyIntervals
-	// how many are the backend's own counters over an interval it was busy (ObserveBusy).
+	// how many are the backend's own counters over an interval it was busy prefilling (ObserveBusy).
 	FirstTokens, BusyIntervals int
+
+	// scaledPrefill is what PrefillSecondsPerToken would be without the busy intervals (the prior at the
+	// upstream's speed scale), and busyRatio PrefillSecondsPerToken over it when busy intervals set it
+	// (0: they do not): how much slower or faster this kind of backend prefills than it decodes, against
+	// the prior. Fleet pools that ratio.
+	scaledPrefill, busyRatio float64
 }
 
 // TTFT is the time from the start of its prefill to the first token of a request with uncached
@@ -175,7 +181,9 @@ func (m *ServiceModel) ObserveBusy(seconds, uncached, steps float64) {
 	pred := m.busy.theta[0]*phi[0] + m.busy.theta[1]*phi[1]
 	y := min(seconds, 10*max(pred, 1e-3)+1) // a stall (a preempted batch, a paused process) must not teach a 10x slowdown
 	m.busy.updatePhi(phi, y)
-	m.busyN++
+	if uncached > 0 {
+		m.busyN++ // an interval without prefill teaches the step time only
+	}
 }
 
 // minBusy is how many busy intervals the model needs before it prefers them over the scaled prior for
@@ -253,7 +261,9 @@ func (m *ServiceModel) serviceLocked() Service {
 		s.Overhead = clamp(m.ttft.theta[0], 0, max(p.Overhead, 1e-3)*maxScale)
 		s.PrefillSecondsPerToken = clamp(m.ttft.theta[1]/1000, p.PrefillSecondsPerToken/maxScale, p.PrefillSecondsPerToken*maxScale)
 	} else if m.busyN >= minBusy {
+		s.scaledPrefill = s.PrefillSecondsPerToken
 		s.PrefillSecondsPerToken = clamp(m.busy.theta[1]/1000, p.PrefillSecondsPerToken/maxScale, p.PrefillSecondsPerToken*maxScale)
+		s.busyRatio = s.PrefillSecondsPerToken / s.scaledPrefill
 	}
 	return s
 }
@@ -329,13 +339,27 @@ func boundCovariance2(p [2][2]float64) [2][2]float64 {
 type Fleet struct {
 	weight                                 float64
 	overhead, prefill, token, meanDuration float64
+	// ratioWeight and logRatio pool the busy intervals' prefill over the speed-scaled prior (busyRatio),
+	// weighted by busy intervals, as a geometric mean.
+	ratioWeight, logRatio float64
 }
+
+// trustedBusy is how many busy intervals make an upstream's own prefill speed fully trusted over the
+// fleet's. One interval's estimate is noisy (counters move when steps end): on four identical backends,
+// a few intervals each put their prefill speeds 1.5-3x apart, and the one that looked fastest drew the
+// long prompts (mixed workload: 1.5x its share, TTFT p99 1.5x least_conn's).
+const trustedBusy = 16
 
 // trustedSamples is how many observations make an upstream's own estimate fully trusted.
 const trustedSamples = 16
 
 // Add counts s into the fleet's estimate, weighted by its samples.
 func (f *Fleet) Add(s Service) {
+	if s.busyRatio > 0 {
+		w := float64(min(s.BusyIntervals, trustedBusy))
+		f.ratioWeight += w
+		f.logRatio += w * math.Log(s.busyRatio)
+	}
 	w := float64(min(s.Samples, trustedSamples))
 	if w == 0 {
 		return
@@ -347,8 +371,22 @@ func (f *Fleet) Add(s Service) {
 	f.meanDuration += w * s.MeanDuration
 }
 
-// Blend returns s, with as much of the fleet's estimate mixed in as s lacks samples.
+// Blend returns s, with as much of the fleet's estimate mixed in as s lacks samples. Its prefill speed,
+// unless first tokens pinned it, also takes as much of the fleet's busy-interval ratio (applied to s's own
+// speed-scaled prior, so a backend 3x slower than the others stays 3x slower) as s lacks busy intervals.
 func (f *Fleet) Blend(s Service) Service {
+	if f.ratioWeight > 0 && s.BusyIntervals < trustedBusy && s.FirstTokens < minFirstTokens {
+		scaled := s.PrefillSecondsPerToken
+		if s.scaledPrefill > 0 {
+			scaled = s.scaledPrefill
+		}
+		own := float64(s.BusyIntervals) / trustedBusy
+		if s.busyRatio == 0 {
+			own = 0
+		}
+		pooled := scaled * math.Exp(f.logRatio/f.ratioWeight)
+		s.PrefillSecondsPerToken = own*s.PrefillSecondsPerToken + (1-own)*pooled
+	}
 	if f.weight == 0 || s.Samples >= trustedSamples {
 		return s
 	}
