@@ -179,6 +179,43 @@ func TestFleetBlend(t *testing.T) {
 	}
 }
 
+// TestFleetPoolsBusyPrefill: one upstream's busy intervals show its kind of backend prefills 4x slower
+// than the prior; an upstream with none takes that ratio on its own speed-scaled prior (one 3x slower
+// overall ends 12x slower to prefill), and one with trustedBusy intervals of its own keeps its figure.
+func TestFleetPoolsBusyPrefill(t *testing.T) {
+	const perToken = 4 * 1.0 / 8000
+	busy := func(m *ServiceModel, n int) {
+		for i := range n {
+			steps := 20 + float64(i%5)*10
+			uncached := 1000 + float64(i%3)*1500
+			m.ObserveBusy(steps*0.03+uncached*perToken, uncached, steps)
+		}
+	}
+	measured := NewServiceModel(Prior)
+	busy(measured, 8)
+	slow := NewServiceModel(Prior)
+	for range 30 { // every request takes 3x the prior's time
+		slow.ObserveEnd(1000, 100, 0, 3*Prior.TTFT(1000)+3*100*Prior.TokenSeconds)
+	}
+	var f Fleet
+	for _, m := range []*ServiceModel{measured, slow} {
+		f.Add(m.Service())
+	}
+	ratio := measured.Service().PrefillSecondsPerToken / Prior.PrefillSecondsPerToken
+	if !within(ratio, 4, 0.2) {
+		t.Fatalf("measured upstream's prefill %.1fx the prior's, want about 4x", ratio)
+	}
+	s := slow.Service()
+	if got, want := f.Blend(s).PrefillSecondsPerToken, s.PrefillSecondsPerToken*ratio; !within(got, want, 0.05) {
+		t.Errorf("upstream 3x slower with no busy intervals: prefill %g s/token, want %g (its scaled prior x the fleet's ratio)", got, want)
+	}
+	own := NewServiceModel(Prior)
+	busy(own, trustedBusy)
+	if s := own.Service(); f.Blend(s).PrefillSecondsPerToken != s.PrefillSecondsPerToken {
+		t.Errorf("upstream with %d busy intervals blended to %g, want its own %g", trustedBusy, f.Blend(s).PrefillSecondsPerToken, s.PrefillSecondsPerToken)
+	}
+}
+
 // TestServiceModelSetPrior: a new prior (a capacity hint) forgets what was learned and starts from it;
 // the same prior again keeps what was learned. Regression: SetPrior overwrote the whole model, its held
 // lock included, and the deferred unlock panicked.
