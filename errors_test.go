@@ -96,6 +96,7 @@ func TestErrorsThroughOpenAIClient(t *testing.T) {
 	}
 	for _, withLLMErrors := range []bool{false, true} {
 		tester.InitServer(errorsConfig(withLLMErrors, a.dial), "caddyfile")
+		settle(t)
 		for _, tc := range cases {
 			t.Run(fmt.Sprintf("%s/llm_errors=%t", tc.name, withLLMErrors), func(t *testing.T) {
 				err := tc.send()

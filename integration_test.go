@@ -79,17 +79,6 @@ func freePorts3() (int, int, int) {
 	return ports[0], ports[1], ports[2]
 }
 
-// freePort returns a TCP port free on 127.0.0.1 now, for a test that needs one more listener.
-func freePort(t *testing.T) int {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
-}
-
 // backend is a real HTTP upstream on 127.0.0.1 that records what it receives.
 type backend struct {
 	*httptest.Server
@@ -180,16 +169,33 @@ func post(t *testing.T, client *http.Client, path, body string, headers ...strin
 // whose body cannot be replayed (no GetBody) are sent once.
 func doReloadSafe(client *http.Client, req *http.Request) (*http.Response, error) {
 	res, err := client.Do(req)
-	if err == nil || req.GetBody == nil || !(errors.Is(err, syscall.ECONNRESET) || errors.Is(err, io.EOF)) {
+	replayable := req.Body == nil || req.Body == http.NoBody || req.GetBody != nil
+	if err == nil || !replayable || !(errors.Is(err, syscall.ECONNRESET) || errors.Is(err, io.EOF)) {
 		return res, err
 	}
-	body, berr := req.GetBody()
-	if berr != nil {
-		return nil, err
-	}
 	retry := req.Clone(req.Context())
-	retry.Body = body
+	if req.GetBody != nil {
+		body, berr := req.GetBody()
+		if berr != nil {
+			return nil, err
+		}
+		retry.Body = body
+	}
 	return client.Do(retry)
+}
+
+// settle sends one request through the proxy just loaded (any answer will do), resent if the previous
+// config's server reset it: clients that cannot resend, such as the official OpenAI client with retries
+// off, then find the new server on a kept-alive connection of http.DefaultClient's.
+func settle(t *testing.T) {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodGet, proxyURL+"/v1/models", nil)
+	res, err := doReloadSafe(http.DefaultClient, req)
+	if err != nil {
+		t.Fatalf("GET /v1/models after the config load: %v", err)
+	}
+	io.Copy(io.Discard, res.Body)
+	res.Body.Close()
 }
 
 // waitInflightZero waits (boundedly) for every upstream's in-flight counters to return to zero: the last

@@ -264,7 +264,7 @@ type caddyProcess struct {
 func startCaddyProcess(t *testing.T, dir, caddyfile string) *caddyProcess {
 	t.Helper()
 	p := &caddyProcess{t: t, bin: buildCaddy(t), dir: dir}
-	httpPort, adminPort := freePort(t), freePort(t)
+	httpPort, adminPort, _ := freePorts3()
 	p.Admin = fmt.Sprintf("http://127.0.0.1:%d", adminPort)
 	p.URL = fmt.Sprintf("http://127.0.0.1:%d", httpPort)
 	caddyfile = strings.NewReplacer("HTTP_PORT", fmt.Sprint(httpPort), "ADMIN_PORT", fmt.Sprint(adminPort)).Replace(caddyfile)

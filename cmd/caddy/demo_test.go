@@ -18,17 +18,6 @@ import (
 	"github.com/caddyserver/caddy/v2/caddytest"
 )
 
-// freePort returns a TCP port on 127.0.0.1 that nothing listens on right now.
-func freePort(t *testing.T) int {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
-}
-
 // demoPorts matches the ports examples/Caddyfile listens on: its admin address, the balancer and the
 // three simulated backends.
 var demoPorts = regexp.MustCompile(`:(2019|8080|8001|8002|8003)\b`)
@@ -43,10 +32,23 @@ func demoConfig(t *testing.T) (config string, admin, proxy int) {
 		t.Fatal(err)
 	}
 	ports := map[string]int{}
+	var held []net.Listener
+	defer func() {
+		for _, l := range held {
+			l.Close()
+		}
+	}()
 	config = demoPorts.ReplaceAllStringFunc(string(raw), func(m string) string {
 		p, ok := ports[m]
 		if !ok {
-			p = freePort(t)
+			// Held open until every port is chosen, so the kernel cannot hand out one port twice (two
+			// site blocks on one port: "ambiguous site definition").
+			l, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			held = append(held, l)
+			p = l.Addr().(*net.TCPAddr).Port
 			ports[m] = p
 		}
 		return ":" + strconv.Itoa(p)

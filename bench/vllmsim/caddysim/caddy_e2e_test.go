@@ -15,14 +15,19 @@ import (
 	_ "github.com/caddyserver/caddy/v2/modules/caddyhttp/standard"
 )
 
-func freePort(t *testing.T) int {
+// freePorts2 returns two distinct TCP ports free on 127.0.0.1.
+func freePorts2(t *testing.T) (int, int) {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
+	var ports [2]int
+	for i := range ports { // both held open until chosen, so the kernel cannot hand out one twice
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer l.Close()
+		ports[i] = l.Addr().(*net.TCPAddr).Port
 	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
+	return ports[0], ports[1]
 }
 
 // TestBehindReverseProxy runs a real Caddy (admin off) with a vllm_sim site and a reverse_proxy in
@@ -32,7 +37,7 @@ func TestBehindReverseProxy(t *testing.T) {
 	for _, v := range []string{"HOME", "XDG_DATA_HOME", "XDG_CONFIG_HOME"} {
 		t.Setenv(v, dir)
 	}
-	sim, proxy := freePort(t), freePort(t)
+	sim, proxy := freePorts2(t)
 	caddyfile := fmt.Sprintf(`{
 		admin off
 		auto_https off
