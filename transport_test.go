@@ -300,16 +300,22 @@ func TestRestartedBackendLosesPredictions(t *testing.T) {
 		m := adminUpstreams(t)[a.dial].Metrics
 		return m != nil && m.AgeSeconds >= 0 && time.Since(restarted).Seconds() > m.AgeSeconds+0.01
 	})
-	wrong := 0
+	// The first request the restarted upstream answers must be predicted nothing cached there: what was
+	// learned before the restart is gone. (Later ones may rightly be predicted the system prompt that
+	// request left in its new cache, which a short prompt's partial block may not hold.)
+	first := ""
 	for c := range convs {
 		id := fmt.Sprintf("after-%d", c)
 		ans := askProxy(t, client, id, conversationBody(c, 2, false))
-		if _, ok := a.sum(id); ok && ans.matched > 0 && ans.cached*2 < ans.matched {
-			wrong++
+		if _, ok := a.sum(id); ok && first == "" {
+			first = id
+			if ans.matched > 0 && ans.cached*2 < ans.matched {
+				t.Errorf("the first request the restarted upstream answered was predicted %d tokens cached (it had %d), want none", ans.matched, ans.cached)
+			}
 		}
 	}
-	if wrong > 0 {
-		t.Errorf("%d requests after the restart were predicted cached on the restarted upstream, want none", wrong)
+	if first == "" {
+		t.Log("no request after the restart reached the restarted upstream: its predictions were not checked")
 	}
 	if got := adminUpstreams(t)[a.dial].Cache; got == nil || got.Restarts < 1 {
 		t.Errorf("cache report of the restarted upstream = %+v, want a restart", got)
