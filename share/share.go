@@ -338,21 +338,23 @@ func (s *Sharer) readLoop(ctx context.Context) {
 	lastID := ""
 	for ctx.Err() == nil {
 		var err error
-		if lastID == "" {
+		warming := lastID == ""
+		if warming {
 			lastID, err = s.warmUp(ctx)
-			if err != nil && ctx.Err() == nil {
-				s.setConnected(false, err) // recorded before WaitWarm returns, so Status explains the failure
-			}
-			s.markWarm()
 		} else {
 			lastID, err = s.follow(ctx, lastID)
+		}
+		if err != nil && ctx.Err() == nil {
+			s.setConnected(false, err)
+			s.attempts.Add(1)
+		}
+		if warming {
+			s.markWarm() // after a failure is recorded, so Status explains it when WaitWarm returns
 		}
 		if ctx.Err() != nil {
 			return
 		}
 		if err != nil {
-			s.setConnected(false, err)
-			s.attempts.Add(1)
 			sleep(ctx, backoff+time.Duration(rand.Int64N(int64(backoff)/4+1)))
 			backoff = min(backoff*2, maxBackoff)
 			continue
