@@ -85,7 +85,6 @@ func (c *cluster) serve(h http.Handler) error {
 	return nil
 }
 
-// states returns every simulator's state.
 // measuredDriver returns a driver of w's sessions at rate requests a simulated second (its target left
 // to the caller), and the backends' states when its measured part began (before that, at the call).
 func (c *cluster) measuredDriver(client *http.Client, w Workload, rate float64, o options, prog *progress) (*driver, func() []vllmsim.State) {
@@ -116,6 +115,7 @@ func (c *cluster) measuredDriver(client *http.Client, w Workload, rate float64, 
 	}
 }
 
+// states returns every simulator's state.
 func (c *cluster) states() []vllmsim.State {
 	out := make([]vllmsim.State, len(c.sims))
 	for i, s := range c.sims {
