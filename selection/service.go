@@ -27,11 +27,20 @@ type Service struct {
 	// how many are the backend's own counters over an interval it was busy prefilling (ObserveBusy).
 	FirstTokens, BusyIntervals int
 
-	// scaledPrefill is what PrefillSecondsPerToken would be without the busy intervals (the prior at the
-	// upstream's speed scale), and busyRatio PrefillSecondsPerToken over it when busy intervals set it
-	// (0: they do not): how much slower or faster this kind of backend prefills than it decodes, against
-	// the prior. Fleet pools that ratio.
-	scaledPrefill, busyRatio float64
+	// scaledPrefill is what PrefillSecondsPerToken is without the busy intervals (the prior at the
+	// upstream's speed scale); 0 when first tokens pin it. Once busy intervals set PrefillSecondsPerToken
+	// (BusyIntervals >= minBusy), its ratio to scaledPrefill is how much slower or faster this kind of
+	// backend prefills than it decodes, against the prior: Fleet pools that ratio.
+	scaledPrefill float64
+}
+
+// busyRatio is s's prefill speed from busy intervals over its speed-scaled prior; 0 when busy intervals
+// do not set it.
+func (s Service) busyRatio() float64 {
+	if s.scaledPrefill == 0 || s.BusyIntervals < minBusy {
+		return 0
+	}
+	return s.PrefillSecondsPerToken / s.scaledPrefill
 }
 
 // TTFT is the time from the start of its prefill to the first token of a request with uncached
@@ -260,10 +269,11 @@ func (m *ServiceModel) serviceLocked() Service {
 	if m.ttftN >= minFirstTokens {
 		s.Overhead = clamp(m.ttft.theta[0], 0, max(p.Overhead, 1e-3)*maxScale)
 		s.PrefillSecondsPerToken = clamp(m.ttft.theta[1]/1000, p.PrefillSecondsPerToken/maxScale, p.PrefillSecondsPerToken*maxScale)
-	} else if m.busyN >= minBusy {
-		s.scaledPrefill = s.PrefillSecondsPerToken
+		return s
+	}
+	s.scaledPrefill = s.PrefillSecondsPerToken
+	if m.busyN >= minBusy {
 		s.PrefillSecondsPerToken = clamp(m.busy.theta[1]/1000, p.PrefillSecondsPerToken/maxScale, p.PrefillSecondsPerToken*maxScale)
-		s.busyRatio = s.PrefillSecondsPerToken / s.scaledPrefill
 	}
 	return s
 }
@@ -355,10 +365,10 @@ const trustedSamples = 16
 
 // Add counts s into the fleet's estimate, weighted by its samples.
 func (f *Fleet) Add(s Service) {
-	if s.busyRatio > 0 {
+	if r := s.busyRatio(); r > 0 {
 		w := float64(min(s.BusyIntervals, trustedBusy))
 		f.ratioWeight += w
-		f.logRatio += w * math.Log(s.busyRatio)
+		f.logRatio += w * math.Log(r)
 	}
 	w := float64(min(s.Samples, trustedSamples))
 	if w == 0 {
@@ -375,16 +385,12 @@ func (f *Fleet) Add(s Service) {
 // unless first tokens pinned it, also takes as much of the fleet's busy-interval ratio (applied to s's own
 // speed-scaled prior, so a backend 3x slower than the others stays 3x slower) as s lacks busy intervals.
 func (f *Fleet) Blend(s Service) Service {
-	if f.ratioWeight > 0 && s.BusyIntervals < trustedBusy && s.FirstTokens < minFirstTokens {
-		scaled := s.PrefillSecondsPerToken
-		if s.scaledPrefill > 0 {
-			scaled = s.scaledPrefill
+	if f.ratioWeight > 0 && s.BusyIntervals < trustedBusy && s.scaledPrefill > 0 {
+		own := 0.0
+		if s.busyRatio() > 0 {
+			own = float64(s.BusyIntervals) / trustedBusy
 		}
-		own := float64(s.BusyIntervals) / trustedBusy
-		if s.busyRatio == 0 {
-			own = 0
-		}
-		pooled := scaled * math.Exp(f.logRatio/f.ratioWeight)
+		pooled := s.scaledPrefill * math.Exp(f.logRatio/f.ratioWeight)
 		s.PrefillSecondsPerToken = own*s.PrefillSecondsPerToken + (1-own)*pooled
 	}
 	if f.weight == 0 || s.Samples >= trustedSamples {
