@@ -295,10 +295,14 @@ func TestRestartedBackendLosesPredictions(t *testing.T) {
 	restarted := time.Now()
 	// Wait for a scrape started after the restart completed (only its age is visible; a scrape
 	// started during the restart may read the old counters), then send the next turns: their
-	// decision sees the restart and forgets the routes first.
+	// decision sees the restart and forgets the routes first. The age is measured when the admin
+	// API answers, after asked: a scrape is newer than the restart when it is younger than the
+	// time from the restart to the question (measured at the answer instead, a slow admin
+	// round trip passed a scrape from before the restart).
 	waitFor(t, "a scrape after the restart", func() bool {
+		asked := time.Now()
 		m := adminUpstreams(t)[a.dial].Metrics
-		return m != nil && m.AgeSeconds >= 0 && time.Since(restarted).Seconds() > m.AgeSeconds+0.01
+		return m != nil && m.AgeSeconds >= 0 && asked.Sub(restarted).Seconds() > m.AgeSeconds
 	})
 	// The first request the restarted upstream answers must be predicted nothing cached there: what was
 	// learned before the restart is gone. (Later ones may rightly be predicted the system prompt that
