@@ -204,11 +204,9 @@ func (m *ServiceModel) ObserveBusy(seconds, uncached, steps float64) {
 	}
 }
 
-// minBusy is how many busy intervals the model needs before its own figure replaces the scaled prior
-// for the prefill. One is enough: how far it is believed over the fleet's is its variance's to say
-// (Fleet.Blend), and a backend 3x slower whose steps each carry a long prefill ran its second interval
-// only halfway through a run, drawing long prompts at the fleet's speed until then.
-const minBusy = 1
+// minBusy is how many busy intervals the model needs before it prefers them over the scaled prior for
+// the prefill.
+const minBusy = 2
 
 // maxScale bounds how far from the prior the speed scale goes, and one observation's pull on it.
 const maxScale = 30
@@ -404,8 +402,7 @@ func (f *Fleet) Add(s Service) {
 // unless first tokens pinned it, also takes as much of the fleet's busy-interval ratio (applied to s's own
 // speed-scaled prior, so a backend 3x slower than the others stays 3x slower) as s lacks busy intervals.
 func (f *Fleet) Blend(s Service) Service {
-	busyBlended := f.ratioWeight > 0 && s.BusyIntervals < trustedBusy && s.scaledPrefill > 0
-	if busyBlended {
+	if f.ratioWeight > 0 && s.BusyIntervals < trustedBusy && s.scaledPrefill > 0 {
 		own := 0.0
 		if s.busyRatio() > 0 {
 			// As much as its own estimate is more certain than how far backends of one pool differ
@@ -422,9 +419,7 @@ func (f *Fleet) Blend(s Service) Service {
 	own := float64(s.Samples) / trustedSamples
 	fleet := 1 - own
 	s.Overhead = own*s.Overhead + fleet*f.overhead/f.weight
-	if !busyBlended { // (the busy intervals' blend above already weighed the fleet's prefill)
-		s.PrefillSecondsPerToken = own*s.PrefillSecondsPerToken + fleet*f.prefill/f.weight
-	}
+	s.PrefillSecondsPerToken = own*s.PrefillSecondsPerToken + fleet*f.prefill/f.weight
 	s.TokenSeconds = own*s.TokenSeconds + fleet*f.token/f.weight
 	s.MeanDuration = own*s.MeanDuration + fleet*f.meanDuration/f.weight
 	return s

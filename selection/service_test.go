@@ -216,45 +216,6 @@ func TestFleetPoolsBusyPrefill(t *testing.T) {
 	}
 }
 
-// TestFleetKeepsCertainOutlier: with a few busy intervals each, a backend whose counters consistently
-// show 3x slower prefill keeps its own figure at once (it must not be priced at the fleet's speed and draw
-// the long prompts), while one whose few intervals scatter widely (counters moving at step edges) stays
-// near the fleet's figure until it has more.
-func TestFleetKeepsCertainOutlier(t *testing.T) {
-	const perToken = 1.0 / 8000
-	rng := rand.New(rand.NewPCG(3, 3))
-	busy := func(m *ServiceModel, n int, perToken, noise float64) {
-		for range n {
-			steps := 4 + rng.Float64()*20
-			uncached := 2000 + rng.Float64()*6000
-			secs := steps*0.03 + uncached*perToken
-			m.ObserveBusy(secs*(1+noise*(2*rng.Float64()-1)), uncached, steps)
-		}
-	}
-	var f Fleet
-	for range 3 { // the pool: measured at length, the prior's speed
-		m := NewServiceModel(Prior)
-		busy(m, 2*trustedBusy, perToken, 0.05)
-		f.Add(m.Service())
-	}
-	slow := NewServiceModel(Prior)
-	busy(slow, 3, 3*perToken, 0.05)
-	noisy := NewServiceModel(Prior)
-	for i, x := range []float64{0.02, 4, 0.05} { // edge effects: an interval credited a prompt prefilled in the next
-		noisy.ObserveBusy(0.5+x, 4000, 10+float64(i))
-	}
-	f.Add(slow.Service())
-	f.Add(noisy.Service())
-	if got := f.Blend(slow.Service()).PrefillSecondsPerToken / perToken; got < 2.5 {
-		t.Errorf("backend 3x slower, 3 consistent busy intervals: blended prefill %.2fx the fleet's, want its own 3x", got)
-	}
-	n := noisy.Service()
-	blended := f.Blend(n).PrefillSecondsPerToken
-	if own := n.PrefillSecondsPerToken; math.Abs(math.Log(blended/perToken)) > 0.5*math.Abs(math.Log(own/perToken)) {
-		t.Errorf("backend with 3 scattered intervals: blended prefill %.2fx the fleet's (own %.2fx), want it held near the fleet's", blended/perToken, own/perToken)
-	}
-}
-
 // TestServiceModelSetPrior: a new prior (a capacity hint) forgets what was learned and starts from it;
 // the same prior again keeps what was learned. Regression: SetPrior overwrote the whole model, its held
 // lock included, and the deferred unlock panicked.
