@@ -438,12 +438,9 @@ func (l *upstreamLoad) observeBusyLocked(snap *scraper.Snapshot) {
 // minBusySteps is how many engine steps a busy interval must span to be observed. Prefix-cache queries
 // count a prompt when it is scheduled, its prefill runs after: a 4,000-token prompt scheduled at the end
 // of a short interval made it look prefilled in no time (traced: 4,004 tokens in 0.1 s, 19 steps, on a
-// 2k-tokens/s backend), the next one look slow to step. That noise is the service model's to weigh (it
-// keeps the intervals' residual variance, and the fleet's estimate holds until the upstream's own is
-// certain): intervals of 64 steps, as here before, left a backend whose steps carry long prefills (3x
-// slower, 1.5 s a step) without one interval in its first 30 s, priced at the fleet's speed, and it
-// drew 1.5x its share.
-const minBusySteps = 2
+// 2k-tokens/s backend), the next one look slow to step. Over 64 steps a prompt at the edges is a small
+// part of the work.
+const minBusySteps = 64
 
 // minTrustPrompt is how many prompt tokens this proxy must have sent an upstream between two scrapes
 // for their counters to say anything about its predictions.

@@ -32,9 +32,6 @@ type Service struct {
 	// (BusyIntervals >= minBusy), its ratio to scaledPrefill is how much slower or faster this kind of
 	// backend prefills than it decodes, against the prior: Fleet pools that ratio.
 	scaledPrefill float64
-	// prefillLogVar is the variance of log(PrefillSecondsPerToken) as the busy intervals estimate it:
-	// how far the upstream's own figure can be trusted over the fleet's (Fleet.Blend).
-	prefillLogVar float64
 }
 
 // busyRatio is s's prefill speed from busy intervals over its speed-scaled prior; 0 when busy intervals
@@ -84,7 +81,6 @@ type ServiceModel struct {
 	ttftN     int     // first tokens observed
 	busy      rls2    // a busy interval's seconds = step time x steps + prefill seconds per 1000 tokens x uncached/1000
 	busyN     int     // busy intervals observed
-	busyVar   float64 // the busy intervals' residual variance (seconds^2, EWMA)
 	logScale  float64 // log of observed/predicted durations (EWMA)
 	durN      int
 	meanDur   float64
@@ -123,7 +119,6 @@ func (m *ServiceModel) resetLocked(prior Service) {
 	m.prior, m.meanDur = prior, prior.MeanDuration
 	m.ttft, m.ttftN = newRLS2(prior.Overhead, prior.PrefillSecondsPerToken*1000), 0
 	m.busy, m.busyN = newRLS2(prior.TokenSeconds, prior.PrefillSecondsPerToken*1000), 0
-	m.busyVar = noiseSeconds * noiseSeconds
 	m.logScale, m.durN = 0, 0
 	m.slots, m.ceiling, m.atCeil, m.belowCeil = 0, 0, 0, 0
 }
@@ -195,10 +190,6 @@ func (m *ServiceModel) ObserveBusy(seconds, uncached, steps float64) {
 	pred := m.busy.theta[0]*phi[0] + m.busy.theta[1]*phi[1]
 	y := min(seconds, 10*max(pred, 1e-3)+1) // a stall (a preempted batch, a paused process) must not teach a 10x slowdown
 	m.busy.updatePhi(phi, y)
-	// The residual after the update: the noise the counters' edges put into one interval (a prompt
-	// counted in one interval and prefilled in the next), in this backend's own seconds.
-	res := y - (m.busy.theta[0]*phi[0] + m.busy.theta[1]*phi[1])
-	m.busyVar += (1 - forgetting) * (res*res - m.busyVar)
 	if uncached > 0 {
 		m.busyN++ // an interval without prefill teaches the step time only
 	}
@@ -283,10 +274,6 @@ func (m *ServiceModel) serviceLocked() Service {
 	s.scaledPrefill = s.PrefillSecondsPerToken
 	if m.busyN >= minBusy {
 		s.PrefillSecondsPerToken = clamp(m.busy.theta[1]/1000, p.PrefillSecondsPerToken/maxScale, p.PrefillSecondsPerToken*maxScale)
-		// The estimate's variance is the residual variance times the RLS covariance (the inverse of
-		// the information the intervals carried), relative to the estimate: a log variance.
-		th := s.PrefillSecondsPerToken * 1000
-		s.prefillLogVar = m.busyVar * m.busy.p[1][1] / (th * th)
 	}
 	return s
 }
@@ -373,10 +360,6 @@ type Fleet struct {
 // long prompts (mixed workload: 1.5x its share, TTFT p99 1.5x least_conn's).
 const trustedBusy = 16
 
-// fleetLogVar is the variance of log prefill speed between the backends of one pool assumed before
-// any is measured: backends 2x apart are one standard deviation apart.
-var fleetLogVar = math.Ln2 * math.Ln2
-
 // trustedSamples is how many observations make an upstream's own estimate fully trusted.
 const trustedSamples = 16
 
@@ -405,10 +388,7 @@ func (f *Fleet) Blend(s Service) Service {
 	if f.ratioWeight > 0 && s.BusyIntervals < trustedBusy && s.scaledPrefill > 0 {
 		own := 0.0
 		if s.busyRatio() > 0 {
-			// As much as its own estimate is more certain than how far backends of one pool differ
-			// (a shrinkage estimate): a backend 3x slower than the others shows it within a few busy
-			// intervals, where a few noisy intervals on identical backends stay pooled.
-			own = max(float64(s.BusyIntervals)/trustedBusy, fleetLogVar/(fleetLogVar+s.prefillLogVar))
+			own = float64(s.BusyIntervals) / trustedBusy
 		}
 		pooled := s.scaledPrefill * math.Exp(f.logRatio/f.ratioWeight)
 		s.PrefillSecondsPerToken = own*s.PrefillSecondsPerToken + (1-own)*pooled
