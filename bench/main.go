@@ -73,7 +73,10 @@ type options struct {
 	instances  int
 	restart    bool
 	shareFlush time.Duration
-	setups     []string // of -instances: one, shared, unshared
+	// rejudge (-rejudge FILE) judges the runs of an earlier -matrix results.json again and writes its
+	// report into out, running nothing (matrix.go).
+	rejudge string
+	setups  []string // of -instances: one, shared, unshared
 }
 
 // size returns the workload size the options ask for.
@@ -139,6 +142,7 @@ func parseOptions(args []string) (options, error) {
 	var setups string
 	fs.StringVar(&setups, "setups", "one,shared,unshared", "with -instances: which setups to run")
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the run to this file")
+	fs.StringVar(&o.rejudge, "rejudge", "", "judge the runs of an earlier -matrix results.json again (nothing is run) and write its report, results.json and matrix.svg into -out")
 	fs.BoolVar(&o.observe, "observe", false, "run every llm policy behind transport llm (it reads each response's cached tokens and corrects the routes)")
 	if err := fs.Parse(args); err != nil {
 		return o, err
@@ -152,8 +156,8 @@ func parseOptions(args []string) (options, error) {
 	if !(o.load > 0) {
 		return o, fmt.Errorf("-load must be positive")
 	}
-	if modes := btoi(o.matrix) + btoi(o.goodput) + btoi(o.faults) + btoi(o.overhead); modes > 1 {
-		return o, fmt.Errorf("-matrix, -goodput, -faults and -overhead are separate modes")
+	if modes := btoi(o.matrix) + btoi(o.goodput) + btoi(o.faults) + btoi(o.overhead) + btoi(o.rejudge != ""); modes > 1 {
+		return o, fmt.Errorf("-matrix, -goodput, -faults, -overhead and -rejudge are separate modes")
 	}
 	if (o.instances > 0 || o.restart) && policies != "all" && strings.Contains(policies, ",") {
 		return o, fmt.Errorf("-instances and -restart run one policy (an llm variant)")
@@ -320,6 +324,9 @@ func run(args []string) error {
 	o, err := parseOptions(args)
 	if err != nil {
 		return err
+	}
+	if o.rejudge != "" {
+		return rejudgeMatrix(o.rejudge, o.out, "go run ./bench "+strings.Join(args, " "))
 	}
 	cleanup, err := isolateCaddyDirs()
 	if err != nil {

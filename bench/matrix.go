@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"math"
@@ -69,6 +70,11 @@ type MatrixCell struct {
 	// Judged is false when llm or every stock policy is missing from the cell.
 	Judged bool `json:"judged"`
 	Pass   bool `json:"pass"`
+	// SeedsPassing is on how many of the cell's seeds llm passes against that seed's best stock
+	// figures (the same thresholds): how much the verdict on the medians is worth. Identical runs of
+	// the stock policies move a cell's figures by 10-55%, so a median verdict that one seed of three
+	// carries is a tie, not a win or a loss.
+	SeedsPassing int `json:"seeds_passing"`
 }
 
 // RegimeInfo is a regime as results.json records it.
@@ -340,7 +346,30 @@ func judgeCell(regime, workload string, runs []MatrixRun) MatrixCell {
 	c.P50Ratio = round3(llm.TTFTP50 / c.BestP50)
 	c.P99Ratio = round3(llm.TTFTP99 / c.BestP99)
 	c.Pass = c.P99Ratio <= passP99Ratio && c.P50Ratio <= passP50Ratio && llm.Failed == 0
+	for _, r := range runs {
+		if seedPasses(r.Policies) {
+			c.SeedsPassing++
+		}
+	}
 	return c
+}
+
+// seedPasses reports whether llm passes against the best stock figures of one seed's run.
+func seedPasses(ps []Summary) bool {
+	var llm *Summary
+	best50, best99 := math.Inf(1), math.Inf(1)
+	for i := range ps {
+		s := &ps[i]
+		switch {
+		case s.Skipped != "":
+		case s.Policy == judgedPolicy:
+			llm = s
+		case slices.Contains(stockPolicies, s.Policy):
+			best50, best99 = min(best50, s.TTFTP50), min(best99, s.TTFTP99)
+		}
+	}
+	return llm != nil && !math.IsInf(best99, 1) && llm.Failed == 0 &&
+		llm.TTFTP99 <= passP99Ratio*best99 && llm.TTFTP50 <= passP50Ratio*best50
 }
 
 // policy returns the cell's medians of the named policy.
@@ -366,13 +395,19 @@ func (c MatrixCell) verdictWord() string {
 
 // matrixVerdict is the one-line summary: how many judged cells pass.
 func matrixVerdict(cells []MatrixCell) string {
-	judged, passed := 0, 0
+	judged, passed, every, none := 0, 0, 0, 0
 	var failed []string
 	for _, c := range cells {
 		if !c.Judged {
 			continue
 		}
 		judged++
+		switch c.SeedsPassing {
+		case c.Seeds:
+			every++
+		case 0:
+			none++
+		}
 		if c.Pass {
 			passed++
 		} else {
@@ -384,12 +419,15 @@ func matrixVerdict(cells []MatrixCell) string {
 	if len(failed) > 0 {
 		v += "; fails " + strings.Join(failed, ", ")
 	}
+	if judged > 0 {
+		v += fmt.Sprintf(". Seed by seed: passes on every seed in %d cells, on none in %d, the seeds disagree in %d", every, none, judged-every-none)
+	}
 	return v
 }
 
 // matrixHeader names the columns of the pass/fail table.
 var matrixHeader = []string{"regime", "workload", "req/run", "llm p50", "best stock p50", "p50 ratio",
-	"llm p99", "best stock p99", "p99 ratio", "llm hit", "llm max share", "oracle p99 ratio", "verdict"}
+	"llm p99", "best stock p99", "p99 ratio", "llm hit", "llm max share", "oracle p99 ratio", "seeds passing", "verdict"}
 
 // matrixRows returns the pass/fail table, one row per cell; times in simulated ms.
 func matrixRows(cells []MatrixCell) [][]string {
@@ -398,7 +436,7 @@ func matrixRows(cells []MatrixCell) [][]string {
 		llm, _ := c.policy(judgedPolicy)
 		row := []string{c.Regime, c.Workload, fmt.Sprint(c.Requests)}
 		if !c.Judged {
-			rows = append(rows, append(row, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-"))
+			rows = append(rows, append(row, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-"))
 			continue
 		}
 		oracle := "-"
@@ -408,7 +446,8 @@ func matrixRows(cells []MatrixCell) [][]string {
 		rows = append(rows, append(row,
 			f0(llm.TTFTP50), fmt.Sprintf("%s (%s)", f0(c.BestP50), c.BestP50Policy), fmt.Sprintf("%.2f", c.P50Ratio),
 			f0(llm.TTFTP99), fmt.Sprintf("%s (%s)", f0(c.BestP99), c.BestP99Policy), fmt.Sprintf("%.2f", c.P99Ratio),
-			fmt.Sprintf("%.0f%%", 100*llm.HitRate), fmt.Sprintf("%.2f", llm.MaxShare), oracle, c.verdictWord()))
+			fmt.Sprintf("%.0f%%", 100*llm.HitRate), fmt.Sprintf("%.2f", llm.MaxShare), oracle,
+			fmt.Sprintf("%d/%d", c.SeedsPassing, c.Seeds), c.verdictWord()))
 	}
 	return rows
 }
@@ -438,7 +477,9 @@ func writeMatrixMarkdown(out io.Writer, mr MatrixResults) {
 		fmt.Fprintf(out, "![llm TTFT p99 / best stock policy](matrix.svg)\n\n")
 		fmt.Fprintf(out, "A cell passes when `llm`'s TTFT p99 is at most the best stock policy's (the lowest of %s in that cell) and its p50 at most %.2fx the best stock p50 (possibly another policy's). "+
 			"Max share is the busiest backend's requests over its fair share (by estimated capacity: equal on uniform clusters). "+
-			"The oracle column is the oracle's p99 over the best stock p99: what reading the true caches and queues could do.\n\n",
+			"The oracle column is the oracle's p99 over the best stock p99: what reading the true caches and queues could do. "+
+			"Seeds passing: on how many seeds llm passes against that seed's best stock figures; where the seeds disagree, the verdict on the medians is a tie "+
+			"(identical runs of the stock policies move a cell's figures by 10-55%%).\n\n",
 			strings.Join(stockPolicies, ", "), passP50Ratio)
 		header := matrixHeader
 		fmt.Fprintf(out, "| %s |\n|%s\n", strings.Join(header, " | "), strings.Repeat("---|", len(header)))
@@ -502,6 +543,33 @@ func writeMatrixMarkdown(out io.Writer, mr MatrixResults) {
 	for _, n := range mr.Notes {
 		fmt.Fprintf(out, "- %s\n", n)
 	}
+}
+
+// rejudgeMatrix reads an earlier -matrix results.json, judges its runs again (the verdict's rules may
+// have changed since, e.g. seeds passing) and writes the outputs into dir; nothing is run. command is
+// recorded in the notes; the original command, start time and machine stay the run's.
+func rejudgeMatrix(path, dir, command string) error {
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	var mr MatrixResults
+	if err := json.Unmarshal(raw, &mr); err != nil {
+		return fmt.Errorf("%s: %w", path, err)
+	}
+	if len(mr.Runs) == 0 {
+		return fmt.Errorf("%s: no matrix runs to judge", path)
+	}
+	mr.Cells = judgeCells(mr.Runs)
+	note := fmt.Sprintf("judged again by `%s` on %s", command, time.Now().UTC().Format(time.RFC3339))
+	if i := slices.IndexFunc(mr.Notes, func(n string) bool { return strings.HasPrefix(n, "judged again by ") }); i >= 0 {
+		mr.Notes[i] = note
+	} else {
+		mr.Notes = append(mr.Notes, note)
+	}
+	writeMatrixTable(os.Stdout, mr.Cells)
+	fmt.Println(matrixVerdict(mr.Cells))
+	return writeMatrixOutputs(dir, mr)
 }
 
 // writeMatrixOutputs writes results.json, report.md and (for -matrix) matrix.svg into dir.

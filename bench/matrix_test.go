@@ -1,9 +1,12 @@
 package main
 
 import (
+	"encoding/json"
 	"encoding/xml"
 	"io"
 	"math"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -156,18 +159,25 @@ func TestJudgeCell(t *testing.T) {
 		runs                [][]Summary // per seed
 		wantPass, wantJudge bool
 		wantP50, wantP99    float64
+		wantSeeds           int // seeds on which llm passes against that seed's best stock figures
 	}{
-		{"better on both", [][]Summary{append(slices.Clone(stock), summaryOf("llm", 90, 800, 10, 10))}, true, true, 0.9, 0.889},
-		{"p50 within 5%", [][]Summary{append(slices.Clone(stock), summaryOf("llm", 105, 900, 10, 10))}, true, true, 1.05, 1},
-		{"p50 over 5%", [][]Summary{append(slices.Clone(stock), summaryOf("llm", 106, 800, 10, 10))}, false, true, 1.06, 0.889},
-		{"p99 worse", [][]Summary{append(slices.Clone(stock), summaryOf("llm", 50, 901, 10, 10))}, false, true, 0.5, 1.001},
-		{"no llm", [][]Summary{stock}, false, false, 0, 0},
-		{"no stock", [][]Summary{{summaryOf("llm", 50, 500), summaryOf("oracle", 40, 400)}}, false, false, 0, 0},
+		{"better on both", [][]Summary{append(slices.Clone(stock), summaryOf("llm", 90, 800, 10, 10))}, true, true, 0.9, 0.889, 1},
+		{"p50 within 5%", [][]Summary{append(slices.Clone(stock), summaryOf("llm", 105, 900, 10, 10))}, true, true, 1.05, 1, 1},
+		{"p50 over 5%", [][]Summary{append(slices.Clone(stock), summaryOf("llm", 106, 800, 10, 10))}, false, true, 1.06, 0.889, 0},
+		{"p99 worse", [][]Summary{append(slices.Clone(stock), summaryOf("llm", 50, 901, 10, 10))}, false, true, 0.5, 1.001, 0},
+		{"no llm", [][]Summary{stock}, false, false, 0, 0, 0},
+		{"no stock", [][]Summary{{summaryOf("llm", 50, 500), summaryOf("oracle", 40, 400)}}, false, false, 0, 0, 0},
+		// The medians pass, yet seed by seed llm loses twice: once on p99 (2000 against 1000), once on
+		// p50 (400 against 200).
 		{"median of three seeds", [][]Summary{
 			{summaryOf("least_conn", 100, 1000), summaryOf("llm", 50, 2000)},
 			{summaryOf("least_conn", 300, 3000), summaryOf("llm", 90, 900)},
 			{summaryOf("least_conn", 200, 2000), summaryOf("llm", 400, 1000)},
-		}, true, true, 0.45, 0.5},
+		}, true, true, 0.45, 0.5, 1},
+		{"a failed request fails the seed", [][]Summary{
+			{summaryOf("least_conn", 100, 1000), {Policy: "llm", TTFTP50: 50, TTFTP99: 500, Failed: 1}},
+			{summaryOf("least_conn", 100, 1000), summaryOf("llm", 50, 500)},
+		}, false, true, 0.5, 0.5, 1},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -181,6 +191,9 @@ func TestJudgeCell(t *testing.T) {
 			}
 			if c.P50Ratio != tt.wantP50 || c.P99Ratio != tt.wantP99 {
 				t.Errorf("ratios p50 %v p99 %v, want %v %v", c.P50Ratio, c.P99Ratio, tt.wantP50, tt.wantP99)
+			}
+			if c.SeedsPassing != tt.wantSeeds {
+				t.Errorf("seeds passing %d, want %d", c.SeedsPassing, tt.wantSeeds)
 			}
 			if c.Requests != 100 || c.Seeds != len(tt.runs) {
 				t.Errorf("requests %d seeds %d, want 100 and %d", c.Requests, c.Seeds, len(tt.runs))
@@ -219,13 +232,17 @@ func TestMaxShare(t *testing.T) {
 
 func TestMatrixVerdict(t *testing.T) {
 	cells := []MatrixCell{
-		{Regime: "a", Workload: "x", Judged: true, Pass: true},
-		{Regime: "a", Workload: "y", Judged: true},
+		{Regime: "a", Workload: "x", Judged: true, Pass: true, Seeds: 3, SeedsPassing: 3},
+		{Regime: "a", Workload: "y", Judged: true, Seeds: 3, SeedsPassing: 1},
+		{Regime: "a", Workload: "z", Judged: true, Pass: true, Seeds: 3, SeedsPassing: 2},
 		{Regime: "b", Workload: "x"},
 	}
 	got := matrixVerdict(cells)
-	if !strings.Contains(got, "passes 1 of 2 cells") || !strings.Contains(got, "fails a/y") {
-		t.Errorf("matrixVerdict = %q, want 1 of 2 passing and a/y named", got)
+	if !strings.Contains(got, "passes 2 of 3 cells") || !strings.Contains(got, "fails a/y") {
+		t.Errorf("matrixVerdict = %q, want 2 of 3 passing and a/y named", got)
+	}
+	if !strings.Contains(got, "every seed in 1 cells, on none in 0, the seeds disagree in 2") {
+		t.Errorf("matrixVerdict = %q, want the seed-by-seed counts 1, 0, 2", got)
 	}
 }
 
@@ -402,5 +419,48 @@ func TestScalePrior(t *testing.T) {
 		if got := scalePrior(policy{Name: "p", JSON: tc.in}, 10, dials).JSON; got != tc.want {
 			t.Errorf("scalePrior(%s) = %s, want %s", tc.in, got, tc.want)
 		}
+	}
+}
+
+// TestRejudge: -rejudge reads an earlier results.json, judges its runs with today's rules and writes the
+// report, without running anything; a file without runs is an error.
+func TestRejudge(t *testing.T) {
+	dir := t.TempDir()
+	mr := MatrixResults{Command: "go run ./bench -matrix", Seeds: []int64{1, 2}, Runs: []MatrixRun{
+		{Regime: "r", Workload: "w", Seed: 1, Requests: 110, Warmup: 10, Policies: []Summary{summaryOf("least_conn", 100, 1000), summaryOf("llm", 50, 500)}},
+		{Regime: "r", Workload: "w", Seed: 2, Requests: 110, Warmup: 10, Policies: []Summary{summaryOf("least_conn", 100, 1000), summaryOf("llm", 50, 2000)}},
+	}}
+	raw, err := json.Marshal(mr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	in := filepath.Join(dir, "in.json")
+	if err := os.WriteFile(in, raw, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	out := filepath.Join(dir, "out")
+	if err := run([]string{"-rejudge", in, "-out", out}); err != nil {
+		t.Fatal(err)
+	}
+	var got MatrixResults
+	if b, err := os.ReadFile(filepath.Join(out, "results.json")); err != nil || json.Unmarshal(b, &got) != nil {
+		t.Fatalf("results.json: %v", err)
+	}
+	if len(got.Cells) != 1 || got.Cells[0].SeedsPassing != 1 || got.Cells[0].Seeds != 2 || got.Command != mr.Command {
+		t.Errorf("rejudged %+v, want one cell passing on 1 of 2 seeds and the run's own command", got)
+	}
+	report, err := os.ReadFile(filepath.Join(out, "report.md"))
+	if err != nil || !strings.Contains(string(report), "| 1/2 |") || !strings.Contains(string(report), "judged again by") {
+		t.Errorf("report.md (%v) lacks the seeds-passing column or the re-judge note:\n%s", err, report)
+	}
+	empty := filepath.Join(dir, "empty.json")
+	if err := os.WriteFile(empty, []byte(`{"runs":[]}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := run([]string{"-rejudge", empty, "-out", out}); err == nil {
+		t.Error("re-judging a file without runs: no error")
+	}
+	if _, err := parseOptions([]string{"-rejudge", in, "-matrix"}); err == nil {
+		t.Error("-rejudge with -matrix: no error")
 	}
 }
