@@ -11,6 +11,7 @@
 //	go run ./bench -overhead            # Caddy's own cost: round_robin vs llm on instant backends
 //	go run ./bench -matrix              # backend regimes x workloads, pass/fail of llm per cell (~40 min)
 //	go run ./bench -quick -matrix       # 2 regimes x 5 workloads, one seed (CI, ~4 min)
+//	go run ./bench -rejudge docs/bench/results.json -out /tmp/m  # judge a recorded matrix again
 //	go run ./bench -goodput             # highest load with TTFT p99 < 2 s: least_conn vs llm
 //	go run ./bench -instances 3         # 3 Caddy processes, shared through Redis vs unshared vs one
 //	go run ./bench -restart             # restart Caddy under load, with and without persist
