@@ -74,10 +74,10 @@ type options struct {
 	instances  int
 	restart    bool
 	shareFlush time.Duration
+	setups     []string // of -instances: one, shared, unshared
 	// rejudge (-rejudge FILE) judges the runs of an earlier -matrix results.json again and writes its
 	// report into out, running nothing (matrix.go).
 	rejudge string
-	setups  []string // of -instances: one, shared, unshared
 }
 
 // size returns the workload size the options ask for.

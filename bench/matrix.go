@@ -345,7 +345,7 @@ func judgeCell(regime, workload string, runs []MatrixRun) MatrixCell {
 	c.Judged = true
 	c.P50Ratio = round3(llm.TTFTP50 / c.BestP50)
 	c.P99Ratio = round3(llm.TTFTP99 / c.BestP99)
-	c.Pass = c.P99Ratio <= passP99Ratio && c.P50Ratio <= passP50Ratio && llm.Failed == 0
+	c.Pass = passes(c.P50Ratio, c.P99Ratio, llm.Failed)
 	for _, r := range runs {
 		if seedPasses(r.Policies) {
 			c.SeedsPassing++
@@ -368,8 +368,12 @@ func seedPasses(ps []Summary) bool {
 			best50, best99 = min(best50, s.TTFTP50), min(best99, s.TTFTP99)
 		}
 	}
-	return llm != nil && !math.IsInf(best99, 1) && llm.Failed == 0 &&
-		llm.TTFTP99 <= passP99Ratio*best99 && llm.TTFTP50 <= passP50Ratio*best50
+	return llm != nil && !math.IsInf(best99, 1) && passes(llm.TTFTP50/best50, llm.TTFTP99/best99, llm.Failed)
+}
+
+// passes is the verdict on llm's TTFT ratios to the best stock policy's, with failed requests lost.
+func passes(p50Ratio, p99Ratio float64, failed int) bool {
+	return p99Ratio <= passP99Ratio && p50Ratio <= passP50Ratio && failed == 0
 }
 
 // policy returns the cell's medians of the named policy.
@@ -436,7 +440,10 @@ func matrixRows(cells []MatrixCell) [][]string {
 		llm, _ := c.policy(judgedPolicy)
 		row := []string{c.Regime, c.Workload, fmt.Sprint(c.Requests)}
 		if !c.Judged {
-			rows = append(rows, append(row, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-"))
+			for len(row) < len(matrixHeader) {
+				row = append(row, "-")
+			}
+			rows = append(rows, row)
 			continue
 		}
 		oracle := "-"
