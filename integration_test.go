@@ -8,7 +8,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -20,6 +19,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2/caddytest"
+	"github.com/tokenrouter/caddy-llm/internal/freeport"
 )
 
 // TestMain keeps Caddy's autosave and PKI data out of the user's home directory.
@@ -64,17 +64,11 @@ var (
 	site = fmt.Sprintf(":%d", httpPort)
 )
 
-// freePorts3 returns three distinct TCP ports free on 127.0.0.1. Each listener stays open until all three
-// are chosen, so the kernel cannot hand out one port twice.
+// freePorts3 returns three distinct TCP ports free on 127.0.0.1 (freeport.Ports).
 func freePorts3() (int, int, int) {
-	var ports [3]int
-	for i := range ports {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			panic(fmt.Sprintf("choosing a free port for the test Caddy: %v", err))
-		}
-		defer l.Close()
-		ports[i] = l.Addr().(*net.TCPAddr).Port
+	ports, err := freeport.Ports(3)
+	if err != nil {
+		panic(fmt.Sprintf("choosing a free port for the test Caddy: %v", err))
 	}
 	return ports[0], ports[1], ports[2]
 }

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"regexp"
@@ -16,11 +15,15 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2/caddytest"
+	"github.com/tokenrouter/caddy-llm/internal/freeport"
 )
 
 // demoPorts matches the ports examples/Caddyfile listens on: its admin address, the balancer and the
 // three simulated backends.
 var demoPorts = regexp.MustCompile(`:(2019|8080|8001|8002|8003)\b`)
+
+// demoAddrs are the addresses demoPorts matches, each given a free port of its own.
+var demoAddrs = []string{":2019", ":8080", ":8001", ":8002", ":8003"}
 
 // demoConfig returns examples/Caddyfile with each of its ports moved to a free one, so the test
 // neither collides with a Caddy running on the machine nor loads its config into one. It returns the
@@ -31,29 +34,20 @@ func demoConfig(t *testing.T) (config string, admin, proxy int) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	free, err := freeport.Ports(len(demoAddrs))
+	if err != nil {
+		t.Fatal(err)
+	}
 	ports := map[string]int{}
-	var held []net.Listener
-	defer func() {
-		for _, l := range held {
-			l.Close()
-		}
-	}()
 	config = demoPorts.ReplaceAllStringFunc(string(raw), func(m string) string {
 		p, ok := ports[m]
 		if !ok {
-			// Held open until every port is chosen, so the kernel cannot hand out one port twice (two
-			// site blocks on one port: "ambiguous site definition").
-			l, err := net.Listen("tcp", "127.0.0.1:0")
-			if err != nil {
-				t.Fatal(err)
-			}
-			held = append(held, l)
-			p = l.Addr().(*net.TCPAddr).Port
+			p = free[len(ports)]
 			ports[m] = p
 		}
 		return ":" + strconv.Itoa(p)
 	})
-	for _, want := range []string{":2019", ":8080", ":8001", ":8002", ":8003"} {
+	for _, want := range demoAddrs {
 		if _, ok := ports[want]; !ok {
 			t.Fatalf("examples/Caddyfile no longer uses %s; update demoPorts", want)
 		}

@@ -3,29 +3,24 @@ package caddysim
 import (
 	"bufio"
 	"fmt"
-	"net"
 	"net/http"
 	"strings"
 	"testing"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/tokenrouter/caddy-llm/internal/freeport"
 
 	_ "github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	_ "github.com/caddyserver/caddy/v2/modules/caddyhttp/standard"
 )
 
-// freePorts2 returns two distinct TCP ports free on 127.0.0.1.
+// freePorts2 returns two distinct TCP ports free on 127.0.0.1 (freeport.Ports).
 func freePorts2(t *testing.T) (int, int) {
 	t.Helper()
-	var ports [2]int
-	for i := range ports { // both held open until chosen, so the kernel cannot hand out one twice
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer l.Close()
-		ports[i] = l.Addr().(*net.TCPAddr).Port
+	ports, err := freeport.Ports(2)
+	if err != nil {
+		t.Fatal(err)
 	}
 	return ports[0], ports[1]
 }
