@@ -285,9 +285,11 @@ type upstreamView struct {
 // Without a fresh scrape, the queued prefill is this proxy's virtual queue, a prediction. With one, it
 // is what the backend itself shows waiting at the time of the scrape (its own requests and everyone
 // else's, at the mean uncached prompt of this proxy's requests there) plus what this proxy sent since,
-// still before its first token: truth up to one scrape old, and this proxy's own changes since, so a
-// burst is never sent to an upstream because it looked idle at the last scrape. Its running and waiting
-// requests beyond this proxy's own at the time of the scrape are added to the requests in flight, once.
+// still before its first token; what the scrape showed waiting drains at the upstream's prefill speed
+// since: truth up to one scrape old, and this proxy's own changes since, so a burst is never sent to an
+// upstream because it looked idle at the last scrape, nor a prefix kept off its home for a queue it has
+// prefilled since. Its running and waiting requests beyond this proxy's own at the time of the scrape
+// are added to the requests in flight, once.
 func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstreamView {
 	l := t.lookup(dial)
 	if l == nil {
@@ -304,9 +306,9 @@ func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstrea
 	if snap == nil {
 		v.queued = max(float64(l.prefillUntil.Load()-now)/1e9, 0)
 	} else {
-		foreign, queuedTokens, kvSince := l.fromScrape(snap)
+		foreign, queued, kvSince := l.fromScrape(snap, now, v.service.PrefillSecondsPerToken)
 		v.requests += foreign
-		v.queued = queuedTokens * v.service.PrefillSecondsPerToken
+		v.queued = queued
 		if c := float64(snap.BlockSize) * float64(snap.NumBlocks); c > 0 {
 			v.kvCapacity, v.kvUsed = c, snap.KVUsage*c+kvSince
 		}
@@ -333,22 +335,36 @@ func (l *upstreamLoad) arrivalRate(now int64) float64 {
 }
 
 // fromScrape returns the requests snap shows beyond this proxy's own at the time of the scrape, the
-// prompt tokens queued there now, and the KV cache tokens this proxy's requests since the scrape take
-// (prompt to prefill and output expected). The first call for a new snapshot also tells the service model
-// the backend's queue and checks the cache predictions.
+// seconds of prefill queued there at now for an upstream that prefills a token in spt seconds, and the
+// KV cache tokens this proxy's requests since the scrape take (prompt to prefill and output expected).
+// The first call for a new snapshot also tells the service model the backend's queue and checks the
+// cache predictions.
 //
-// The queue is the backend's count of waiting requests at the scrape, each one sized: a backend admits
+// The queue at the scrape is the backend's count of waiting requests, each one sized: a backend admits
 // in arrival order, so its waiting requests are the newest it received, and this proxy's requests sent
 // before the scrape, newest first, stand for as many of them as they can, with their own uncached prompts
 // (until their first token is observed or they end). The rest are other clients', at the mean uncached
-// prompt of this proxy's requests there. To that come this proxy's requests sent since the scrape that
-// have not had their first token.
-func (l *upstreamLoad) fromScrape(snap *scraper.Snapshot) (foreign, queuedTokens, kvSince float64) {
+// prompt of this proxy's requests there. The backend works that backlog off at its prefill speed from
+// the scrape on: a scrape is up to one interval old, and a backlog it showed is mostly prefilled long
+// before the next (read as it stood, each waiting request counted for a whole interval against an
+// upstream that had long started it: three instances sharing routes moved shared-prefix groups off
+// their home for another instance's requests that were gone, and reached 81-95% of one instance's hit
+// rate instead of 93-99%). To that come, in full, this proxy's requests sent since the scrape that have
+// not had their first token: no scrape has confirmed them yet. (Drained too, they left nothing that
+// spreads this proxy's own recent sends while the cost has no term for the batch they join: on
+// multi-turn, one backend took no request and TTFT p50 went from 96 to 121 ms.)
+func (l *upstreamLoad) fromScrape(snap *scraper.Snapshot, now int64, spt float64) (foreign, queued, kvSince float64) {
 	at := snap.At.UnixNano()
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.foreignAt != at {
 		l.scrapedLocked(snap, at)
+	}
+	backlog := l.foreignWaiting * l.meanUncached
+	for _, r := range l.waitingOurs {
+		if r.index >= 0 && !r.firstToken {
+			backlog += float64(r.uncached)
+		}
 	}
 	since := 0
 	for _, r := range l.inflight {
@@ -359,13 +375,8 @@ func (l *upstreamLoad) fromScrape(snap *scraper.Snapshot) (foreign, queuedTokens
 			}
 		}
 	}
-	queuedTokens = l.foreignWaiting*l.meanUncached + float64(since)
-	for _, r := range l.waitingOurs {
-		if r.index >= 0 && !r.firstToken {
-			queuedTokens += float64(r.uncached)
-		}
-	}
-	return l.foreign, queuedTokens, kvSince
+	queued = max(backlog*spt-float64(max(now-at, 0))/1e9, 0) + float64(since)*spt
+	return l.foreign, queued, kvSince
 }
 
 // scrapedLocked reads a new snapshot taken at (unix nanoseconds): the requests beyond this proxy's own,

@@ -123,8 +123,9 @@ func TestScrapeCountsForeignOnce(t *testing.T) {
 	if v.requests != 3+4 {
 		t.Errorf("requests = %v, want 3 of ours in flight + 4 foreign", v.requests)
 	}
-	if q, want := v.queued, (3*10+10)*selection.Prior.PrefillSecondsPerToken; q < want*0.99 || q > want*1.01 {
-		t.Errorf("queued = %.4f s, want %.4f: the 3 it shows waiting at our mean prompt, and ours since", q, want)
+	spt := selection.Prior.PrefillSecondsPerToken
+	if q, want := v.queued, 3*10*spt-0.002+10*spt; q < want*0.99 || q > want*1.01 {
+		t.Errorf("queued = %.4f s, want %.4f: the 3 it shows waiting at our mean prompt, less the 2 ms prefilled since, and ours since", q, want)
 	}
 }
 
@@ -143,11 +144,11 @@ func TestScrapedWaitingAreTheNewest(t *testing.T) {
 	now := at.Add(time.Millisecond).UnixNano()
 	spt := selection.Prior.PrefillSecondsPerToken
 	v := lt.view(dial, now, &scraper.Snapshot{Running: 2, Waiting: 2, At: at})
-	if want := (10 + 3000) * spt; math.Abs(v.queued-want) > want*0.01 {
-		t.Errorf("queued = %.4f s, want %.4f: the two newest of ours (10 and 3000 tokens)", v.queued, want)
+	if want := (10+3000)*spt - 0.001; math.Abs(v.queued-want) > want*0.01 {
+		t.Errorf("queued = %.4f s, want %.4f: the two newest of ours (10 and 3000 tokens), less 1 ms prefilled since", v.queued, want)
 	}
 	mine[3].noteFirstToken(now)
-	v = lt.view(dial, now, &scraper.Snapshot{Running: 2, Waiting: 2, At: at})
+	v = lt.view(dial, at.UnixNano(), &scraper.Snapshot{Running: 2, Waiting: 2, At: at})
 	if want := 10 * spt; math.Abs(v.queued-want) > want*0.01 {
 		t.Errorf("queued = %.4f s after a first token, want %.4f", v.queued, want)
 	}
@@ -156,6 +157,39 @@ func TestScrapedWaitingAreTheNewest(t *testing.T) {
 	mean := lt.lookup(dial).meanUncached
 	if want := (4000 + 4000 + 10 + mean) * spt; math.Abs(v.queued-want) > want*0.01 {
 		t.Errorf("queued = %.4f s, want %.4f: ours not yet answered, and one other client's at the mean", v.queued, want)
+	}
+}
+
+// TestScrapedQueueDrains: a backlog a scrape showed is prefilled at the upstream's speed from the
+// scrape on, so an upstream is not avoided for a queue it has worked off; this proxy's requests sent since
+// count in full until their first token or the next scrape, a burst of them all at once (no herding to an
+// upstream whose old backlog is gone).
+func TestScrapedQueueDrains(t *testing.T) {
+	lt := newTestLoads()
+	const dial = "10.0.0.1:8000"
+	spt := selection.Prior.PrefillSecondsPerToken
+	t0 := time.Unix(1_700_000_000, 0)
+	lt.reserve(dial, work{uncached: 1000}, t0.UnixNano()).release(t0.Add(time.Millisecond).UnixNano(), false) // mean prompt 1,000
+	at := t0.Add(time.Second)
+	snap := &scraper.Snapshot{Running: 8, Waiting: 4, At: at} // 4 of another client's waiting
+	after := func(tokens float64) int64 { return at.Add(time.Duration(tokens * spt * 1e9)).UnixNano() }
+	for _, c := range []struct {
+		now  int64
+		want float64 // tokens
+	}{{at.UnixNano(), 4000}, {after(1000), 3000}, {after(3900), 100}, {after(6000), 0}} {
+		if v := lt.view(dial, c.now, snap); math.Abs(v.queued-c.want*spt) > 1e-6 {
+			t.Errorf("%.3f s after the scrape: queued = %.4f s, want %.4f", float64(c.now-at.UnixNano())/1e9, v.queued, c.want*spt)
+		}
+	}
+	// A burst sent once the backlog is gone: each request queues behind the others sent with it.
+	for range 3 {
+		lt.reserve(dial, work{uncached: 2000}, after(5000))
+	}
+	if v := lt.view(dial, after(5000), snap); math.Abs(v.queued-6000*spt) > 1e-6 {
+		t.Errorf("after a burst of 3 x 2,000 tokens: queued = %.4f s, want %.4f", v.queued, 6000*spt)
+	}
+	if v := lt.view(dial, after(6000), snap); math.Abs(v.queued-6000*spt) > 1e-6 {
+		t.Errorf("1,000 tokens' time after the burst: queued = %.4f s, want %.4f (not confirmed by a scrape yet)", v.queued, 6000*spt)
 	}
 }
 
