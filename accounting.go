@@ -278,6 +278,9 @@ type upstreamView struct {
 	// kvCapacity is its KV cache in tokens (0: unknown, no fresh scrape says) and kvUsed the tokens in use:
 	// the scraped usage plus what this proxy sent since (prompt to prefill and output expected).
 	kvCapacity, kvUsed float64
+	// overdue is how many times longer than service predicts its requests in flight have already run
+	// (overdue); 0 when none overran.
+	overdue float64
 }
 
 // view returns dial's state at now for the decision.
@@ -303,6 +306,7 @@ func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstrea
 		requests: float64(l.requests.Load()),
 		arrivals: l.arrivalRate(now),
 	}
+	v.overdue = l.overdue(now, v.service)
 	if snap == nil {
 		v.queued = max(float64(l.prefillUntil.Load()-now)/1e9, 0)
 	} else {
@@ -314,6 +318,36 @@ func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstrea
 		}
 	}
 	return v
+}
+
+// overdue returns how many times longer than s predicts this proxy's requests in flight there have
+// already run: the second largest ratio of a request's age to its predicted duration (its predicted wait,
+// its time to first token, its output at s's time per token), or 0 when it is below 1 or fewer than two
+// requests are in flight. A request still running at that age is a censored duration: it takes at least
+// that long. A backend much slower than its estimate (one barely measured yet, priced at the others'
+// speed) shows it here long before its first request ends and teaches the model; the second largest, so
+// that one stalled connection or one answer far longer than expected does not.
+func (l *upstreamLoad) overdue(now int64, s selection.Service) float64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	first, second := 0.0, 0.0
+	for _, r := range l.inflight {
+		output := max(r.output, int(r.outputSeen.Load()))
+		pred := r.waited + s.TTFT(r.uncached) + float64(output)*s.TokenSeconds
+		if !(pred > 0) {
+			continue
+		}
+		switch ratio := float64(now-r.start) / 1e9 / pred; {
+		case ratio > first:
+			first, second = ratio, first
+		case ratio > second:
+			second = ratio
+		}
+	}
+	if second < 1 {
+		return 0
+	}
+	return second
 }
 
 // minGaps is how many gaps between requests an arrival rate needs.
@@ -566,6 +600,7 @@ func (t *loadTable) snapshot(now int64) []upstreamInflight {
 		out[i].Tokens, out[i].Requests = l.tokens.Load(), l.requests.Load()
 		out[i].Service = l.model.Service()
 		out[i].QueuedSeconds = max(float64(l.prefillUntil.Load()-now)/1e9, 0)
+		out[i].Overrun = l.overdue(now, out[i].Service)
 		out[i].Cache = l.cacheFigures()
 		l.mu.Lock()
 		for _, r := range l.inflight {
@@ -586,6 +621,7 @@ type upstreamInflight struct {
 	Prefilling, Decoding int64
 	PrefillTokens        int64
 	QueuedSeconds        float64
+	Overrun              float64 // see overdue
 	Service              selection.Service
 	Cache                cacheFigures
 }

@@ -44,6 +44,8 @@ type query struct {
 	seen   []int64   // and when each claim was last learned (unix nanoseconds)
 	cut    []int     // claims older than their upstream's cache horizon, not credited
 	avail  []float64 // scratch for the availability signal
+	// overdue is each candidate's overrun of its predicted durations (upstreamView.overdue).
+	overdue []float64
 	// adapter is set by the LoRA signal when the request's model is a LoRA adapter on some candidate.
 	adapter bool
 }
@@ -163,6 +165,7 @@ type loadSignal struct {
 
 func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 	var fleet selection.Fleet
+	q.overdue = q.overdue[:0]
 	for i, key := range keys {
 		var snap *scraper.Snapshot
 		if s.scrapes != nil {
@@ -176,18 +179,45 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 		cands[i].Service, cands[i].Requests, cands[i].Queued = v.service, v.requests, v.queued
 		cands[i].KVCapacity, cands[i].KVUsed = v.kvCapacity, v.kvUsed
 		cands[i].Arrivals = v.arrivals
+		q.overdue = append(q.overdue, v.overdue)
 		fleet.Add(v.service)
 	}
 	// An upstream the proxy has barely seen borrows what the others have taught: without that, the
 	// first upstream to be measured looks faster (or slower) than the prior of all the others, and
 	// takes every request (or none) until they are measured too.
+	// An upstream whose requests in flight overran their predicted durations by more than the others'
+	// did is that much slower than its estimate now (a backend slower than the fleet it borrowed from, or
+	// one that slowed down): its times are stretched by the overrun over the fleet's median one, so an
+	// overrun they all share (outputs longer than expected everywhere) changes nothing.
+	ref := medianOverdue(q.overdue)
 	for i := range cands {
 		own := cands[i].Service.PrefillSecondsPerToken
 		cands[i].Service = fleet.Blend(cands[i].Service)
 		if own > 0 { // the queued prefill, in the blended speed too
 			cands[i].Queued *= cands[i].Service.PrefillSecondsPerToken / own
 		}
+		if f := q.overdue[i] / ref; f > 1 {
+			cands[i].Service = cands[i].Service.Slower(f)
+			cands[i].Queued *= f
+		}
 	}
+}
+
+// medianOverdue is the lower median of the candidates' overruns, each at least 1.
+func medianOverdue(o []float64) float64 {
+	if len(o) == 0 {
+		return 1
+	}
+	var buf [16]float64
+	s := buf[:0]
+	if len(o) > len(buf) {
+		s = make([]float64, 0, len(o))
+	}
+	for _, v := range o {
+		s = append(s, max(v, 1))
+	}
+	slices.Sort(s)
+	return s[(len(s)-1)/2]
 }
 
 // cacheSignal fills each candidate's predicted cached prompt tokens from the learned routes, extended over

@@ -221,3 +221,50 @@ func TestRouteTablesPerSettings(t *testing.T) {
 		t.Errorf("allRoutes lists %d of the 2 tables in use", found)
 	}
 }
+
+// TestOverrunSlowsAnUpstream: an upstream whose requests in flight have already run far longer than
+// predicted (a backend slower than the estimate it borrowed from the fleet) is priced that much slower,
+// long before one of them ends; an overrun every upstream shares (outputs longer than estimated
+// everywhere) changes nothing, and neither does one stalled request.
+func TestOverrunSlowsAnUpstream(t *testing.T) {
+	t0 := time.Unix(1_700_000_000, 0)
+	at := func(s float64) int64 { return t0.Add(time.Duration(s * float64(time.Second))).UnixNano() }
+	keys := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"}
+	body, _ := json.Marshal(map[string]any{"model": "m", "max_tokens": 64, "messages": []map[string]string{{"role": "user", "content": strings.Repeat("tell me more ", 1000)}}})
+	req, err := tokenize.Parse(body, tokenize.APIChat, tokenize.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Each request is predicted to take about 2.1 s on the prior (1,000 tokens at 8k/s, 64 at 30 ms).
+	w := work{uncached: 1000, output: 64}
+	cases := []struct {
+		name string
+		// starts of the requests in flight on each upstream (seconds), decided at 6 s
+		starts [3][]float64
+		slow   bool // keys[0] is avoided
+	}{
+		{"first overran 3x", [3][]float64{{0, 0}, {5, 5, 5}, {5, 5, 5}}, true},
+		{"all overran alike", [3][]float64{{0, 0}, {0, 0, 0}, {0, 0, 0}}, false},
+		{"one stalled request", [3][]float64{{0, 5}, {5, 5, 5}, {5, 5, 5}}, false},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			lt := &loadTable{m: make(map[string]*upstreamLoad)}
+			dec := newDecider(selection.DefaultConfig(), nil, lt, 256, nil)
+			for i, starts := range c.starts {
+				for _, s := range starts {
+					lt.reserve(keys[i], w, at(s))
+				}
+			}
+			q := &query{req: req, now: at(6)}
+			cands := make([]selection.Candidate, len(keys))
+			d := dec.choose(q, keys, cands, nil)
+			if slow := d.Index != 0; slow != c.slow {
+				t.Errorf("chose %s (costs: %+v), want keys[0] avoided: %v", keys[d.Index], cands, c.slow)
+			}
+			if c.slow && cands[0].Service.PrefillSecondsPerToken < 2.5*cands[1].Service.PrefillSecondsPerToken {
+				t.Errorf("overrun upstream's prefill %.0f µs/token against %.0f: want about 3x", cands[0].Service.PrefillSecondsPerToken*1e6, cands[1].Service.PrefillSecondsPerToken*1e6)
+			}
+		})
+	}
+}

@@ -131,6 +131,7 @@ var (
 	descTokenSeconds     = prometheus.NewDesc("caddy_llm_upstream_output_token_seconds", "Learned time per output token of one sequence on the upstream.", []string{"upstream"}, nil)
 	descOverhead         = prometheus.NewDesc("caddy_llm_upstream_first_token_overhead_seconds", "Learned time to first token beyond prefill on the upstream.", []string{"upstream"}, nil)
 	descSlots            = prometheus.NewDesc("caddy_llm_upstream_slots", "Learned number of sequences the upstream runs before it queues (absent while unknown).", []string{"upstream"}, nil)
+	descOverrun          = prometheus.NewDesc("caddy_llm_upstream_overrun", "How many times longer than predicted the requests in flight to the upstream have already run (the second longest; 0 below 1).", []string{"upstream"}, nil)
 	descObservedPrompt   = prometheus.NewDesc("caddy_llm_observed_prompt_tokens_total", "Prompt tokens of the responses whose cached tokens the upstream reported, by its count.", []string{"upstream"}, nil)
 	descPredictedCached  = prometheus.NewDesc("caddy_llm_predicted_cached_tokens_total", "Of those, the tokens predicted cached (scaled to the upstream's count).", []string{"upstream"}, nil)
 	descObservedCached   = prometheus.NewDesc("caddy_llm_observed_cached_tokens_total", "Of those, the tokens the upstream reported cached (usage.prompt_tokens_details.cached_tokens).", []string{"upstream"}, nil)
@@ -143,7 +144,7 @@ var (
 func (stateCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descInflightTokens, descInflightRequests, descSaturated, descQueue, descRunning, descKV,
 		descScrapeAge, descScrapeErrors, descRoutes, descRouteEvictions, descRoutesExpired, descPins,
-		descPhase, descQueuedPrefill, descPrefillRate, descTokenSeconds, descOverhead, descSlots, descAvailability,
+		descPhase, descQueuedPrefill, descPrefillRate, descTokenSeconds, descOverhead, descSlots, descOverrun, descAvailability,
 		descObservedPrompt, descPredictedCached, descObservedCached, descConfirmedCached, descCorrections, descRestarts} {
 		ch <- d
 	}
@@ -175,6 +176,7 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 			if m.Slots > 0 {
 				ch <- prometheus.MustNewConstMetric(descSlots, prometheus.GaugeValue, m.Slots, u.Upstream)
 			}
+			ch <- prometheus.MustNewConstMetric(descOverrun, prometheus.GaugeValue, m.Overrun, u.Upstream)
 		}
 		if m := u.Metrics; m != nil {
 			if m.Fresh {
@@ -271,10 +273,14 @@ type serviceModel struct {
 	// BusyIntervals counts the intervals between two scrapes over which the backend's own counters
 	// taught it the prefill speed (when no first tokens are observed).
 	BusyIntervals int `json:"busy_intervals_observed"`
+	// Overrun is how many times longer than this model predicts the requests in flight there have already
+	// run (the second longest overrun); absent below 1. The decision stretches the upstream's times by
+	// its overrun over the other upstreams' median one.
+	Overrun float64 `json:"overrun,omitempty"`
 }
 
-func reportService(s selection.Service) *serviceModel {
-	m := &serviceModel{OverheadMS: 1000 * s.Overhead, TokenMS: 1000 * s.TokenSeconds, Slots: s.Slots, MeanDurationSeconds: s.MeanDuration, FirstTokens: s.FirstTokens, BusyIntervals: s.BusyIntervals}
+func reportService(s selection.Service, overrun float64) *serviceModel {
+	m := &serviceModel{OverheadMS: 1000 * s.Overhead, TokenMS: 1000 * s.TokenSeconds, Slots: s.Slots, MeanDurationSeconds: s.MeanDuration, FirstTokens: s.FirstTokens, BusyIntervals: s.BusyIntervals, Overrun: overrun}
 	if s.PrefillSecondsPerToken > 0 {
 		m.PrefillTokensPerSecond = 1 / s.PrefillSecondsPerToken
 	}
@@ -338,7 +344,7 @@ func upstreamReport(withRoutes bool) []upstreamStatus {
 		out = append(out, upstreamStatus{
 			Upstream: l.Dial, InflightTokens: l.Tokens, InflightRequests: l.Requests,
 			Saturated: loads.saturated(l.Dial, now), Prefilling: l.Prefilling, Decoding: l.Decoding,
-			PrefillTokens: l.PrefillTokens, QueuedSeconds: l.QueuedSeconds, Model: reportService(l.Service),
+			PrefillTokens: l.PrefillTokens, QueuedSeconds: l.QueuedSeconds, Model: reportService(l.Service, l.Overrun),
 			Cache: reportCache(l.Cache), cache: &l.Cache,
 		})
 	}

@@ -49,6 +49,14 @@ func (s Service) TTFT(uncached int) float64 {
 	return s.Overhead + float64(max(uncached, 0))*s.PrefillSecondsPerToken
 }
 
+// Slower returns s with its times f times as long (its prefill, overhead and time per token).
+func (s Service) Slower(f float64) Service {
+	s.Overhead *= f
+	s.PrefillSecondsPerToken *= f
+	s.TokenSeconds *= f
+	return s
+}
+
 // Prior is the service assumed for an upstream nothing is known about yet: a mid-range vLLM
 // deployment (8k prefill tokens/s, 30 ms decode steps). It only has to be right within a few times:
 // ServiceModel replaces it within a few dozen requests.
