@@ -278,8 +278,8 @@ type upstreamView struct {
 	// kvCapacity is its KV cache in tokens (0: unknown, no fresh scrape says) and kvUsed the tokens in use:
 	// the scraped usage plus what this proxy sent since (prompt to prefill and output expected).
 	kvCapacity, kvUsed float64
-	// overdue is how many times longer than service predicts its requests in flight have already run
-	// (overdue); 0 when none overran.
+	// overdue is how many times longer than service predicts this proxy's requests in flight there have
+	// already run (see upstreamLoad.overdue); 0 when none overran.
 	overdue float64
 }
 
@@ -325,8 +325,9 @@ func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstrea
 // its time to first token, its output at s's time per token), or 0 when it is below 1 or fewer than two
 // requests are in flight. A request still running at that age is a censored duration: it takes at least
 // that long. A backend much slower than its estimate (one barely measured yet, priced at the others'
-// speed) shows it here long before its first request ends and teaches the model; the second largest, so
-// that one stalled connection or one answer far longer than expected does not.
+// speed) shows it here long before its first request ends (the model learns only from ends; this
+// stretches the decision's view, loadSignal); the second largest, so that one stalled connection or one
+// answer far longer than expected does not.
 func (l *upstreamLoad) overdue(now int64, s selection.Service) float64 {
 	l.mu.Lock()
 	defer l.mu.Unlock()

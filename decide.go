@@ -182,15 +182,15 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 		q.overdue = append(q.overdue, v.overdue)
 		fleet.Add(v.service)
 	}
-	// An upstream the proxy has barely seen borrows what the others have taught: without that, the
-	// first upstream to be measured looks faster (or slower) than the prior of all the others, and
-	// takes every request (or none) until they are measured too.
 	// An upstream whose requests in flight overran their predicted durations by more than the others'
 	// did is that much slower than its estimate now (a backend slower than the fleet it borrowed from, or
 	// one that slowed down): its times are stretched by the overrun over the fleet's median one, so an
 	// overrun they all share (outputs longer than expected everywhere) changes nothing.
 	ref := medianOverdue(q.overdue)
 	for i := range cands {
+		// An upstream the proxy has barely seen borrows what the others have taught: without that, the
+		// first upstream to be measured looks faster (or slower) than the prior of all the others, and
+		// takes every request (or none) until they are measured too.
 		own := cands[i].Service.PrefillSecondsPerToken
 		cands[i].Service = fleet.Blend(cands[i].Service)
 		if own > 0 { // the queued prefill, in the blended speed too
