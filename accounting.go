@@ -279,7 +279,8 @@ type upstreamView struct {
 	// the scraped usage plus what this proxy sent since (prompt to prefill and output expected).
 	kvCapacity, kvUsed float64
 	// overdue is how many times longer than service predicts this proxy's requests in flight there have
-	// already run (see upstreamLoad.overdue); 0 when none overran.
+	// already run (see upstreamLoad.overdueLocked); 0 when none overran, or when a scrape shows others'
+	// requests there (see view).
 	overdue float64
 }
 
@@ -293,6 +294,15 @@ type upstreamView struct {
 // upstream because it looked idle at the last scrape, nor a prefix kept off its home for a queue it has
 // prefilled since. Its running and waiting requests beyond this proxy's own at the time of the scrape
 // are added to the requests in flight, once.
+//
+// The overrun of this proxy's requests there (overdueLocked) is reported only where the proxy's own
+// view holds all the upstream's load: no scrape, or one that shows no one else's requests. Where others'
+// requests are there, they explain why this proxy's overran their predictions (each was predicted
+// without the requests others sent after it), and they are already counted, in the queue and the
+// requests in flight: stretched by the overrun too, that load was counted twice, and several proxies
+// sharing routes, each seeing only its own requests' overruns, disagreed on where a prefix goes (three
+// instances sharing routes reached 92-97% of one instance's hit rate with it, 95-101% without; a
+// backend 3x slower than the fleet, alone behind one proxy, is avoided as well either way).
 func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstreamView {
 	l := t.lookup(dial)
 	if l == nil {
@@ -304,23 +314,28 @@ func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstrea
 	v := upstreamView{
 		service:  l.model.Service(),
 		requests: float64(l.requests.Load()),
-		arrivals: l.arrivalRate(now),
 	}
-	v.overdue = l.overdue(now, v.service)
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	v.arrivals = l.arrivalRateLocked(now)
+	foreign := 0.0
 	if snap == nil {
 		v.queued = max(float64(l.prefillUntil.Load()-now)/1e9, 0)
 	} else {
-		foreign, queued, kvSince := l.fromScrape(snap, now, v.service.PrefillSecondsPerToken)
+		var kvSince float64
+		foreign, v.queued, kvSince = l.fromScrapeLocked(snap, now, v.service.PrefillSecondsPerToken)
 		v.requests += foreign
-		v.queued = queued
 		if c := float64(snap.BlockSize) * float64(snap.NumBlocks); c > 0 {
 			v.kvCapacity, v.kvUsed = c, snap.KVUsage*c+kvSince
 		}
 	}
+	if foreign < 1 {
+		v.overdue = l.overdueLocked(now, v.service)
+	}
 	return v
 }
 
-// overdue returns how many times longer than s predicts this proxy's requests in flight there have
+// overdueLocked returns how many times longer than s predicts this proxy's requests in flight there have
 // already run: the second largest ratio of a request's age to its predicted duration (its predicted wait,
 // its time to first token, its output at s's time per token), or 0 when it is below 1 or fewer than two
 // requests are in flight. A request still running at that age is a censored duration: it takes at least
@@ -328,9 +343,7 @@ func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstrea
 // speed) shows it here long before its first request ends (the model learns only from ends; this
 // stretches the decision's view, loadSignal); the second largest, so that one stalled connection or one
 // answer far longer than expected does not.
-func (l *upstreamLoad) overdue(now int64, s selection.Service) float64 {
-	l.mu.Lock()
-	defer l.mu.Unlock()
+func (l *upstreamLoad) overdueLocked(now int64, s selection.Service) float64 {
 	first, second := 0.0, 0.0
 	for _, r := range l.inflight {
 		output := max(r.output, int(r.outputSeen.Load()))
@@ -354,11 +367,10 @@ func (l *upstreamLoad) overdue(now int64, s selection.Service) float64 {
 // minGaps is how many gaps between requests an arrival rate needs.
 const minGaps = 4
 
-// arrivalRate is how many requests a second this proxy has been sending there: the inverse of the mean
-// gap between them, or of the time since the last one when that is longer (traffic stopped).
-func (l *upstreamLoad) arrivalRate(now int64) float64 {
-	l.mu.Lock()
-	defer l.mu.Unlock()
+// arrivalRateLocked is how many requests a second this proxy has been sending there: the inverse of the mean
+// gap between them, or of the time since the last one when that is longer (traffic stopped). The caller
+// holds l.mu.
+func (l *upstreamLoad) arrivalRateLocked(now int64) float64 {
 	if l.gaps < minGaps {
 		return 0 // a rate from one or two gaps is a guess: a burst of two looks like thousands a second
 	}
@@ -369,11 +381,11 @@ func (l *upstreamLoad) arrivalRate(now int64) float64 {
 	return 1 / gap
 }
 
-// fromScrape returns the requests snap shows beyond this proxy's own at the time of the scrape, the
+// fromScrapeLocked returns the requests snap shows beyond this proxy's own at the time of the scrape, the
 // seconds of prefill queued there at now for an upstream that prefills a token in spt seconds, and the
 // KV cache tokens this proxy's requests since the scrape take (prompt to prefill and output expected).
 // The first call for a new snapshot also tells the service model the backend's queue and checks the
-// cache predictions.
+// cache predictions. The caller holds l.mu.
 //
 // The queue at the scrape is the backend's count of waiting requests, each one sized: a backend admits
 // in arrival order, so its waiting requests are the newest it received, and this proxy's requests sent
@@ -388,10 +400,8 @@ func (l *upstreamLoad) arrivalRate(now int64) float64 {
 // not had their first token: no scrape has confirmed them yet. (Drained too, they left nothing that
 // spreads this proxy's own recent sends while the cost has no term for the batch they join: on
 // multi-turn, one backend took no request and TTFT p50 went from 96 to 121 ms.)
-func (l *upstreamLoad) fromScrape(snap *scraper.Snapshot, now int64, spt float64) (foreign, queued, kvSince float64) {
+func (l *upstreamLoad) fromScrapeLocked(snap *scraper.Snapshot, now int64, spt float64) (foreign, queued, kvSince float64) {
 	at := snap.At.UnixNano()
-	l.mu.Lock()
-	defer l.mu.Unlock()
 	if l.foreignAt != at {
 		l.scrapedLocked(snap, at)
 	}
@@ -601,9 +611,9 @@ func (t *loadTable) snapshot(now int64) []upstreamInflight {
 		out[i].Tokens, out[i].Requests = l.tokens.Load(), l.requests.Load()
 		out[i].Service = l.model.Service()
 		out[i].QueuedSeconds = max(float64(l.prefillUntil.Load()-now)/1e9, 0)
-		out[i].Overrun = l.overdue(now, out[i].Service)
 		out[i].Cache = l.cacheFigures()
 		l.mu.Lock()
+		out[i].Overrun = l.overdueLocked(now, out[i].Service)
 		for _, r := range l.inflight {
 			if r.prefillDone > now {
 				out[i].Prefilling++
@@ -622,7 +632,7 @@ type upstreamInflight struct {
 	Prefilling, Decoding int64
 	PrefillTokens        int64
 	QueuedSeconds        float64
-	Overrun              float64 // see overdue
+	Overrun              float64 // see overdueLocked
 	Service              selection.Service
 	Cache                cacheFigures
 }

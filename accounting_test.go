@@ -193,6 +193,34 @@ func TestScrapedQueueDrains(t *testing.T) {
 	}
 }
 
+// TestOverrunOnlyWhereOursIsAll: the overrun of this proxy's requests is reported where its view holds
+// all of the upstream's load (no scrape, or one showing only its own requests), not where a scrape shows
+// others' requests, which explain the overrun and are counted already.
+func TestOverrunOnlyWhereOursIsAll(t *testing.T) {
+	const dial = "10.0.0.1:8000"
+	t0 := time.Unix(1_700_000_000, 0)
+	for _, c := range []struct {
+		name    string
+		running float64 // the scrape's running requests; -1: no scrape
+		overrun bool
+	}{{"no scrape", -1, true}, {"only ours", 2, true}, {"others' too", 4, false}} {
+		t.Run(c.name, func(t *testing.T) {
+			lt := newTestLoads()
+			for range 2 { // each predicted to take about 2.1 s on the prior
+				lt.reserve(dial, work{uncached: 1000, output: 64}, t0.UnixNano())
+			}
+			var snap *scraper.Snapshot
+			if c.running >= 0 {
+				snap = &scraper.Snapshot{Running: c.running, At: t0.Add(5 * time.Second)}
+			}
+			v := lt.view(dial, t0.Add(6*time.Second).UnixNano(), snap)
+			if got := v.overdue > 2.5; got != c.overrun {
+				t.Errorf("overdue = %.2f after 6 s (requests in flight %.0f), want an overrun of about 2.9: %v", v.overdue, v.requests, c.overrun)
+			}
+		})
+	}
+}
+
 // TestLoadsStress reserves, observes and releases from many goroutines; every counter ends at zero.
 func TestLoadsStress(t *testing.T) {
 	lt := newTestLoads()
