@@ -53,6 +53,9 @@ var extraPolicies = []policy{
 	// llm behind transport llm: the policy sees the cached tokens each backend reports and corrects
 	// its route table (against llm, the same policy without the observer).
 	{Name: "llm-observed", JSON: `{"policy":"llm"}`, Transport: "llm"},
+	// llm given the conversation ID the header policy hashes (conversation_header): the same knowledge
+	// as header, against llm's bare default, which infers conversations from their prefixes.
+	{Name: "llm-conversation", JSON: `{"policy":"llm","conversation_header":"X-Conversation-ID"}`},
 }
 
 // matrixPolicies are the policies of -matrix: Caddy's stock policies (stockPolicies), this
