@@ -3,12 +3,13 @@ package main
 import (
 	"encoding/json"
 	"fmt"
-	"net"
 	"os"
 	"path/filepath"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+
+	"github.com/tokenrouter/caddy-llm/internal/freeport"
 )
 
 // policy is one load-balancing configuration under test: a name for the reports and the JSON of
@@ -180,10 +181,11 @@ func caddyConfig(port int, upstreams []string, p policy, extras proxyExtras) ([]
 // startCaddy loads a config for p (with the extras) in this process and returns the proxy's base URL;
 // stopCaddy stops it. Only one runs at a time.
 func startCaddy(upstreams []string, p policy, extras proxyExtras) (string, error) {
-	port, err := freePort()
+	ports, err := freeport.Ports(1)
 	if err != nil {
 		return "", err
 	}
+	port := ports[0]
 	cfg, err := caddyConfig(port, upstreams, p, extras)
 	if err != nil {
 		return "", err
@@ -200,16 +202,6 @@ func stopCaddy() error {
 		return fmt.Errorf("stopping caddy: %w", err)
 	}
 	return nil
-}
-
-// freePort returns a TCP port on 127.0.0.1 that was free a moment ago.
-func freePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, fmt.Errorf("finding a free port: %w", err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
 }
 
 // isolateCaddyDirs points Caddy's data and config directories (autosave, PKI) at a temporary

@@ -27,10 +27,12 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"os/signal"
 	"runtime"
 	"runtime/pprof"
 	"slices"
 	"strings"
+	"syscall"
 	"time"
 
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
@@ -345,6 +347,10 @@ func run(args []string) error {
 		}
 		defer pprof.StopCPUProfile()
 	}
+	// Interrupted (Ctrl-C, or a kill from a script), the run stops its drivers and every deferred stop
+	// runs: the Caddy processes and redis-server it started end with it instead of outliving it.
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
 	started := time.Now()
 	res := Results{
 		Command:   "go run ./bench " + strings.Join(args, " "),
@@ -357,31 +363,31 @@ func run(args []string) error {
 		Sim:       o.sim,
 	}
 	if o.matrix || o.goodput {
-		return runMatrixMode(context.Background(), o, res, started)
+		return runMatrixMode(ctx, o, res, started)
 	}
 	if o.faults {
-		return runFaults(context.Background(), o, res, started)
+		return runFaults(ctx, o, res, started)
 	}
 	if o.instances > 0 || o.restart {
 		if o.instances > 0 {
-			if err := runInstancesMode(context.Background(), o, args, started); err != nil {
+			if err := runInstancesMode(ctx, o, args, started); err != nil {
 				return err
 			}
 		}
 		if o.restart {
-			return runRestartMode(context.Background(), o, args, time.Now())
+			return runRestartMode(ctx, o, args, time.Now())
 		}
 		return nil
 	}
 	if o.overhead {
-		oh, err := runOverhead(context.Background(), o)
+		oh, err := runOverhead(ctx, o)
 		if err != nil {
 			return err
 		}
 		res.Overhead = &oh
 		fmt.Println(oh.describe())
 	} else {
-		res.Workloads, err = runWorkloads(context.Background(), o, os.Stderr)
+		res.Workloads, err = runWorkloads(ctx, o, os.Stderr)
 		if err != nil {
 			return err
 		}

@@ -17,6 +17,8 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/tokenrouter/caddy-llm/internal/freeport"
 )
 
 // Caddy as separate processes, for the modes that need several independent instances (-instances) or a
@@ -48,14 +50,11 @@ type caddyProcess struct {
 
 // newCaddyProcess prepares (does not start) a Caddy process proxying to upstreams with policy p.
 func newCaddyProcess(bin, dir string, upstreams []string, p policy) (*caddyProcess, error) {
-	port, err := freePort()
+	ports, err := freeport.Ports(2) // together: two calls could be handed one port
 	if err != nil {
 		return nil, err
 	}
-	adminPort, err := freePort()
-	if err != nil {
-		return nil, err
-	}
+	port, adminPort := ports[0], ports[1]
 	cfg, err := caddyConfig(port, upstreams, p, proxyExtras{})
 	if err != nil {
 		return nil, err
@@ -256,10 +255,11 @@ func startRedis(dir string) (*redisServer, error) {
 	if err != nil {
 		return nil, fmt.Errorf("sharing needs redis-server (apt-get install redis-server): %w", err)
 	}
-	port, err := freePort()
+	ports, err := freeport.Ports(1)
 	if err != nil {
 		return nil, err
 	}
+	port := ports[0]
 	r := &redisServer{addr: fmt.Sprintf("127.0.0.1:%d", port)}
 	r.cmd = exec.Command(bin, "--port", fmt.Sprint(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
 		"--daemonize", "no", "--loglevel", "warning")
