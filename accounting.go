@@ -335,14 +335,14 @@ func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstrea
 	return v
 }
 
-// overdueLocked returns how many times longer than s predicts this proxy's requests in flight there have
-// already run: the second largest ratio of a request's age to its predicted duration (its predicted wait,
-// its time to first token, its output at s's time per token), or 0 when it is below 1 or fewer than two
-// requests are in flight. A request still running at that age is a censored duration: it takes at least
-// that long. A backend much slower than its estimate (one barely measured yet, priced at the others'
-// speed) shows it here long before its first request ends (the model learns only from ends; this
-// stretches the decision's view, loadSignal); the second largest, so that one stalled connection or one
-// answer far longer than expected does not.
+// overdueLocked returns how many times longer than s predicts this proxy's requests in flight there
+// have already run: the second largest ratio of a request's age to its predicted duration (its
+// predicted wait, its time to first token, its output at s's time per token), or 0 when it is below 1
+// or fewer than two requests are in flight; the caller holds l.mu. A request still running at that age
+// is a censored duration: it takes at least that long. A backend much slower than its estimate (one
+// barely measured yet, priced at the others' speed) shows it here long before its first request ends
+// (the model learns only from ends; this stretches the decision's view, loadSignal); the second
+// largest, so that one stalled connection or one answer far longer than expected does not.
 func (l *upstreamLoad) overdueLocked(now int64, s selection.Service) float64 {
 	first, second := 0.0, 0.0
 	for _, r := range l.inflight {
@@ -367,9 +367,9 @@ func (l *upstreamLoad) overdueLocked(now int64, s selection.Service) float64 {
 // minGaps is how many gaps between requests an arrival rate needs.
 const minGaps = 4
 
-// arrivalRateLocked is how many requests a second this proxy has been sending there: the inverse of the mean
-// gap between them, or of the time since the last one when that is longer (traffic stopped). The caller
-// holds l.mu.
+// arrivalRateLocked is how many requests a second this proxy has been sending there: the inverse of the
+// mean gap between them, or of the time since the last one when that is longer (traffic stopped). The
+// caller holds l.mu.
 func (l *upstreamLoad) arrivalRateLocked(now int64) float64 {
 	if l.gaps < minGaps {
 		return 0 // a rate from one or two gaps is a guess: a burst of two looks like thousands a second
