@@ -166,3 +166,50 @@ func TestTenantFailingHomeIntegration(t *testing.T) {
 		t.Errorf("availability counted %g errors on the home and %g successes on the second choice, want at least 1 and 8", errors, successes)
 	}
 }
+
+// TestConversationStartsAtHome: a conversation's first request (conversation_header, which is also the
+// tenant) goes to its home even where another upstream holds the system prompt every conversation
+// shares, unless the home is predicted much slower; a tenant's request that is no conversation still
+// goes where the prompt is cached.
+func TestConversationStartsAtHome(t *testing.T) {
+	now := int64(1_700_000_000e9)
+	system := strings.Repeat("You are a careful assistant. ", 30)
+	parse := func(user string) *tokenize.Request {
+		body, _ := json.Marshal(map[string]any{"model": "m", "messages": []map[string]string{
+			{"role": "system", "content": system}, {"role": "user", "content": user + strings.Repeat(" and more", 100)}}})
+		req, err := tokenize.Parse(body, tokenize.APIChat, tokenize.Options{Encoding: "approx"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return req
+	}
+	const conv = "conversation-7"
+	chain := tenantChain(conv, tenantKeys, nil)
+	holder := chain[1] // holds the system prompt; the conversation's home does not
+	for _, c := range []struct {
+		name         string
+		conversation string
+		homeQueue    int // prefill tokens queued at the home
+		want         string
+	}{
+		{"first request goes home", conv, 0, chain[0]},
+		{"home much slower", conv, 40_000, holder},
+		{"tenant, no conversation", "", 0, holder},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			routes := affinity.New(affinity.Config{Capacity: 1000, BlockSize: 16})
+			lt := &loadTable{m: make(map[string]*upstreamLoad)}
+			dec := newDecider(selection.DefaultConfig(), routes, lt, 16, nil)
+			routes.Learn("m", routeBoundaries(parse("an earlier question").Boundaries), holder)
+			if c.homeQueue > 0 {
+				lt.reserve(chain[0], work{uncached: c.homeQueue}, now)
+			}
+			q := &query{req: parse("a new question"), now: now, tenant: conv, conversation: c.conversation}
+			cands := make([]selection.Candidate, len(tenantKeys))
+			d := dec.choose(q, tenantKeys, cands, nil)
+			if got := tenantKeys[d.Index]; got != c.want {
+				t.Errorf("chose %s (%s), want %s; candidates %+v", got, d.Reason, c.want, cands)
+			}
+		})
+	}
+}
