@@ -111,16 +111,6 @@ func (d *decider) choose(q *query, keys []string, cands []selection.Candidate, s
 		return dec
 	}
 	cands[head].Home = true
-	if q.conversation != "" && q.tenant == q.conversation && !slices.ContainsFunc(cands, func(c selection.Candidate) bool { return c.Pinned }) {
-		// A conversation not pinned yet (its first request, or its pin expired) starts at its home as if
-		// pinned there: it moves only when another upstream is predicted much faster, as a pinned one
-		// would. Chosen by this request's time to first token alone, new conversations went where the
-		// system prompt they all share was cached (tens of milliseconds saved once), that kept it cached
-		// there only, and those upstreams, holding more conversations, evicted their histories before
-		// their next turns: on kv-pressure multi-turn (conversation_header) 70% hit rate against 75%
-		// with the home, which header hashing (76%) reaches the same way.
-		cands[head].Pinned = true
-	}
 	return selection.Choose(cands, req, d.cfg, randIntN, scratch)
 }
 
