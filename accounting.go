@@ -275,8 +275,10 @@ type upstreamView struct {
 	queued   float64 // seconds of prefill queued ahead of a new request
 	// arrivals is the rate at which this proxy sends it requests, per second.
 	arrivals float64
-	// kvCapacity is its KV cache in tokens (0: unknown, no fresh scrape says) and kvUsed the tokens in use:
-	// the scraped usage plus what this proxy sent since (prompt to prefill and output expected).
+	// kvCapacity is its KV cache in tokens (0: unknown, no fresh scrape says) and kvUsed the tokens wanted:
+	// the scraped usage plus what this proxy sent since (prompt to prefill and output expected), and at
+	// least what all this proxy's requests in flight there want, admitted or waiting (a scrape counts
+	// only the admitted: a prompt waiting for space is in no usage figure).
 	kvCapacity, kvUsed float64
 	// overdue is how many times longer than service predicts this proxy's requests in flight there have
 	// already run (see upstreamLoad.overdueLocked); 0 when none overran, or when a scrape shows others'
@@ -326,7 +328,7 @@ func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstrea
 		foreign, v.queued, kvSince = l.fromScrapeLocked(snap, now, v.service.PrefillSecondsPerToken)
 		v.requests += foreign
 		if c := float64(snap.BlockSize) * float64(snap.NumBlocks); c > 0 {
-			v.kvCapacity, v.kvUsed = c, snap.KVUsage*c+kvSince
+			v.kvCapacity, v.kvUsed = c, max(snap.KVUsage*c+kvSince, float64(l.tokens.Load()))
 		}
 	}
 	if foreign < 1 {

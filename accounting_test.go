@@ -193,6 +193,31 @@ func TestScrapedQueueDrains(t *testing.T) {
 	}
 }
 
+// TestKVDemandCountsOursInFlight: the KV cache a new request finds taken is at least what this proxy's
+// own requests there need (uncached prompt and expected output), admitted or still waiting: a scrape shows
+// only what the backend has admitted (a long prompt waiting for space is in no usage figure), and is up to
+// one interval old. With two 4k-token prompts waiting behind two running in an 8k cache, the scrape says
+// the cache is full, not that 16k tokens want it.
+func TestKVDemandCountsOursInFlight(t *testing.T) {
+	lt := newTestLoads()
+	const dial = "10.0.0.1:8000"
+	t0 := time.Unix(1_700_000_000, 0)
+	for i := range 4 {
+		lt.reserve(dial, work{uncached: 4000, output: 64}, t0.Add(time.Duration(i)*time.Millisecond).UnixNano())
+	}
+	at := t0.Add(time.Second)
+	snap := &scraper.Snapshot{Running: 2, Waiting: 2, KVUsage: 0.99, BlockSize: 16, NumBlocks: 512, At: at}
+	v := lt.view(dial, at.UnixNano(), snap)
+	if v.kvCapacity != 8192 || v.kvUsed != 4*4064 {
+		t.Errorf("kv = %.0f of %.0f, want 16256 (ours in flight) of 8192", v.kvUsed, v.kvCapacity)
+	}
+	// Where the scrape shows more (others' requests), it counts.
+	snap = &scraper.Snapshot{Running: 6, KVUsage: 0.5, BlockSize: 16, NumBlocks: 4096, At: at}
+	if v := lt.view(dial, at.UnixNano(), snap); v.kvUsed != 0.5*16*4096 {
+		t.Errorf("kv used = %.0f, want the scrape's 32768", v.kvUsed)
+	}
+}
+
 // TestOverrunOnlyWhereOursIsAll: the overrun of this proxy's requests is reported where its view holds
 // all of the upstream's load (no scrape, or one showing only its own requests), not where a scrape shows
 // others' requests, which explain the overrun and are counted already.

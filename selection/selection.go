@@ -91,8 +91,9 @@ type Candidate struct {
 	// Queued is how many seconds of prefill the upstream has queued ahead of a new request: the uncached
 	// prompt tokens of requests still waiting for their first token, in its own time.
 	Queued float64
-	// KVCapacity is the upstream's KV cache in tokens (0: unknown) and KVUsed the tokens in use there now.
-	// A request whose uncached prompt and output do not fit in what is free waits for requests to end.
+	// KVCapacity is the upstream's KV cache in tokens (0: unknown) and KVUsed the tokens wanted there now:
+	// in use, and wanted by requests waiting for space (so it may exceed KVCapacity). A request whose
+	// uncached prompt and output do not fit in what is free waits for requests to end.
 	KVCapacity, KVUsed float64
 	// CachedTokens is how many of this request's prompt tokens it probably holds in its KV cache.
 	CachedTokens int
@@ -208,7 +209,9 @@ func Cost(c *Candidate, req Request, cached int) (cost, wait, ttft float64) {
 // whose slots were not yet known.)
 //
 // Cache space frees as requests end: what is in use, every MeanDuration seconds. A request that does not
-// fit in what is free waits until enough has ended. The cache is counted in tokens, not in requests: a
+// fit in what is free waits until enough has ended.
+// KVUsed may exceed KVCapacity: requests waiting for space want it too, and hold up every request behind
+// them, short ones included (engines admit in order). The cache is counted in tokens, not in requests: a
 // backend full of short requests has room for many more of them, and one long request can fill it.
 func Wait(c *Candidate, kv float64) float64 {
 	wait := c.Queued
@@ -218,7 +221,8 @@ func Wait(c *Candidate, kv float64) float64 {
 	if c.KVCapacity > 0 {
 		kv = min(kv, c.KVCapacity)
 		if short := kv - (c.KVCapacity - c.KVUsed); short > 0 {
-			wait = max(wait, c.Service.MeanDuration*short/max(c.KVUsed, kv))
+			held := min(c.KVUsed, c.KVCapacity)
+			wait = max(wait, c.Service.MeanDuration*short/max(held, kv))
 		}
 	}
 	return wait

@@ -207,6 +207,20 @@ func TestChoose(t *testing.T) {
 			want: 0, wantReason: ReasonLoad,
 		},
 		{
+			// Requests waiting for space (demand beyond the capacity) hold up even a short one behind them
+			// (FCFS admission): 8,084 tokens must free first, at the pace the 32,000 held (not the 40,000
+			// wanted) free: 253 ms while requests last 1 s; the second has room behind 230 ms of prefill.
+			name: "a short request waits behind prompts waiting for cache space",
+			cands: func() []Candidate {
+				c := cands(0, 0.23)
+				c[0].KVCapacity, c[0].KVUsed = 32000, 40000
+				c[1].KVCapacity, c[1].KVUsed = 32000, 31000
+				return c
+			}(),
+			req: Request{PromptTokens: 20, OutputTokens: 64}, cfg: leastTokens,
+			want: 1, wantReason: ReasonLoad,
+		},
+		{
 			name:  "on idle upstreams the same queue is not worth the hit",
 			cands: withCached(cands(0.55, 0), 4500, 0), req: Request{PromptTokens: 5000}, cfg: cfg,
 			want: 1, wantReason: ReasonGuard,
