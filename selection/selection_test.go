@@ -36,6 +36,14 @@ func withRequests(cs []Candidate, requests ...float64) []Candidate {
 	return cs
 }
 
+// withKV gives every candidate a KV cache of capacity tokens and the given tokens wanted there.
+func withKV(cs []Candidate, capacity float64, used ...float64) []Candidate {
+	for i, u := range used {
+		cs[i].KVCapacity, cs[i].KVUsed = capacity, u
+	}
+	return cs
+}
+
 func TestChoose(t *testing.T) {
 	cfg := DefaultConfig()
 	leastTokens := cfg
@@ -185,39 +193,24 @@ func TestChoose(t *testing.T) {
 		{
 			// 500 tokens free on the first: 1100 to prefill and 1000 to generate do not fit; 1 s requests
 			// free its 31.5k tokens in use at 31.5k/s, so ~50 ms of wait; the second has room, 10 ms queued.
-			name: "a request waits for KV cache space in tokens",
-			cands: func() []Candidate {
-				c := cands(0, 0.01)
-				c[0].KVCapacity, c[0].KVUsed = 32000, 31500
-				c[1].KVCapacity, c[1].KVUsed = 32000, 1000
-				return c
-			}(),
-			req: Request{PromptTokens: 1100, OutputTokens: 1000}, cfg: leastTokens,
+			name:  "a request waits for KV cache space in tokens",
+			cands: withKV(cands(0, 0.01), 32000, 31500, 1000),
+			req:   Request{PromptTokens: 1100, OutputTokens: 1000}, cfg: leastTokens,
 			want: 1, wantReason: ReasonLoad,
 		},
 		{
-			name: "many short requests fit where few long ones would not",
-			cands: func() []Candidate {
-				c := cands(0, 0.004)
-				c[0].KVCapacity, c[0].KVUsed = 32000, 31500
-				c[1].KVCapacity, c[1].KVUsed = 32000, 1000
-				return c
-			}(),
-			req: Request{PromptTokens: 20, OutputTokens: 64}, cfg: leastTokens,
+			name:  "many short requests fit where few long ones would not",
+			cands: withKV(cands(0, 0.004), 32000, 31500, 1000),
+			req:   Request{PromptTokens: 20, OutputTokens: 64}, cfg: leastTokens,
 			want: 0, wantReason: ReasonLoad,
 		},
 		{
 			// Requests waiting for space (demand beyond the capacity) hold up even a short one behind them
 			// (FCFS admission): 8,084 tokens must free first, at the pace the 32,000 held (not the 40,000
 			// wanted) free: 253 ms while requests last 1 s; the second has room behind 230 ms of prefill.
-			name: "a short request waits behind prompts waiting for cache space",
-			cands: func() []Candidate {
-				c := cands(0, 0.23)
-				c[0].KVCapacity, c[0].KVUsed = 32000, 40000
-				c[1].KVCapacity, c[1].KVUsed = 32000, 31000
-				return c
-			}(),
-			req: Request{PromptTokens: 20, OutputTokens: 64}, cfg: leastTokens,
+			name:  "a short request waits behind prompts waiting for cache space",
+			cands: withKV(cands(0, 0.23), 32000, 40000, 31000),
+			req:   Request{PromptTokens: 20, OutputTokens: 64}, cfg: leastTokens,
 			want: 1, wantReason: ReasonLoad,
 		},
 		{
