@@ -25,7 +25,7 @@ import (
 type upstreamLoad struct {
 	model *selection.ServiceModel
 
-	tokens   atomic.Int64 // uncached prompt + expected output of the requests in flight (for reports)
+	tokens   atomic.Int64 // uncached prompt + expected output of the requests in flight (reports; KV demand in view)
 	requests atomic.Int64
 	lastUsed atomic.Int64 // unix nanoseconds of the last reserve or release
 

@@ -209,10 +209,10 @@ func Cost(c *Candidate, req Request, cached int) (cost, wait, ttft float64) {
 // whose slots were not yet known.)
 //
 // Cache space frees as requests end: what is in use, every MeanDuration seconds. A request that does not
-// fit in what is free waits until enough has ended.
-// KVUsed may exceed KVCapacity: requests waiting for space want it too, and hold up every request behind
-// them, short ones included (engines admit in order). The cache is counted in tokens, not in requests: a
-// backend full of short requests has room for many more of them, and one long request can fill it.
+// fit in what is free waits until enough has ended. KVUsed may exceed KVCapacity: requests waiting for
+// space want it too, and hold up every request behind them, short ones included (engines admit in order),
+// while only what is held frees. The cache is counted in tokens, not in requests: a backend full of short
+// requests has room for many more of them, and one long request can fill it.
 func Wait(c *Candidate, kv float64) float64 {
 	wait := c.Queued
 	if s := c.Service.Slots; s > 0 {

@@ -36,7 +36,7 @@ func withRequests(cs []Candidate, requests ...float64) []Candidate {
 	return cs
 }
 
-// withKV gives every candidate a KV cache of capacity tokens and the given tokens wanted there.
+// withKV gives candidate i a KV cache of capacity tokens with used[i] of them wanted.
 func withKV(cs []Candidate, capacity float64, used ...float64) []Candidate {
 	for i, u := range used {
 		cs[i].KVCapacity, cs[i].KVUsed = capacity, u
