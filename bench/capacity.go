@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/cespare/xxhash/v2"
@@ -54,6 +55,9 @@ type capacityEstimate struct {
 	// with an ideal cache; MeanOutput the mean output tokens; Batch the decode batch assumed (of
 	// the first backend).
 	MeanPrompt, MeanUncached, MeanOutput, Batch float64
+	// CachedSessions is the fraction of the sessions in flight whose context the KV caches can hold
+	// between turns, when it is below 1 (zero otherwise).
+	CachedSessions float64
 }
 
 // estimateCapacity returns the capacity for workload w of a cluster of backends with the given
@@ -68,63 +72,135 @@ type capacityEstimate struct {
 // an ideal router that prefills every distinct prefix once in the whole cluster (a prefix is
 // cached at each message boundary, block-aligned), so the load fraction is relative to what a
 // cache-perfect router could sustain: a router that recomputes shared prefixes saturates earlier.
+//
+// Unless the caches cannot hold it: a session between turns (thinking, running a tool) keeps its
+// context cached only if the cluster's KV caches hold the context of every session in flight. By
+// Little's law, at r requests a second N = r/turns x (think + turns x latency) sessions are in flight
+// (latency is a request's unloaded time on the backend); the caches hold K/S of them (K tokens of KV
+// cache, S a session's mean context; whole sessions only), so an ideal router keeps a fraction h = min(1, K/S/N) of them
+// and re-prefills the others' own history at each turn (what other sessions share stays cached). The
+// capacity is then the rate r at which the backends sustain r with that h: without this, agentic's
+// 20-40k-token contexts in 50k-token caches were offered 0.75 of a rate that only a cache holding
+// every session could sustain, and every policy queued for tens of seconds (hit rates 21-45%).
 func estimateCapacity(w Workload, sims []simSettings) capacityEstimate {
 	if len(sims) == 0 {
 		return capacityEstimate{}
 	}
-	var e capacityEstimate
-	for i, sim := range sims {
-		prompt, uncached, output := meanTokens(w, sim.BlockSize)
-		if i == 0 {
-			e.MeanPrompt, e.MeanUncached, e.MeanOutput = prompt, uncached, output
-		}
-		if prompt == 0 {
-			return capacityEstimate{}
-		}
-		kvSeqs := float64(sim.NumGPUBlocks*sim.BlockSize) / (prompt + output)
-		batch := min(float64(sim.MaxNumSeqs), max(kvSeqs, 1))
-		if i == 0 {
-			e.Batch = batch
-		}
-		step := sim.DecodeStep.Seconds() + sim.DecodeStepPerSeq.Seconds()*batch
-		perRequest := uncached/sim.PrefillTokensPerSec + output*step/batch
-		e.BackendRPS = append(e.BackendRPS, 1/perRequest)
-		e.ClusterRPS += 1 / perRequest
+	m := measureWorkload(w, sims[0].BlockSize)
+	if m.prompt == 0 {
+		return capacityEstimate{}
 	}
-	e.PerBackendRPS = e.ClusterRPS / float64(len(sims))
+	batch := func(sim simSettings) float64 {
+		kvSeqs := float64(sim.NumGPUBlocks*sim.BlockSize) / (m.prompt + m.output)
+		return min(float64(sim.MaxNumSeqs), max(kvSeqs, 1))
+	}
+	// perRequest is a backend's time a request at saturation, latency one request's own time alone
+	// (its prefill, then its output at the batch's step), for a mean U tokens to prefill.
+	perRequest := func(sim simSettings, u float64) (perRequest, latency float64) {
+		b := batch(sim)
+		step := sim.DecodeStep.Seconds() + sim.DecodeStepPerSeq.Seconds()*b
+		return u/sim.PrefillTokensPerSec + m.output*step/b, u/sim.PrefillTokensPerSec + m.output*step
+	}
+	// at returns the estimate when a fraction h of the sessions in flight keep their context cached,
+	// and how many sessions are in flight at the rate it sustains.
+	at := func(h float64) (capacityEstimate, float64) {
+		e := capacityEstimate{MeanPrompt: m.prompt, MeanOutput: m.output, Batch: batch(sims[0])}
+		e.MeanUncached = h*m.uncached + (1-h)*m.uncachedAlone
+		latency := 0.0
+		for _, sim := range sims {
+			t, l := perRequest(sim, e.MeanUncached)
+			e.BackendRPS = append(e.BackendRPS, 1/t)
+			e.ClusterRPS += 1 / t
+			latency += l / float64(len(sims))
+		}
+		e.PerBackendRPS = e.ClusterRPS / float64(len(sims))
+		return e, e.ClusterRPS / m.turns * (m.think + m.turns*latency)
+	}
+	e, inFlight := at(1)
+	held := 0.0 // sessions whose contexts the caches hold
+	for _, sim := range sims {
+		held += math.Floor(float64(sim.NumGPUBlocks*sim.BlockSize) / m.context) // a session's context is not split
+	}
+	if m.turns <= 1 || inFlight <= held {
+		return e
+	}
+	// More sessions in flight than the caches hold: the fixed point h = held/inFlight(h), by bisection
+	// (fewer hits sustain a lower rate, which keeps fewer sessions in flight).
+	lo, hi := 0.0, 1.0
+	for range 40 {
+		h := (lo + hi) / 2
+		if _, n := at(h); held/n >= h {
+			lo = h
+		} else {
+			hi = h
+		}
+	}
+	e, _ = at(lo)
+	e.CachedSessions = lo
 	return e
+}
+
+// workloadShape is what the capacity estimate reads of a workload: mean tokens a request (its prompt,
+// what is left to prefill under an ideal cluster-wide prefix cache of blocks, what is left when its own
+// session's earlier turns are not cached, its output), and of a session (requests, total think time,
+// the context it holds in cache: its requests' mean prompt and output).
+type workloadShape struct {
+	prompt, uncached, uncachedAlone, output float64
+	turns, think, context                   float64
 }
 
 // meanTokens returns w's mean prompt tokens, mean tokens left to prefill under an ideal
 // cluster-wide prefix cache of blockSize-token blocks, and mean output tokens.
 func meanTokens(w Workload, blockSize int) (prompt, uncached, output float64) {
-	seen := map[uint64]bool{}
+	m := measureWorkload(w, blockSize)
+	return m.prompt, m.uncached, m.output
+}
+
+// measureWorkload returns w's shape (workloadShape) with a prefix cache of blockSize-token blocks.
+func measureWorkload(w Workload, blockSize int) workloadShape {
+	var m workloadShape
+	seen := map[uint64]int{} // prefix hash: the first session that sent it, plus one
 	n := 0.0
-	for _, req := range w.Requests() {
-		tokens := templatedTokens(req.Messages)
-		// longest earlier prefix ending at a message boundary (not the whole prompt)
-		h := xxhash.New()
-		matched := 0
-		for i, m := range req.Messages {
-			_, _ = h.WriteString(m.Role)
-			_, _ = h.WriteString("\x00")
-			_, _ = h.WriteString(m.Content)
-			_, _ = h.WriteString("\x00")
-			key := h.Sum64()
-			if i < len(req.Messages)-1 && seen[key] {
-				matched = templatedTokens(req.Messages[:i+1])
+	for si, s := range w.Sessions {
+		for _, req := range s.Requests {
+			tokens := templatedTokens(req.Messages)
+			// longest earlier prefix ending at a message boundary (not the whole prompt), and the
+			// longest one another session sent first
+			h := xxhash.New()
+			matched, shared := 0, 0
+			for i, msg := range req.Messages {
+				_, _ = h.WriteString(msg.Role)
+				_, _ = h.WriteString("\x00")
+				_, _ = h.WriteString(msg.Content)
+				_, _ = h.WriteString("\x00")
+				key := h.Sum64()
+				if first, ok := seen[key]; ok && i < len(req.Messages)-1 {
+					matched = templatedTokens(req.Messages[:i+1])
+					if first != si+1 {
+						shared = matched
+					}
+				}
+				if _, ok := seen[key]; !ok {
+					seen[key] = si + 1
+				}
 			}
-			seen[key] = true
+			maxBlocks := (tokens - 1) / blockSize
+			cached := min(matched/blockSize, maxBlocks) * blockSize
+			cachedShared := min(shared/blockSize, maxBlocks) * blockSize
+			m.prompt += float64(tokens)
+			m.uncached += float64(tokens - cached)
+			m.uncachedAlone += float64(tokens - cachedShared)
+			m.output += float64(req.MaxTokens)
+			m.think += req.Think.Seconds()
+			n++
 		}
-		maxBlocks := (tokens - 1) / blockSize
-		cached := min(matched/blockSize, maxBlocks) * blockSize
-		prompt += float64(tokens)
-		uncached += float64(tokens - cached)
-		output += float64(req.MaxTokens)
-		n++
 	}
 	if n == 0 {
-		return 0, 0, 0
+		return workloadShape{}
 	}
-	return prompt / n, uncached / n, output / n
+	sessions := float64(len(w.Sessions))
+	m.turns, m.think = n/sessions, m.think/sessions
+	m.prompt, m.uncached, m.uncachedAlone, m.output = m.prompt/n, m.uncached/n, m.uncachedAlone/n, m.output/n
+	m.context = m.prompt + m.output
+	return m
 }

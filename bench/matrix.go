@@ -183,8 +183,8 @@ func runMatrix(ctx context.Context, o options, mr *MatrixResults) error {
 // matrixTimeScales are the time scales of the matrix workloads (unless -timescale is set): as fast
 // as the measurement allows. A wall millisecond of scheduling lag is timeScale simulated
 // milliseconds of error, so the workloads with TTFTs near 100 ms run at 5x, agentic (TTFTs of
-// seconds, 1 s prefill steps, few requests) at 20x.
-var matrixTimeScales = map[string]float64{"shared-prefix": 5, "hot-prefix": 5, "multi-turn-think": 10, "mixed": 10, "agentic": 20}
+// seconds, 1 s prefill steps, long runs) at 30x.
+var matrixTimeScales = map[string]float64{"shared-prefix": 5, "hot-prefix": 5, "multi-turn-think": 10, "mixed": 10, "agentic": 30}
 
 // runMatrixJob runs one cell and seed with every policy.
 func runMatrixJob(ctx context.Context, o options, j matrixJob, prog *progress) MatrixRun {

@@ -173,6 +173,9 @@ func runWorkload(ctx context.Context, o options, sims []simSettings, w Workload,
 	}
 	wr.Notes = append(wr.Notes, fmt.Sprintf("capacity estimate: mean prompt %.0f tokens, %.0f to prefill with an ideal cache, %.0f output, decode batch %.0f: %.2f req/s per backend",
 		est.MeanPrompt, est.MeanUncached, est.MeanOutput, est.Batch, est.PerBackendRPS))
+	if est.CachedSessions > 0 {
+		wr.Notes = append(wr.Notes, fmt.Sprintf("the KV caches hold the context of %.0f%% of the sessions in flight at that rate: the ideal cache re-prefills the others' own history each turn", 100*est.CachedSessions))
+	}
 	if o.bypassRate > 0 {
 		wr.Notes = append(wr.Notes, fmt.Sprintf("%.1f req/s (simulated) of the same workload went straight to backend 0; hit rates include that traffic, latencies do not", o.bypassRate))
 	}

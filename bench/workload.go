@@ -109,10 +109,16 @@ func generateWorkload(name string, seed int64, size workloadSize) (Workload, err
 	case "agentic":
 		// A coding agent: a 20k-token first prompt (system prompt, tools, files), then turns that each
 		// append the agent's reply and a 1-3k-token tool result, up to 40k tokens; a tool runs for a
-		// mean 1 s (simulated) between turns. Few sessions, long contexts.
+		// mean 1 s (simulated) between turns. Few sessions, long contexts. The matrix runs 24 sessions
+		// (~150 requests, as many as its other workloads): with 8 (44 measured requests) a run was
+		// mostly the ramp up and down, its p99 was its worst request, and two runs of one binary on
+		// the same seeds differed by 0.6-1.5x per cell.
 		sessions, minTurns, maxTurns := 12, 6, 10
-		if size.quick || size.matrix {
+		switch {
+		case size.quick:
 			sessions, minTurns, maxTurns = 8, 5, 8
+		case size.matrix:
+			sessions, minTurns, maxTurns = 24, 5, 8
 		}
 		return agentic(rng, sessions, minTurns, maxTurns, 20000, 1000, 3000, 40000, 64, time.Second), nil
 	case "multi-turn":

@@ -1,9 +1,13 @@
 package main
 
 import (
+	"fmt"
+	"math"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestWorkloadsAreDeterministic(t *testing.T) {
@@ -168,6 +172,47 @@ func TestEstimateCapacity(t *testing.T) {
 	}
 }
 
+// TestEstimateCapacityCachedSessions: when the KV caches cannot hold the context of every session in
+// flight between turns, the estimate re-prefills the history of those it cannot hold (at the fixed point
+// where the rate it sustains keeps that many sessions in flight); when they can, it is the ideal one.
+func TestEstimateCapacityCachedSessions(t *testing.T) {
+	system := Message{Role: "system", Content: strings.Repeat("s", 4000)} // shared by every session
+	var w Workload
+	for i := range 8 {
+		first := []Message{system, {Role: "user", Content: fmt.Sprintf("%04d", i) + strings.Repeat("u", 11996)}}
+		second := append(slices.Clone(first), Message{Role: "assistant", Content: strings.Repeat("a", 400)}, Message{Role: "user", Content: strings.Repeat("v", 4000)})
+		w.Sessions = append(w.Sessions, Session{Requests: []Request{
+			{Messages: first, MaxTokens: 100},
+			{Messages: second, MaxTokens: 100, Think: 20 * time.Second},
+		}})
+	}
+	sim := defaultSim
+	sim.MaxNumSeqs = 1 // a batch of one whatever the cache: only the cached sessions differ
+	big, small := sim, sim
+	big.NumGPUBlocks = 100000
+	small.NumGPUBlocks = 6000 / small.BlockSize // room for one session's context (~4.1k tokens)
+	ideal := estimateCapacity(w, uniformCluster(2, big))
+	got := estimateCapacity(w, uniformCluster(2, small))
+	shape := measureWorkload(w, sim.BlockSize)
+	if ideal.CachedSessions != 0 || ideal.MeanUncached != shape.uncached {
+		t.Errorf("large caches: %+v, want the ideal estimate (%.0f tokens to prefill)", ideal, shape.uncached)
+	}
+	if !(shape.uncached < shape.uncachedAlone) {
+		t.Fatalf("workload shape %+v: want more to prefill without the session's own history", shape)
+	}
+	h := got.CachedSessions
+	if !(h > 0 && h < 1) || !(got.MeanUncached > shape.uncached && got.MeanUncached < shape.uncachedAlone) || !(got.ClusterRPS < ideal.ClusterRPS) {
+		t.Fatalf("small caches: %+v, want a fraction of the sessions cached and less capacity than %.2f req/s", got, ideal.ClusterRPS)
+	}
+	// The fixed point by hand: at the rate the estimate sustains, Little's law puts n sessions in
+	// flight, of which the caches (one context each) hold 2: h = 2/n.
+	latency := got.MeanUncached/sim.PrefillTokensPerSec + shape.output*(sim.DecodeStep.Seconds()+sim.DecodeStepPerSeq.Seconds())
+	n := got.ClusterRPS / 2 * (20 + 2*latency)
+	if math.Abs(h-2/n) > 1e-6 {
+		t.Errorf("cached fraction %.4f, want 2 held / %.2f in flight = %.4f", h, n, 2/n)
+	}
+}
+
 func TestMultiTurnThinkShape(t *testing.T) {
 	w, _ := generateWorkload("multi-turn-think", 1, workloadSize{matrix: true})
 	var thinks []float64
@@ -190,10 +235,16 @@ func TestMultiTurnThinkShape(t *testing.T) {
 }
 
 func TestAgenticShape(t *testing.T) {
-	w, _ := generateWorkload("agentic", 1, workloadSize{matrix: true})
-	if len(w.Sessions) != 8 {
-		t.Errorf("%d sessions, want 8", len(w.Sessions))
+	for _, c := range []struct {
+		size     workloadSize
+		sessions int
+	}{{workloadSize{quick: true}, 8}, {workloadSize{matrix: true}, 24}, {workloadSize{}, 12}} {
+		w, _ := generateWorkload("agentic", 1, c.size)
+		if len(w.Sessions) != c.sessions {
+			t.Errorf("%+v: %d sessions, want %d", c.size, len(w.Sessions), c.sessions)
+		}
 	}
+	w, _ := generateWorkload("agentic", 1, workloadSize{matrix: true})
 	system := w.Sessions[0].Requests[0].Messages[0].Content
 	for i, s := range w.Sessions {
 		if s.Requests[0].Messages[0].Content != system {
