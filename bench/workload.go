@@ -69,7 +69,7 @@ var matrixWorkloads = []string{"shared-prefix", "hot-prefix", "multi-turn-think"
 var knownWorkloads = []string{"shared-prefix", "multi-turn", "mixed", "hot-prefix", "multi-turn-think", "agentic"}
 
 // workloadSize scales a workload: quick runs are small enough for CI, matrix runs small enough
-// that 525 of them fit in about 40 minutes on 2 cores (120-160 requests, agentic fewer).
+// that 525 of them fit in about 40 minutes on 2 cores (116-335 requests a run).
 type workloadSize struct {
 	quick, matrix bool
 }
@@ -110,7 +110,7 @@ func generateWorkload(name string, seed int64, size workloadSize) (Workload, err
 		// A coding agent: a 20k-token first prompt (system prompt, tools, files), then turns that each
 		// append the agent's reply and a 1-3k-token tool result, up to 40k tokens; a tool runs for a
 		// mean 1 s (simulated) between turns. Few sessions, long contexts. The matrix runs 24 sessions
-		// (~150 requests, as many as its other workloads): with 8 (44 measured requests) a run was
+		// (~140 requests, as many as its other workloads): with 8 (44 measured requests) a run was
 		// mostly the ramp up and down, its p99 was its worst request, and two runs of one binary on
 		// the same seeds differed by 0.6-1.5x per cell.
 		sessions, minTurns, maxTurns := 12, 6, 10
