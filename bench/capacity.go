@@ -77,11 +77,12 @@ type capacityEstimate struct {
 // context cached only if the cluster's KV caches hold the context of every session in flight. By
 // Little's law, at r requests a second N = r/turns x (think + turns x latency) sessions are in flight
 // (latency is a request's unloaded time on the backend); the caches hold K/S of them (K tokens of KV
-// cache, S a session's mean context; whole sessions only), so an ideal router keeps a fraction h = min(1, K/S/N) of them
-// and re-prefills the others' own history at each turn (what other sessions share stays cached). The
-// capacity is then the rate r at which the backends sustain r with that h: without this, agentic's
-// 20-40k-token contexts in 50k-token caches were offered 0.75 of a rate that only a cache holding
-// every session could sustain, and every policy queued for tens of seconds (hit rates 21-45%).
+// cache, S a session's mean context; whole sessions only), so an ideal router keeps a fraction
+// h = min(1, K/S/N) of them and re-prefills the others' own history at each turn (what other sessions
+// share stays cached). The capacity is then the rate r at which the backends sustain r with that h:
+// without this, agentic's 20-40k-token contexts in 50k-token caches were offered 0.75 of a rate that
+// only a cache holding every session could sustain, and every policy queued for tens of seconds (hit
+// rates 21-49%). Blocks are counted in the first backend's block size (the regimes share one).
 func estimateCapacity(w Workload, sims []simSettings) capacityEstimate {
 	if len(sims) == 0 {
 		return capacityEstimate{}
@@ -149,13 +150,6 @@ type workloadShape struct {
 	turns, think, context                   float64
 }
 
-// meanTokens returns w's mean prompt tokens, mean tokens left to prefill under an ideal
-// cluster-wide prefix cache of blockSize-token blocks, and mean output tokens.
-func meanTokens(w Workload, blockSize int) (prompt, uncached, output float64) {
-	m := measureWorkload(w, blockSize)
-	return m.prompt, m.uncached, m.output
-}
-
 // measureWorkload returns w's shape (workloadShape) with a prefix cache of blockSize-token blocks.
 func measureWorkload(w Workload, blockSize int) workloadShape {
 	var m workloadShape
@@ -174,14 +168,14 @@ func measureWorkload(w Workload, blockSize int) workloadShape {
 				_, _ = h.WriteString(msg.Content)
 				_, _ = h.WriteString("\x00")
 				key := h.Sum64()
-				if first, ok := seen[key]; ok && i < len(req.Messages)-1 {
+				switch first, ok := seen[key]; {
+				case !ok:
+					seen[key] = si + 1
+				case i < len(req.Messages)-1:
 					matched = templatedTokens(req.Messages[:i+1])
 					if first != si+1 {
 						shared = matched
 					}
-				}
-				if _, ok := seen[key]; !ok {
-					seen[key] = si + 1
 				}
 			}
 			maxBlocks := (tokens - 1) / blockSize
