@@ -92,7 +92,7 @@ func estimateCapacity(w Workload, sims []simSettings) capacityEstimate {
 		return capacityEstimate{}
 	}
 	batch := func(sim simSettings) float64 {
-		kvSeqs := float64(sim.NumGPUBlocks*sim.BlockSize) / (m.prompt + m.output)
+		kvSeqs := float64(sim.NumGPUBlocks*sim.BlockSize) / m.context
 		return min(float64(sim.MaxNumSeqs), max(kvSeqs, 1))
 	}
 	// perRequest is a backend's time a request at saturation, latency one request's own time alone
