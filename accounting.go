@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"slices"
+	"sort"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -45,9 +46,20 @@ type upstreamLoad struct {
 	foreignAt    int64
 	foreign      float64
 	meanUncached float64 // uncached prompt tokens of this proxy's recent requests there (EWMA)
-	gap          float64 // seconds between this proxy's requests sent there (EWMA)
-	gaps         int     // gaps observed, up to minGaps
-	lastSent     int64   // unix nanoseconds of the last one
+	// allocAt and allocCum are a ring of this proxy's recent requests there: when each was sent and the
+	// KV-cache tokens (uncached prompt + expected output) sent there up to and including it; allocNext
+	// is the next slot, allocN the slots filled, allocTotal the running sum (allocatedSince).
+	allocAt    [allocRing]int64
+	allocCum   [allocRing]int64
+	allocNext  int
+	allocN     int
+	allocTotal int64
+	// held is how long this proxy's requests there lately took, sent to ended (seconds, EWMA): a prefix
+	// sent with a request is referenced, so not evictable, until about then (evictedSince).
+	held     float64
+	gap      float64 // seconds between this proxy's requests sent there (EWMA)
+	gaps     int     // gaps observed, up to minGaps
+	lastSent int64   // unix nanoseconds of the last one
 	// waitingOurs are this proxy's requests its last scrape counted as waiting, and foreignWaiting the
 	// waiting requests beyond them (other clients'), computed once per scrape.
 	waitingOurs    []*reservation
@@ -188,6 +200,10 @@ func (l *upstreamLoad) add(dial string, w work, now int64) *reservation {
 	r.prefillDone = begin + seconds(r.prefill+svc.Overhead)
 	r.index = len(l.inflight)
 	l.inflight = append(l.inflight, r)
+	l.allocTotal += int64(w.uncached + w.output)
+	l.allocAt[l.allocNext], l.allocCum[l.allocNext] = now, l.allocTotal
+	l.allocNext = (l.allocNext + 1) % allocRing
+	l.allocN = min(l.allocN+1, allocRing)
 	if l.meanUncached == 0 {
 		l.meanUncached = float64(w.uncached)
 	} else {
@@ -253,6 +269,13 @@ func (r *reservation) release(now int64, completed bool) {
 	}
 	l.ended[l.endNext], l.endedAt[l.endNext] = r.start, now
 	l.endNext = (l.endNext + 1) % endRing
+	if completed {
+		if d := float64(now-r.start) / 1e9; l.held == 0 {
+			l.held = d
+		} else {
+			l.held += 0.05 * (d - l.held)
+		}
+	}
 	l.mu.Unlock()
 	l.tokens.Add(-int64(r.uncached + r.output))
 	l.requests.Add(-1)
@@ -364,6 +387,58 @@ func (l *upstreamLoad) overdueLocked(now int64, s selection.Service) float64 {
 		return 0
 	}
 	return second
+}
+
+// allocRing is how many recent requests allocatedSince remembers per upstream.
+const allocRing = 256
+
+// allocatedSince returns (at least) the KV-cache tokens this proxy's requests allocated on the upstream
+// after time at (unix nanoseconds): what it sent there since, uncached prompts and expected outputs.
+// Older than the requests it remembers, it is what they allocated: a lower bound.
+func (l *upstreamLoad) allocatedSince(at int64) int64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.allocatedSinceLocked(at)
+}
+
+func (l *upstreamLoad) allocatedSinceLocked(at int64) int64 {
+	oldest := (l.allocNext - l.allocN + allocRing) % allocRing
+	// The last remembered request sent at or before at (times are in sending order, within the
+	// decisions' jitter): binary search over the ring in time order.
+	k := sort.Search(l.allocN, func(i int) bool { return l.allocAt[(oldest+i)%allocRing] > at })
+	switch {
+	case k > 0:
+		return l.allocTotal - l.allocCum[(oldest+k-1)%allocRing]
+	case l.allocN < allocRing:
+		return l.allocTotal // nothing was sent there before at
+	}
+	return l.allocTotal - l.allocCum[oldest]
+}
+
+// evictedSince returns (at least) the KV-cache tokens of this proxy's requests that stand between a
+// prefix last sent to the upstream at seen (unix nanoseconds) and the cache's capacity at now: those
+// allocated since the prefix became evictable, when the request that sent it ended (about held after
+// seen; vLLM frees a request's blocks to the tail of its least-recently-used queue when it ends, and
+// blocks in use are never evicted), plus those still held by requests that were running then and still
+// are. 0 while the prefix is still in use.
+func (l *upstreamLoad) evictedSince(seen, now int64) int64 {
+	l.mu.Lock()
+	freed := seen + seconds(l.held)
+	if freed >= now {
+		l.mu.Unlock()
+		return 0 // still in use
+	}
+	// Requests already running when it was freed and running still hold their blocks: what is free
+	// ahead of the prefix in the queue is that much less.
+	var running int64
+	for _, r := range l.inflight {
+		if r.start <= freed {
+			running += int64(r.uncached + r.output)
+		}
+	}
+	running += l.allocatedSinceLocked(freed)
+	l.mu.Unlock()
+	return running
 }
 
 // minGaps is how many gaps between requests an arrival rate needs.

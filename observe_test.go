@@ -299,3 +299,113 @@ func BenchmarkObservedBodyWhole(b *testing.B) {
 type repeatReader struct{ chunk []byte }
 
 func (r *repeatReader) Read(p []byte) (int, error) { return copy(p, r.chunk), nil }
+
+// TestEvictedClaimsAreNotCredited: a claim is credited while what this proxy sent its upstream since
+// fits in the cache beside it (least recently used blocks go first), and not once it does not; an
+// upstream whose cache size is unknown is credited as before.
+func TestEvictedClaimsAreNotCredited(t *testing.T) {
+	now := time.Unix(1_700_000_000, 0)
+	clock := now
+	routes := affinity.New(affinity.Config{Now: func() time.Time { return clock }})
+	bounds := []tokenize.Boundary{{Tokens: 1024, Hash: 1}, {Tokens: 2048, Hash: 2}}
+	keys := []string{"a:1", "b:1"}
+	for _, k := range keys {
+		routes.Learn("m", bounds, k)
+	}
+	lt := newTestLoads()
+	// Since the claim, a:1 was sent 3,000 new tokens (prompt and output) and b:1 7,000.
+	for i, k := range keys {
+		for j := range 1 + 4*i {
+			clock = now.Add(time.Duration(j+1) * time.Second)
+			lt.reserve(k, work{prompt: 3000, uncached: 1400, output: 100}, clock.UnixNano()).release(clock.UnixNano(), false)
+		}
+	}
+	for _, capacity := range []float64{0, 8192} {
+		q := &query{req: &tokenize.Request{Model: "m", PromptTokens: 2200, Boundaries: bounds}, bounds: bounds, now: clock.UnixNano()}
+		cands := make([]selection.Candidate, 2)
+		for i := range cands {
+			cands[i].KVCapacity = capacity
+		}
+		cacheSignal{routes: routes, loads: lt}.fill(q, keys, cands)
+		want := []int{2048, 2048} // the route table's claim
+		if capacity > 0 {
+			want[1] = 0 // 7,500 tokens sent since, 8,192 - 2,048 beside the claim
+		}
+		if cands[0].CachedTokens != want[0] || cands[1].CachedTokens != want[1] {
+			t.Errorf("capacity %.0f: credited %d and %d cached tokens, want %v", capacity, cands[0].CachedTokens, cands[1].CachedTokens, want)
+		}
+	}
+}
+
+// TestAllocatedSince: what this proxy sent an upstream after a time, remembered for the last allocRing
+// requests (beyond them a lower bound).
+func TestAllocatedSince(t *testing.T) {
+	lt := newTestLoads()
+	t0 := time.Unix(1_700_000_000, 0).UnixNano()
+	for i := range 5 {
+		at := t0 + int64(i)*int64(time.Second)
+		lt.reserve("a:1", work{prompt: 1000, uncached: 100 * (i + 1), output: 10}, at).release(at, false)
+	}
+	l := lt.lookup("a:1")
+	for _, tt := range []struct {
+		at   int64
+		want int64
+	}{
+		{t0 - 1, 1550},
+		{t0, 1440},
+		{t0 + int64(2*time.Second), 920},
+		{t0 + int64(2*time.Second) + 1, 920},
+		{t0 + int64(10*time.Second), 0},
+	} {
+		if got := l.allocatedSince(tt.at); got != tt.want {
+			t.Errorf("allocatedSince(t0%+v) = %d, want %d", time.Duration(tt.at-t0), got, tt.want)
+		}
+	}
+	for i := range allocRing + 10 {
+		at := t0 + int64(10+i)*int64(time.Second)
+		lt.reserve("a:1", work{prompt: 1, uncached: 1}, at).release(at, false)
+	}
+	if got := l.allocatedSince(t0 - 1); got < allocRing-1 || got > 1550+allocRing+10 {
+		t.Errorf("allocatedSince(long ago) = %d, want a lower bound of at least the %d remembered", got, allocRing-1)
+	}
+}
+
+// TestEvictedSinceCountsFromRelease: a prefix's blocks cannot be evicted while the request that sent it
+// runs, so what this proxy sent the upstream meanwhile counts against the claim only while it still
+// holds blocks (those requests running still); what it sent after the request ended (about as long after
+// as its requests there take) counts in full.
+func TestEvictedSinceCountsFromRelease(t *testing.T) {
+	lt := newTestLoads()
+	sec := int64(time.Second)
+	t0 := time.Unix(1_700_000_000, 0).UnixNano()
+	// The claim's request: sent at t0, ended 4 s later (the upstream's requests there take 4 s).
+	lt.reserve("a:1", work{prompt: 2048, uncached: 2048, output: 100}, t0).release(t0+4*sec, true)
+	l := lt.lookup("a:1")
+	var during []*reservation
+	for i := int64(1); i <= 3; i++ { // 9,000 tokens sent while it ran
+		during = append(during, lt.reserve("a:1", work{prompt: 3000, uncached: 2900, output: 100}, t0+i*sec))
+	}
+	lt.reserve("a:1", work{prompt: 1000, uncached: 900, output: 100}, t0+5*sec).release(t0+6*sec, false)
+	for _, tt := range []struct {
+		name    string
+		now     int64
+		release bool // the requests sent while it ran have ended
+		want    int64
+	}{
+		{"its request still running", t0 + 3*sec, false, 0},
+		{"those sent meanwhile still hold their blocks", t0 + 6*sec, false, 10_000},
+		{"those sent meanwhile ended", t0 + 7*sec, true, 1_000},
+	} {
+		if tt.release {
+			for _, r := range during {
+				r.release(t0+7*sec, false) // cancels: they teach nothing about how long requests take
+			}
+		}
+		if got := l.evictedSince(t0, tt.now); got != tt.want {
+			t.Errorf("%s: evictedSince(claim) = %d, want %d", tt.name, got, tt.want)
+		}
+	}
+	if got := l.allocatedSince(t0); got != 10_000 {
+		t.Errorf("allocatedSince(claim) = %d, want 10000", got)
+	}
+}
