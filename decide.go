@@ -260,8 +260,9 @@ func (s cacheSignal) fill(q *query, keys []string, cands []selection.Candidate) 
 		if room := cands[i].KVCapacity - float64(cached[i]); cands[i].KVCapacity > 0 && q.seen[i] > 0 && float64(l.evictedSince(q.seen[i], q.now)) > room {
 			// Evicted: since the prefix was last in use there, this proxy alone sent it more than its KV
 			// cache holds beside it, and vLLM reuses the least recently used free blocks first (the cache
-			// capacity is scraped; see loadSignal).
-			q.cut[i], cached[i], cands[i].CachedTokens = cached[i], 0, 0
+			// capacity is scraped; see loadSignal). Not a cut claim: that is one older than the horizon,
+			// and a report confirming it would lengthen (or, with none, start) the horizon.
+			cached[i], cands[i].CachedTokens = 0, 0
 			continue
 		}
 		cands[i].CachedTokens = int(float64(cached[i]) * l.cacheTrust())
