@@ -263,6 +263,7 @@ func (s cacheSignal) fill(q *query, keys []string, cands []selection.Candidate) 
 			// capacity is scraped; see loadSignal). Not a cut claim: that is one older than the horizon,
 			// and a report confirming it would lengthen (or, with none, start) the horizon.
 			cached[i], cands[i].CachedTokens = 0, 0
+			l.observed.evicted.Add(1)
 			continue
 		}
 		cands[i].CachedTokens = int(float64(cached[i]) * l.cacheTrust())

@@ -137,6 +137,7 @@ var (
 	descObservedCached   = prometheus.NewDesc("caddy_llm_observed_cached_tokens_total", "Of those, the tokens the upstream reported cached (usage.prompt_tokens_details.cached_tokens).", []string{"upstream"}, nil)
 	descConfirmedCached  = prometheus.NewDesc("caddy_llm_confirmed_cached_tokens_total", "Of those, the predicted tokens the upstream confirmed: the sum over responses of min(predicted, reported).", []string{"upstream"}, nil)
 	descCorrections      = prometheus.NewDesc("caddy_llm_cache_corrections_total", "Responses reporting far fewer cached tokens than the route table claimed; claims as old are no longer credited.", []string{"upstream"}, nil)
+	descEvictedClaims    = prometheus.NewDesc("caddy_llm_evicted_claims_total", "Route claims on the upstream a decision did not credit: since the prefix was last in use there, this proxy sent it more than its KV cache holds beside it.", []string{"upstream"}, nil)
 	descRestarts         = prometheus.NewDesc("caddy_llm_upstream_restarts_total", "Restarts of the upstream seen in its metrics; its routes were forgotten.", []string{"upstream"}, nil)
 	descAvailability     = prometheus.NewDesc("caddy_llm_upstream_availability", "Adaptive availability of the upstream (0-1): the share of new work it takes relative to a healthy one (absent while availability is off).", []string{"upstream"}, nil)
 )
@@ -145,7 +146,7 @@ func (stateCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descInflightTokens, descInflightRequests, descSaturated, descQueue, descRunning, descKV,
 		descScrapeAge, descScrapeErrors, descRoutes, descRouteEvictions, descRoutesExpired, descPins,
 		descPhase, descQueuedPrefill, descPrefillRate, descTokenSeconds, descOverhead, descSlots, descOverrun, descAvailability,
-		descObservedPrompt, descPredictedCached, descObservedCached, descConfirmedCached, descCorrections, descRestarts} {
+		descObservedPrompt, descPredictedCached, descObservedCached, descConfirmedCached, descCorrections, descEvictedClaims, descRestarts} {
 		ch <- d
 	}
 }
@@ -164,6 +165,7 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 			ch <- prometheus.MustNewConstMetric(descObservedCached, prometheus.CounterValue, float64(c.Cached), u.Upstream)
 			ch <- prometheus.MustNewConstMetric(descConfirmedCached, prometheus.CounterValue, float64(c.Confirmed), u.Upstream)
 			ch <- prometheus.MustNewConstMetric(descCorrections, prometheus.CounterValue, float64(c.Corrections), u.Upstream)
+			ch <- prometheus.MustNewConstMetric(descEvictedClaims, prometheus.CounterValue, float64(c.Evicted), u.Upstream)
 			ch <- prometheus.MustNewConstMetric(descRestarts, prometheus.CounterValue, float64(c.Restarts), u.Upstream)
 		}
 		if u.Availability != nil {
@@ -232,7 +234,8 @@ type upstreamStatus struct {
 // tokens the backend reported (the llm transport or llm_resume reads them), in the backend's tokens.
 // PredictedHitRate is the share of their prompt tokens predicted cached, ObservedHitRate the share the
 // backend reported cached, Precision the share of the predicted tokens it confirmed (absent before any
-// prediction), Corrections the reports of far fewer than the route table claimed, HorizonSeconds how long
+// prediction), Corrections the reports of far fewer than the route table claimed, EvictedClaims the claims
+// not credited because this proxy has since sent the upstream more than its cache holds, HorizonSeconds how long
 // the backend has lately kept a prefix (older claims are not credited; absent while no report denied
 // one), Restarts the backend restarts seen in its metrics (its routes were forgotten) and Trust the share
 // of its claims the decision believes.
@@ -242,13 +245,14 @@ type cacheReport struct {
 	ObservedHitRate  float64  `json:"observed_hit_rate"`
 	Precision        *float64 `json:"precision,omitempty"`
 	Corrections      int64    `json:"corrections"`
+	EvictedClaims    int64    `json:"evicted_claims"`
 	HorizonSeconds   float64  `json:"horizon_seconds,omitempty"`
 	Restarts         int64    `json:"restarts"`
 	Trust            float64  `json:"trust"`
 }
 
 func reportCache(c cacheFigures) *cacheReport {
-	r := &cacheReport{Requests: c.Requests, Corrections: c.Corrections, Restarts: c.Restarts, Trust: c.Trust,
+	r := &cacheReport{Requests: c.Requests, Corrections: c.Corrections, EvictedClaims: c.Evicted, Restarts: c.Restarts, Trust: c.Trust,
 		HorizonSeconds: float64(c.Horizon) / 1e9}
 	if c.Prompt > 0 {
 		r.PredictedHitRate = float64(c.Predicted) / float64(c.Prompt)

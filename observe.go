@@ -58,13 +58,16 @@ type cacheCounters struct {
 	requests, prompt, predicted, cached, confirmed atomic.Int64
 	corrections                                    atomic.Int64 // reports denying a claim (they set the horizon)
 	restarts                                       atomic.Int64 // restarts seen in scrapes
+	// evicted counts the claims on the upstream a decision did not credit because this proxy has sent it
+	// more than its cache holds beside them since (evictedSince): no report needed.
+	evicted atomic.Int64
 }
 
 // cacheFigures is a snapshot of cacheCounters.
 type cacheFigures struct {
-	Requests, Prompt, Predicted, Cached, Confirmed, Corrections, Restarts int64
-	Trust                                                                 float64
-	Horizon                                                               int64 // nanoseconds; 0: not known
+	Requests, Prompt, Predicted, Cached, Confirmed, Corrections, Restarts, Evicted int64
+	Trust                                                                          float64
+	Horizon                                                                        int64 // nanoseconds; 0: not known
 }
 
 func (l *upstreamLoad) cacheFigures() cacheFigures {
@@ -72,7 +75,7 @@ func (l *upstreamLoad) cacheFigures() cacheFigures {
 	return cacheFigures{
 		Requests: c.requests.Load(), Prompt: c.prompt.Load(), Predicted: c.predicted.Load(),
 		Cached: c.cached.Load(), Confirmed: c.confirmed.Load(), Corrections: c.corrections.Load(),
-		Restarts: c.restarts.Load(), Trust: l.cacheTrust(), Horizon: l.cacheHorizon(),
+		Restarts: c.restarts.Load(), Evicted: c.evicted.Load(), Trust: l.cacheTrust(), Horizon: l.cacheHorizon(),
 	}
 }
 

@@ -334,6 +334,9 @@ func TestEvictedClaimsAreNotCredited(t *testing.T) {
 		if cands[0].CachedTokens != want[0] || cands[1].CachedTokens != want[1] {
 			t.Errorf("capacity %.0f: credited %d and %d cached tokens, want %v", capacity, cands[0].CachedTokens, cands[1].CachedTokens, want)
 		}
+		if got, want := lt.lookup(keys[1]).cacheFigures().Evicted, int64(min(capacity, 1)); got != want {
+			t.Errorf("capacity %.0f: %d claims counted evicted on b:1, want %d", capacity, got, want)
+		}
 		if q.cut[1] != 0 {
 			t.Errorf("capacity %.0f: an evicted claim recorded as cut by the horizon (%d): a report confirming it would start a horizon", capacity, q.cut[1])
 		}
