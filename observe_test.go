@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"io"
 	"strings"
+	"sync"
 	"testing"
 	"testing/iotest"
 	"time"
@@ -413,5 +414,42 @@ func TestEvictedSinceCountsFromRelease(t *testing.T) {
 	}
 	if got := l.allocatedSince(t0); got != 10_000 {
 		t.Errorf("allocatedSince(claim) = %d, want 10000", got)
+	}
+}
+
+// TestEvictedSinceConcurrent: decisions read the allocation ring and the requests in flight while
+// others reserve and release on the same upstream (run with -race); every allocation is counted once.
+func TestEvictedSinceConcurrent(t *testing.T) {
+	lt := newTestLoads()
+	t0 := time.Unix(1_700_000_000, 0).UnixNano()
+	const writers, each = 4, 200
+	var wg sync.WaitGroup
+	for w := range writers {
+		wg.Add(2)
+		go func() {
+			defer wg.Done()
+			for i := range each {
+				at := t0 + int64(w*each+i)*int64(time.Millisecond)
+				lt.reserve("a:1", work{prompt: 100, uncached: 90, output: 10}, at).release(at+int64(time.Millisecond), i%2 == 0)
+			}
+		}()
+		go func() {
+			defer wg.Done()
+			for i := range each {
+				if l := lt.lookup("a:1"); l != nil {
+					if got := l.evictedSince(t0, t0+int64(i)*int64(time.Second)); got < 0 {
+						t.Errorf("evictedSince = %d", got)
+					}
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	l := lt.lookup("a:1")
+	if got, want := l.allocatedSince(t0-1), int64((allocRing-1)*100); got != want { // beyond the ring: a lower bound
+		t.Errorf("allocatedSince(before all) = %d, want %d: what the ring remembers after its oldest", got, want)
+	}
+	if l.allocTotal != writers*each*100 {
+		t.Errorf("allocated %d tokens in all, want %d", l.allocTotal, writers*each*100)
 	}
 }
