@@ -423,22 +423,20 @@ func (l *upstreamLoad) allocatedSinceLocked(at int64) int64 {
 // are. 0 while the prefix is still in use.
 func (l *upstreamLoad) evictedSince(seen, now int64) int64 {
 	l.mu.Lock()
+	defer l.mu.Unlock()
 	freed := seen + seconds(l.held)
 	if freed >= now {
-		l.mu.Unlock()
 		return 0 // still in use
 	}
+	n := l.allocatedSinceLocked(freed)
 	// Requests already running when it was freed and running still hold their blocks: what is free
 	// ahead of the prefix in the queue is that much less.
-	var running int64
 	for _, r := range l.inflight {
 		if r.start <= freed {
-			running += int64(r.uncached + r.output)
+			n += int64(r.uncached + r.output)
 		}
 	}
-	running += l.allocatedSinceLocked(freed)
-	l.mu.Unlock()
-	return running
+	return n
 }
 
 // minGaps is how many gaps between requests an arrival rate needs.
