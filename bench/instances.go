@@ -16,6 +16,9 @@ import (
 	"github.com/tokenrouter/caddy-llm/bench/vllmsim"
 )
 
+// instancesTimeScale is -instances' time scale unless -timescale sets one: real time (see parseOptions).
+const instancesTimeScale = 1
+
 // -instances N: N Caddy processes behind a random splitter (the load driver picks an instance per
 // request uniformly at random, like a DNS round robin or an L4 balancer) in front of the same simulated
 // backends, with the bare llm policy: one instance, N sharing through a real redis-server, and N

@@ -23,6 +23,23 @@ func TestParseInstancesOptions(t *testing.T) {
 	if o.seeds != 3 {
 		t.Errorf("-instances 3: seeds %d, want 3", o.seeds)
 	}
+	// Real time unless told otherwise (three processes on a shared machine), and -quick keeps its own.
+	for _, tt := range []struct {
+		args []string
+		want float64
+	}{
+		{[]string{"-instances", "3"}, instancesTimeScale},
+		{[]string{"-instances", "3", "-timescale", "5"}, 5},
+		{[]string{"-instances", "3", "-quick"}, 10},
+	} {
+		o, err := parseOptions(tt.args)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if o.sim.TimeScale != tt.want {
+			t.Errorf("%q: time scale %g, want %g", tt.args, o.sim.TimeScale, tt.want)
+		}
+	}
 	o, err = parseOptions([]string{"-restart", "-timescale", "5"})
 	if err != nil {
 		t.Fatal(err)
