@@ -134,9 +134,10 @@ type Request struct {
 // Config tunes the decision.
 type Config struct {
 	Mode Mode
-	// TieTolerance is the fraction of the least cost within which two costs count as equal (plus
-	// MinTie seconds); equal candidates are separated by fewer requests in flight per slot, then by
-	// rendezvous hashing of the prefix (or by Rand without one).
+	// TieTolerance is the fraction of the least cost within which two costs count as equal, plus the
+	// noise of any first-token prediction (tolerance); equal candidates are separated by fewer requests
+	// in flight per slot, then by rendezvous hashing of the prefix (or by Rand without one). MinTie
+	// seconds stand for that noise when the least-cost candidate's decode step is unknown.
 	TieTolerance float64
 	MinTie       float64
 }
@@ -270,7 +271,7 @@ func Choose(cands []Candidate, req Request, cfg Config, rnd func(n int) int, scr
 	// upstreams that differ by their noise) must not move it.
 	for i := range cands {
 		if cands[i].Pinned {
-			if costs[i] <= pinMargin*costs[best]+tolerance(costs[best], cfg) {
+			if costs[i] <= pinMargin*costs[best]+tolerance(costs[best], &cands[best], cfg) {
 				return decision(i, ReasonConversation)
 			}
 			break
@@ -306,7 +307,17 @@ func Choose(cands []Candidate, req Request, cfg Config, rnd func(n int) int, scr
 // moves there.
 const pinMargin = 2
 
-func tolerance(least float64, cfg Config) float64 {
+// tolerance is how far above the least cost, least, of candidate c (nil: unknown) another cost still
+// counts as equal: the fraction TieTolerance of it, plus the standard deviation of the wait for the step
+// c is running when the request arrives. A request joins a running batch at its next step, at a phase
+// no proxy knows, so its wait is uniform over one decode step (c's TokenSeconds), whose standard
+// deviation is step/sqrt(12): two predictions closer than that are the same prediction. In the
+// backend's own time, like every cost: a fixed 2 ms (what this was) was a third of a decode step of the
+// benchmark's simulators at time scale 5, two steps at time scale 30, and a tenth of a real GPU's.
+func tolerance(least float64, c *Candidate, cfg Config) float64 {
+	if c != nil && c.Service.TokenSeconds > 0 {
+		return cfg.TieTolerance*least + c.Service.TokenSeconds/math.Sqrt(12)
+	}
 	return cfg.TieTolerance*least + cfg.MinTie
 }
 
@@ -369,11 +380,17 @@ func excludeUnavailable(cands []Candidate, costs []float64, req Request, rnd fun
 // then by rendezvous hashing of the request's prefix (so that independent proxies agree on where a new
 // prefix goes), else by rnd.
 func leastCost(cands []Candidate, costs []float64, req Request, cfg Config, rnd func(int) int) int {
-	least := math.Inf(1)
-	for _, c := range costs {
-		least = min(least, c)
+	least, at := math.Inf(1), -1
+	for i, c := range costs {
+		if c < least {
+			least, at = c, i
+		}
 	}
-	limit := least + tolerance(least, cfg)
+	var lc *Candidate
+	if at >= 0 {
+		lc = &cands[at]
+	}
+	limit := least + tolerance(least, lc, cfg)
 	chosen, ties := -1, 0
 	var bestScore uint64
 	var bestOccupancy float64

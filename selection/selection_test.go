@@ -310,3 +310,28 @@ func BenchmarkChoose(b *testing.B) {
 		Choose(cs, Request{PromptTokens: 2000, PrefixHash: 7}, DefaultConfig(), first, scratch)
 	}
 }
+
+// TestTieToleranceInTheBackendsTime checks that what counts as a tie scales with the backends' own
+// time: the same fleet k times faster or slower makes the same decisions. Two candidates, one with a
+// cache claim of 100 tokens (preferred among equals) and more queued ahead of it; its cost is 5 ms x k
+// above the other's (within the noise of a 30 ms x k decode step: a tie, the claim wins), or 15 ms x k
+// (beyond it: the cheaper one). A fixed 2 ms made the first no tie at k = 1 and the second a tie at
+// k = 1/30.
+func TestTieToleranceInTheBackendsTime(t *testing.T) {
+	for _, k := range []float64{1, 0.2, 1.0 / 30, 3} {
+		s := Service{Overhead: 0.010 * k, PrefillSecondsPerToken: 1e-4 * k, TokenSeconds: 0.030 * k, Slots: 64, MeanDuration: k}
+		for _, tt := range []struct {
+			extra float64 // seconds of queue ahead of the claim, over what the claim saves (10 ms x k)
+			want  int
+		}{{0.005, 0}, {0.015, 1}} {
+			cs := []Candidate{
+				{Key: "10.0.0.1:8000", Service: s, CachedTokens: 100, Queued: (0.010 + tt.extra) * k},
+				{Key: "10.0.0.2:8000", Service: s},
+			}
+			dec := Choose(cs, Request{PromptTokens: 1000, PrefixHash: 7}, DefaultConfig(), first, nil)
+			if dec.Index != tt.want {
+				t.Errorf("time x%.3g, claim %.0f ms x k dearer: chose %d, want %d", k, 1000*tt.extra, dec.Index, tt.want)
+			}
+		}
+	}
+}
