@@ -191,8 +191,9 @@ func parseOptions(args []string) (options, error) {
 		// Several Caddy processes, redis-server and the simulators share this machine's cores: at a
 		// compressed time scale each millisecond of their CPU counts several simulated ones, and three
 		// processes contend where one does not, which the comparison with one instance would charge to
-		// sharing (shared-prefix TTFT p50 1.09-1.14x one instance's at time scale 5, 0.99-1.00x in real
-		// time, same decision). Real time, as each instance would run on its own machine.
+		// sharing (shared-prefix TTFT p50 1.09-1.14x one instance's at time scale 5 in nine runs over two
+		// decisions, 0.99x and 1.00x in real time on the same two). Real time, as each instance would run
+		// on its own machine.
 		o.sim.TimeScale = instancesTimeScale
 	}
 	if o.faults && !o.quick && !o.timeScaleSet {

@@ -313,7 +313,8 @@ const pinMargin = 2
 // no proxy knows, so its wait is uniform over one decode step (c's TokenSeconds), whose standard
 // deviation is step/sqrt(12): two predictions closer than that are the same prediction. In the
 // backend's own time, like every cost: a fixed 2 ms (what this was) was a third of a decode step of the
-// benchmark's simulators at time scale 5, two steps at time scale 30, and a tenth of a real GPU's.
+// benchmark's simulators at time scale 5, two steps at time scale 30, and a fifteenth of a real GPU's
+// 30 ms step.
 func tolerance(least float64, c *Candidate, cfg Config) float64 {
 	if c != nil && c.Service.TokenSeconds > 0 {
 		return cfg.TieTolerance*least + c.Service.TokenSeconds/math.Sqrt(12)
