@@ -179,6 +179,32 @@ func TestFleetBlend(t *testing.T) {
 	}
 }
 
+// TestFleetBlendBorrowsNoCongestion: a fleet whose only measured upstream learned from its requests that
+// it is 10x slower than the prior (congestion looks like that without metrics) lends that slowness to no
+// unmeasured upstream, which keeps its own estimate; a faster fleet is still borrowed.
+func TestFleetBlendBorrowsNoCongestion(t *testing.T) {
+	congested := NewServiceModel(Prior)
+	for range 40 {
+		congested.ObserveEnd(1000, 100, 0, 10*(Prior.TTFT(1000)+100*Prior.TokenSeconds))
+	}
+	var f Fleet
+	f.Add(congested.Service())
+	if got := congested.Service().TokenSeconds / Prior.TokenSeconds; got < 5 {
+		t.Fatalf("congested upstream learned %.1fx the prior's time per token, want about 10x", got)
+	}
+	if got := f.Blend(Prior); got.Overhead != Prior.Overhead || got.PrefillSecondsPerToken != Prior.PrefillSecondsPerToken ||
+		got.TokenSeconds != Prior.TokenSeconds || got.MeanDuration != Prior.MeanDuration {
+		t.Errorf("unmeasured upstream blended to %+v, want its prior %+v", got, Prior)
+	}
+	fast := Service{Overhead: Prior.Overhead / 2, PrefillSecondsPerToken: Prior.PrefillSecondsPerToken / 2,
+		TokenSeconds: Prior.TokenSeconds / 2, MeanDuration: Prior.MeanDuration / 2, Samples: trustedSamples}
+	var g Fleet
+	g.Add(fast)
+	if got := g.Blend(Prior); got.TokenSeconds != fast.TokenSeconds || got.PrefillSecondsPerToken != fast.PrefillSecondsPerToken {
+		t.Errorf("unmeasured upstream in a 2x faster fleet blended to %+v, want the fleet's %+v", got, fast)
+	}
+}
+
 // TestFleetPoolsBusyPrefill: one upstream's busy intervals show its kind of backend prefills 4x slower
 // than the prior; an upstream with none takes that ratio on its own speed-scaled prior (one 3x slower
 // overall ends 12x slower to prefill), and one with trustedBusy intervals of its own keeps its figure.
