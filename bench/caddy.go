@@ -54,6 +54,9 @@ var extraPolicies = []policy{
 	// llm behind transport llm: the policy sees the cached tokens each backend reports and corrects
 	// its route table (against llm, the same policy without the observer).
 	{Name: "llm-observed", JSON: `{"policy":"llm"}`, Transport: "llm"},
+	// Without metrics (backends with no usable /metrics): the bare policy against the one that sees
+	// first tokens through transport llm, its only other view of a backend's queue.
+	{Name: "llm-observed-nometrics", JSON: `{"policy":"llm","metrics":{"off":true}}`, Transport: "llm"},
 	// llm given the conversation ID the header policy hashes (conversation_header): the same knowledge
 	// as header, against llm's bare default, which infers conversations from their prefixes.
 	{Name: "llm-conversation", JSON: `{"policy":"llm","conversation_header":"X-Conversation-ID"}`},
