@@ -177,7 +177,8 @@ func (sc *scrapes) checkUsable(dial string, h *scraper.Handle) {
 	sc.mu.Unlock()
 	h.Release()
 	sc.logger.Info("upstream has no usable metrics; routing it on this proxy's own signals",
-		zap.String("upstream", dial), zap.String("metrics_url", t.URL), zap.String("last_error", st.LastError))
+		zap.String("upstream", dial), zap.String("metrics_url", t.URL), zap.String("last_error", st.LastError),
+		zap.String("hint", "without metrics, add transport llm so the policy sees each first token and the queue behind it"))
 }
 
 func (sc *scrapes) acquire(dial string) *scraper.Handle {
