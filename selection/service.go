@@ -393,12 +393,14 @@ func (f *Fleet) Add(s Service) {
 // unless first tokens pinned it, also takes as much of the fleet's busy-interval ratio (applied to s's own
 // speed-scaled prior, so a backend 3x slower than the others stays 3x slower) as s lacks busy intervals.
 //
-// Of the fleet's estimate learned from requests, s borrows only what is faster than its own: learned
-// from durations, a slowness may be congestion (waits for slots or cache the model did not see), which a
+// An upstream never measured borrows only what is faster than its own estimate: learned from durations,
+// the fleet's slowness may be congestion (waits for slots or cache the model did not see), which a
 // backend that has had none of the requests does not have. Borrowed, it kept the one upstream that had
-// cached a hot prefix first looking no busier than the idle ones, which took the busy one's 30x congested
-// estimate: without metrics, one upstream took 476 of 476 multi-turn requests (TTFT p50 3.2 s against
-// least_conn's 0.1 s). A backend that really is slower shows it in its own first requests.
+// cached a hot prefix first looking no busier than the idle ones, which took its congested estimate:
+// without metrics, one upstream took 476 of 476 multi-turn requests (TTFT p50 3.2 s against least_conn's
+// 0.1 s). A backend that really is slower shows it in its first requests. Once measured at all, an
+// upstream blends both ways: kept optimistic until 16 samples, a barely measured one drew conversations
+// off their homes (TestRoutesSurviveReload, 1 run in 16).
 func (f *Fleet) Blend(s Service) Service {
 	if f.ratioWeight > 0 && s.BusyIntervals < trustedBusy && s.scaledPrefill > 0 {
 		own := 0.0
@@ -413,9 +415,13 @@ func (f *Fleet) Blend(s Service) Service {
 	}
 	own := float64(s.Samples) / trustedSamples
 	fleet := 1 - own
-	s.Overhead = own*s.Overhead + fleet*min(f.overhead/f.weight, s.Overhead)
-	s.PrefillSecondsPerToken = own*s.PrefillSecondsPerToken + fleet*min(f.prefill/f.weight, s.PrefillSecondsPerToken)
-	s.TokenSeconds = own*s.TokenSeconds + fleet*min(f.token/f.weight, s.TokenSeconds)
-	s.MeanDuration = own*s.MeanDuration + fleet*min(f.meanDuration/f.weight, s.MeanDuration)
+	fo, fp, ft, fm := f.overhead/f.weight, f.prefill/f.weight, f.token/f.weight, f.meanDuration/f.weight
+	if s.Samples == 0 {
+		fo, fp, ft, fm = min(fo, s.Overhead), min(fp, s.PrefillSecondsPerToken), min(ft, s.TokenSeconds), min(fm, s.MeanDuration)
+	}
+	s.Overhead = own*s.Overhead + fleet*fo
+	s.PrefillSecondsPerToken = own*s.PrefillSecondsPerToken + fleet*fp
+	s.TokenSeconds = own*s.TokenSeconds + fleet*ft
+	s.MeanDuration = own*s.MeanDuration + fleet*fm
 	return s
 }

@@ -181,7 +181,8 @@ func TestFleetBlend(t *testing.T) {
 
 // TestFleetBlendBorrowsNoCongestion: a fleet whose only measured upstream learned from its requests that
 // it is 10x slower than the prior (congestion looks like that without metrics) lends that slowness to no
-// unmeasured upstream, which keeps its own estimate; a faster fleet is still borrowed.
+// upstream never measured, which keeps its own estimate; a faster fleet is still borrowed, and a
+// measured upstream still blends toward a slower fleet.
 func TestFleetBlendBorrowsNoCongestion(t *testing.T) {
 	congested := NewServiceModel(Prior)
 	for range 40 {
@@ -202,6 +203,11 @@ func TestFleetBlendBorrowsNoCongestion(t *testing.T) {
 	g.Add(fast)
 	if got := g.Blend(Prior); got.TokenSeconds != fast.TokenSeconds || got.PrefillSecondsPerToken != fast.PrefillSecondsPerToken {
 		t.Errorf("unmeasured upstream in a 2x faster fleet blended to %+v, want the fleet's %+v", got, fast)
+	}
+	once := Prior
+	once.Samples = 1
+	if got := f.Blend(once); !(got.TokenSeconds > Prior.TokenSeconds) {
+		t.Errorf("upstream with one sample in a slower fleet blended to %g s/token, want slower than its own %g", got.TokenSeconds, Prior.TokenSeconds)
 	}
 }
 
