@@ -50,6 +50,12 @@ type query struct {
 	adapter bool
 }
 
+// reset readies q for a new request, keeping its scratch slices' storage (a decision makes none).
+func (q *query) reset(req *tokenize.Request, now int64) {
+	*q = query{req: req, now: now, cached: q.cached[:0], seen: q.seen[:0], cut: q.cut[:0], avail: q.avail[:0],
+		overdue: q.overdue[:0]}
+}
+
 // signal fills its part of each candidate; cands[i] is the upstream keys[i].
 type signal interface {
 	fill(q *query, keys []string, cands []selection.Candidate)

@@ -404,7 +404,7 @@ func (s *LLMSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, w
 		return nil
 	}
 	q := &sc.query
-	*q = query{req: req, now: start.UnixNano(), cached: q.cached, seen: q.seen}
+	q.reset(req, start.UnixNano())
 	if s.ConversationHeader != "" {
 		q.conversation = r.Header.Get(s.ConversationHeader)
 	}
@@ -515,7 +515,7 @@ func (sc *scratch) reset() {
 	sc.cands = sc.cands[:0]
 	sc.avoid = sc.avoid[:0]
 	sc.floats = sc.floats[:0]
-	sc.query = query{cached: sc.query.cached[:0], seen: sc.query.seen[:0]}
+	sc.query.reset(nil, 0)
 }
 
 const (
