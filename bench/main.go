@@ -12,6 +12,7 @@
 //	go run ./bench -matrix              # backend regimes x workloads, pass/fail of llm per cell (~40 min)
 //	go run ./bench -quick -matrix       # 2 regimes x 5 workloads, one seed (CI, ~4 min)
 //	go run ./bench -rejudge docs/bench/results.json -out /tmp/m  # judge a recorded matrix again
+//	go run ./bench -compare docs/bench/results.json,/tmp/m/results.json  # two matrices, cell by cell
 //	go run ./bench -goodput             # highest load with TTFT p99 < 2 s: least_conn vs llm
 //	go run ./bench -instances 3         # 3 Caddy processes, shared through Redis vs unshared vs one
 //	go run ./bench -restart             # restart Caddy under load, with and without persist
@@ -80,6 +81,9 @@ type options struct {
 	// rejudge (-rejudge FILE) judges the runs of an earlier -matrix results.json again and writes its
 	// report into out, running nothing (matrix.go).
 	rejudge string
+	// compare (-compare BASE,NEW) compares two -matrix results.json, cell by cell and policy by policy,
+	// running nothing (matrix.go).
+	compare string
 }
 
 // size returns the workload size the options ask for.
@@ -145,6 +149,7 @@ func parseOptions(args []string) (options, error) {
 	var setups string
 	fs.StringVar(&setups, "setups", "one,shared,unshared", "with -instances: which setups to run")
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the run to this file")
+	fs.StringVar(&o.compare, "compare", "", "BASE.json,NEW.json: compare two -matrix results.json (nothing is run): each cell's median TTFT p50, p99 and hit rate of NEW over BASE per policy, and their geometric means")
 	fs.StringVar(&o.rejudge, "rejudge", "", "judge the runs of an earlier -matrix results.json again (nothing is run) and write its report, results.json and matrix.svg into -out")
 	fs.BoolVar(&o.observe, "observe", false, "run every llm policy behind transport llm (it reads each response's cached tokens and corrects the routes)")
 	if err := fs.Parse(args); err != nil {
@@ -159,8 +164,8 @@ func parseOptions(args []string) (options, error) {
 	if !(o.load > 0) {
 		return o, fmt.Errorf("-load must be positive")
 	}
-	if modes := btoi(o.matrix) + btoi(o.goodput) + btoi(o.faults) + btoi(o.overhead) + btoi(o.rejudge != ""); modes > 1 {
-		return o, fmt.Errorf("-matrix, -goodput, -faults, -overhead and -rejudge are separate modes")
+	if modes := btoi(o.matrix) + btoi(o.goodput) + btoi(o.faults) + btoi(o.overhead) + btoi(o.rejudge != "") + btoi(o.compare != ""); modes > 1 {
+		return o, fmt.Errorf("-matrix, -goodput, -faults, -overhead, -rejudge and -compare are separate modes")
 	}
 	if (o.instances > 0 || o.restart) && policies != "all" && strings.Contains(policies, ",") {
 		return o, fmt.Errorf("-instances and -restart run one policy (an llm variant)")
@@ -339,6 +344,13 @@ func run(args []string) error {
 	}
 	if o.rejudge != "" {
 		return rejudgeMatrix(o.rejudge, o.out, "go run ./bench "+strings.Join(args, " "))
+	}
+	if o.compare != "" {
+		base, changed, ok := strings.Cut(o.compare, ",")
+		if !ok || base == "" || changed == "" {
+			return fmt.Errorf("-compare wants BASE.json,NEW.json, got %q", o.compare)
+		}
+		return compareMatrices(os.Stdout, base, changed)
 	}
 	cleanup, err := isolateCaddyDirs()
 	if err != nil {

@@ -556,16 +556,9 @@ func writeMatrixMarkdown(out io.Writer, mr MatrixResults) {
 // have changed since, e.g. seeds passing) and writes the outputs into dir; nothing is run. command is
 // recorded in the notes; the original command, start time and machine stay the run's.
 func rejudgeMatrix(path, dir, command string) error {
-	raw, err := os.ReadFile(path)
+	mr, err := readMatrix(path)
 	if err != nil {
 		return err
-	}
-	var mr MatrixResults
-	if err := json.Unmarshal(raw, &mr); err != nil {
-		return fmt.Errorf("%s: %w", path, err)
-	}
-	if len(mr.Runs) == 0 {
-		return fmt.Errorf("%s: no matrix runs to judge", path)
 	}
 	mr.Cells = judgeCells(mr.Runs)
 	note := fmt.Sprintf("judged again by `%s` on %s", command, time.Now().UTC().Format(time.RFC3339))
@@ -577,6 +570,84 @@ func rejudgeMatrix(path, dir, command string) error {
 	writeMatrixTable(os.Stdout, mr.Cells)
 	fmt.Println(matrixVerdict(mr.Cells))
 	return writeMatrixOutputs(dir, mr)
+}
+
+// readMatrix reads a -matrix results.json that holds runs.
+func readMatrix(path string) (MatrixResults, error) {
+	var mr MatrixResults
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return mr, err
+	}
+	if err := json.Unmarshal(raw, &mr); err != nil {
+		return mr, fmt.Errorf("%s: %w", path, err)
+	}
+	if len(mr.Runs) == 0 {
+		return mr, fmt.Errorf("%s: no matrix runs", path)
+	}
+	return mr, nil
+}
+
+// compareMatrices writes, for every cell and policy the -matrix results.json at base and changed both
+// hold, the changed run's median TTFT p50 and p99 over base's and both hit rates, then each policy's
+// geometric means of those ratios: how a change moved llm, beside how far the stock policies moved
+// between the same two runs (their spread). Both runs are judged again, so files of any age compare.
+func compareMatrices(w io.Writer, base, changed string) error {
+	a, err := readMatrix(base)
+	if err != nil {
+		return err
+	}
+	b, err := readMatrix(changed)
+	if err != nil {
+		return err
+	}
+	type key struct{ regime, workload, policy string }
+	before := map[key]PolicyMedian{}
+	for _, c := range judgeCells(a.Runs) {
+		for _, p := range c.Policies {
+			before[key{c.Regime, c.Workload, p.Policy}] = p
+		}
+	}
+	type sums struct {
+		p50, p99 float64
+		n        int
+	}
+	means := map[string]*sums{}
+	var order []string
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintf(tw, "regime\tworkload\tpolicy\tp50 base\tp50 new\tratio\tp99 base\tp99 new\tratio\thit base\thit new\n")
+	for _, c := range judgeCells(b.Runs) {
+		for _, p := range c.Policies {
+			q, ok := before[key{c.Regime, c.Workload, p.Policy}]
+			if !ok || !(q.TTFTP50 > 0 && q.TTFTP99 > 0 && p.TTFTP50 > 0 && p.TTFTP99 > 0) {
+				continue
+			}
+			r50, r99 := p.TTFTP50/q.TTFTP50, p.TTFTP99/q.TTFTP99
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%.0f\t%.0f\t%.2f\t%.0f\t%.0f\t%.2f\t%.0f%%\t%.0f%%\n", c.Regime, c.Workload, p.Policy,
+				q.TTFTP50, p.TTFTP50, r50, q.TTFTP99, p.TTFTP99, r99, 100*q.HitRate, 100*p.HitRate)
+			m := means[p.Policy]
+			if m == nil {
+				m = &sums{}
+				means[p.Policy] = m
+				order = append(order, p.Policy)
+			}
+			m.p50 += math.Log(r50)
+			m.p99 += math.Log(r99)
+			m.n++
+		}
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	if len(order) == 0 {
+		return fmt.Errorf("%s and %s have no cell and policy in common", base, changed)
+	}
+	fmt.Fprintf(w, "\ngeometric means of new over base (%s over %s):\n", changed, base)
+	for _, p := range order {
+		m := means[p]
+		fmt.Fprintf(w, "  %-24s p50 %.3fx  p99 %.3fx  over %d cells\n", p, math.Exp(m.p50/float64(m.n)), math.Exp(m.p99/float64(m.n)), m.n)
+	}
+	return nil
 }
 
 // writeMatrixOutputs writes results.json, report.md and (for -matrix) matrix.svg into dir.

@@ -464,3 +464,53 @@ func TestRejudge(t *testing.T) {
 		t.Error("-rejudge with -matrix: no error")
 	}
 }
+
+// TestCompare: -compare prints each common cell's ratios, new over base, and each policy's geometric
+// means; cells only one file holds are skipped, and files with nothing in common are an error.
+func TestCompare(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name string, runs ...MatrixRun) string {
+		raw, err := json.Marshal(MatrixResults{Runs: runs})
+		if err != nil {
+			t.Fatal(err)
+		}
+		path := filepath.Join(dir, name)
+		if err := os.WriteFile(path, raw, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return path
+	}
+	cell := func(regime string, llm50, llm99 float64) MatrixRun {
+		return MatrixRun{Regime: regime, Workload: "w", Seed: 1, Policies: []Summary{summaryOf("least_conn", 100, 1000), summaryOf("llm", llm50, llm99)}}
+	}
+	base := write("base.json", cell("a", 50, 500), cell("b", 80, 800), cell("only-base", 1, 1))
+	changed := write("new.json", cell("a", 100, 250), cell("b", 80, 1600))
+	var out strings.Builder
+	if err := compareMatrices(&out, base, changed); err != nil {
+		t.Fatal(err)
+	}
+	got := strings.Join(strings.Fields(out.String()), " ") // the table's spacing aside
+	for _, want := range []string{
+		"a w llm 50 100 2.00 500 250 0.50",              // p50 50 -> 100, p99 500 -> 250
+		"b w llm 80 80 1.00 800 1600 2.00",              // p99 800 -> 1600
+		"llm p50 1.414x p99 1.000x over 2 cells",        // sqrt(2 x 1), sqrt(0.5 x 2)
+		"least_conn p50 1.000x p99 1.000x over 2 cells", // the stock policy did not move
+	} {
+		if !strings.Contains(got, want) {
+			t.Errorf("output lacks %q:\n%s", want, got)
+		}
+	}
+	if strings.Contains(got, "only-base") {
+		t.Errorf("a cell only the base holds was compared:\n%s", got)
+	}
+	other := write("other.json", cell("c", 1, 1))
+	if err := compareMatrices(&out, base, other); err == nil {
+		t.Error("files without a common cell: no error")
+	}
+	if err := run([]string{"-compare", base}); err == nil {
+		t.Error("-compare with one file: no error")
+	}
+	if _, err := parseOptions([]string{"-compare", base + "," + changed, "-rejudge", base}); err == nil {
+		t.Error("-compare with -rejudge: no error")
+	}
+}
