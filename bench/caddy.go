@@ -149,8 +149,9 @@ func caddyConfig(port int, upstreams []string, p policy, extras proxyExtras) ([]
 		"upstreams":      ups,
 		"load_balancing": lb,
 		// What the llm policy predicted cached, for the prediction's precision (empty for other
-		// policies).
+		// policies), and the backend that answered (-dump).
 		"headers": map[string]any{"response": map[string]any{"set": map[string]any{
+			"X-Upstream":           []string{"{http.reverse_proxy.upstream.hostport}"},
 			"X-LLM-Matched-Tokens": []string{"{http.llm.matched_tokens}"},
 			"X-LLM-Prompt-Tokens":  []string{"{http.llm.prompt_tokens}"},
 		}}},

@@ -14,6 +14,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/tokenrouter/caddy-llm/bench/vllmsim"
 )
 
 // driver sends a workload open-loop: sessions start at Poisson arrival times whatever the
@@ -271,6 +273,9 @@ func (d *driver) send(ctx context.Context, req Request) requestResult {
 	defer resp.Body.Close()
 	r.Status = resp.StatusCode
 	r.Upstream, r.Conversation = resp.Header.Get("X-Upstream"), req.Conversation
+	if at, err := strconv.ParseInt(resp.Header.Get(vllmsim.ArrivedHeader), 10, 64); err == nil && at > r.Sent.UnixNano() {
+		r.Proxy = time.Duration(at - r.Sent.UnixNano())
+	}
 	r.Matched, _ = strconv.Atoi(resp.Header.Get("X-LLM-Matched-Tokens"))
 	r.PolicyPrompt, _ = strconv.Atoi(resp.Header.Get("X-LLM-Prompt-Tokens"))
 	if resp.StatusCode != http.StatusOK {

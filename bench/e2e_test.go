@@ -185,7 +185,7 @@ func TestMatrixEndToEnd(t *testing.T) {
 	}
 	t.Setenv("XDG_DATA_HOME", t.TempDir())
 	t.Setenv("XDG_CONFIG_HOME", t.TempDir())
-	o := options{matrix: true, backends: 2, load: 0.5, seed: 3, seeds: 1, out: t.TempDir(), sim: defaultSim, timeScaleSet: true}
+	o := options{matrix: true, backends: 2, load: 0.5, seed: 3, seeds: 1, out: t.TempDir(), sim: defaultSim, timeScaleSet: true, dump: t.TempDir()}
 	o.sim.TimeScale = 20
 	o.policies = policiesNamed([]string{"least_conn", "llm"})
 	w := sharedPrefix(rand.New(rand.NewPCG(3, 3)), 4, 5, 1500, 100, 16)
@@ -201,7 +201,8 @@ func TestMatrixEndToEnd(t *testing.T) {
 		t.Fatal(err)
 	}
 	md, _ := os.ReadFile(filepath.Join(o.out, "report.md"))
-	for _, want := range []string{"| small-batch | shared-prefix |", "verdict: llm passes", "![llm TTFT p99 / best stock policy](matrix.svg)"} {
+	for _, want := range []string{"| small-batch | shared-prefix |", "verdict: llm passes", "![llm TTFT p99 / best stock policy](matrix.svg)",
+		"## Net of the proxy's own time", "net of the proxy's own time (counted once, not time-scale times): llm passes"} {
 		if !strings.Contains(string(md), want) {
 			t.Errorf("report.md lacks %q", want)
 		}
@@ -220,6 +221,21 @@ func TestMatrixEndToEnd(t *testing.T) {
 	for _, s := range doc.Runs[0].Policies {
 		if s.Skipped != "" || s.Failed != 0 || s.TTFTP50 <= 0 {
 			t.Errorf("%s: skipped %q, %d failed, TTFT p50 %v; want it run, nothing failed", s.Policy, s.Skipped, s.Failed, s.TTFTP50)
+		}
+		// The proxy's time counted once instead of 20 times: less, never more.
+		if s.ProxyP50 <= 0 || s.NetTTFTP50 <= 0 || s.NetTTFTP50 > s.TTFTP50 || s.NetTTFTP99 > s.TTFTP99 {
+			t.Errorf("%s: proxy p50 %v wall ms, net TTFT p50 %v p99 %v against %v %v; want a proxy time and net figures at most the measured",
+				s.Policy, s.ProxyP50, s.NetTTFTP50, s.NetTTFTP99, s.TTFTP50, s.TTFTP99)
+		}
+		// -dump wrote every request of the run, each with the backend that answered.
+		f, err := os.ReadFile(filepath.Join(o.dump, dumpName(run.Regime+"/"+run.Workload+"/seed 3/load 0.50", s.Policy)))
+		if err != nil {
+			t.Fatalf("%s: dump: %v", s.Policy, err)
+		}
+		lines := strings.Split(strings.TrimSpace(string(f)), "\n")
+		var r requestResult
+		if len(lines) != w.NumRequests() || json.Unmarshal([]byte(lines[len(lines)-1]), &r) != nil || r.Upstream == "" || r.Proxy <= 0 {
+			t.Errorf("%s: dump has %d lines (want %d), last %+v: want each request with its upstream and proxy time", s.Policy, len(lines), w.NumRequests(), r)
 		}
 	}
 }

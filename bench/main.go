@@ -13,6 +13,7 @@
 //	go run ./bench -quick -matrix       # 2 regimes x 5 workloads, one seed (CI, ~4 min)
 //	go run ./bench -rejudge docs/bench/results.json -out /tmp/m  # judge a recorded matrix again
 //	go run ./bench -compare docs/bench/results.json,/tmp/m/results.json  # two matrices, cell by cell
+//	go run ./bench -matrix -regimes hetero -workloads shared-prefix -dump /tmp/d  # and every request
 //	go run ./bench -goodput             # highest load with TTFT p99 < 2 s: least_conn vs llm
 //	go run ./bench -instances 3         # 3 Caddy processes, shared through Redis vs unshared vs one
 //	go run ./bench -restart             # restart Caddy under load, with and without persist
@@ -58,7 +59,10 @@ type options struct {
 	bypassRate float64
 	cpuProfile string
 	observe    bool // llm policies behind transport llm
-	maxReruns  int
+	// dump (-dump DIR) writes every run's requests, one JSON object a line, with the backend that
+	// answered each: to see where a cell's tail comes from.
+	dump      string
+	maxReruns int
 	// overheadSeconds overrides the measuring time per policy of -overhead (tests).
 	overheadSeconds float64
 	sim             simSettings
@@ -151,6 +155,7 @@ func parseOptions(args []string) (options, error) {
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the run to this file")
 	fs.StringVar(&o.compare, "compare", "", "BASE.json,NEW.json: compare two -matrix results.json (nothing is run): each cell's median TTFT p50, p99 and hit rate of NEW over BASE per policy, and their geometric means")
 	fs.StringVar(&o.rejudge, "rejudge", "", "judge the runs of an earlier -matrix results.json again (nothing is run) and write its report, results.json and matrix.svg into -out")
+	fs.StringVar(&o.dump, "dump", "", "write every run's requests (timings, tokens, the backend that answered) as JSON lines into this directory, one file per run")
 	fs.BoolVar(&o.observe, "observe", false, "run every llm policy behind transport llm (it reads each response's cached tokens and corrects the routes)")
 	if err := fs.Parse(args); err != nil {
 		return o, err

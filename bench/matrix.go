@@ -43,7 +43,12 @@ type PolicyMedian struct {
 	TTFTP50 float64 `json:"ttft_p50_ms"`
 	TTFTP99 float64 `json:"ttft_p99_ms"`
 	E2EP50  float64 `json:"e2e_p50_ms"`
-	HitRate float64 `json:"cache_hit_rate"`
+	// NetTTFTP50 and NetTTFTP99 are the TTFT percentiles with the proxy's own time counted once
+	// (Summary.NetTTFTP50), and ProxyP50 that time's median in wall milliseconds; zero when unknown.
+	NetTTFTP50 float64 `json:"net_ttft_p50_ms,omitempty"`
+	NetTTFTP99 float64 `json:"net_ttft_p99_ms,omitempty"`
+	ProxyP50   float64 `json:"proxy_p50_wall_ms,omitempty"`
+	HitRate    float64 `json:"cache_hit_rate"`
 	// MaxShare is the busiest backend's requests divided by its fair share, the share its
 	// estimated capacity gives it (equal shares on a uniform cluster).
 	MaxShare float64 `json:"max_backend_share"`
@@ -75,7 +80,44 @@ type MatrixCell struct {
 	// the stock policies move a cell's figures by 10-55%, so a median verdict that one seed of three
 	// carries is a tie, not a win or a loss.
 	SeedsPassing int `json:"seeds_passing"`
+	// Net is the same verdict on TTFT with the proxy's own wall time counted once instead of
+	// time-scale times (Summary.NetTTFTP50): the decision, without the harness's magnification of
+	// the time the policy takes to read and tokenize a request. Nil when the runs do not have it.
+	Net *Verdict `json:"net,omitempty"`
 }
+
+// Verdict is llm's standing in a cell on one kind of TTFT figure: the best stock policy's p50 and
+// p99 (and which policies those were), llm's ratios to them, the verdict on the medians and on how
+// many seeds llm passes.
+type Verdict struct {
+	BestP50       float64 `json:"best_stock_ttft_p50_ms"`
+	BestP50Policy string  `json:"best_stock_p50_policy"`
+	BestP99       float64 `json:"best_stock_ttft_p99_ms"`
+	BestP99Policy string  `json:"best_stock_p99_policy"`
+	P50Ratio      float64 `json:"llm_p50_ratio"`
+	P99Ratio      float64 `json:"llm_p99_ratio"`
+	Judged        bool    `json:"judged"`
+	Pass          bool    `json:"pass"`
+	SeedsPassing  int     `json:"seeds_passing"`
+}
+
+// ttftFigures picks the TTFT p50 and p99 a verdict is on, from one run's summary or from a cell's
+// medians.
+type ttftFigures struct {
+	run    func(Summary) (p50, p99 float64)
+	median func(PolicyMedian) (p50, p99 float64)
+}
+
+var (
+	rawTTFT = ttftFigures{
+		run:    func(s Summary) (float64, float64) { return s.TTFTP50, s.TTFTP99 },
+		median: func(p PolicyMedian) (float64, float64) { return p.TTFTP50, p.TTFTP99 },
+	}
+	netTTFT = ttftFigures{
+		run:    func(s Summary) (float64, float64) { return s.NetTTFTP50, s.NetTTFTP99 },
+		median: func(p PolicyMedian) (float64, float64) { return p.NetTTFTP50, p.NetTTFTP99 },
+	}
+)
 
 // RegimeInfo is a regime as results.json records it.
 type RegimeInfo struct {
@@ -144,6 +186,9 @@ func runMatrixMode(ctx context.Context, o options, res Results, started time.Tim
 		fmt.Println()
 		writeMatrixTable(os.Stdout, mr.Cells)
 		fmt.Println(matrixVerdict(mr.Cells))
+		if v := netVerdict(mr.Cells); v != "" {
+			fmt.Println(v)
+		}
 	}
 	mr.WallSeconds = round3(time.Since(started).Seconds())
 	if err := writeMatrixOutputs(o.out, mr); err != nil {
@@ -313,62 +358,84 @@ func judgeCell(regime, workload string, runs []MatrixRun) MatrixCell {
 			return round3(median(xs))
 		}
 		pm := PolicyMedian{
-			Policy:   name,
-			Seeds:    len(ss),
-			TTFTP50:  pick(func(s Summary) float64 { return s.TTFTP50 }),
-			TTFTP99:  pick(func(s Summary) float64 { return s.TTFTP99 }),
-			E2EP50:   pick(func(s Summary) float64 { return s.E2EP50 }),
-			HitRate:  pick(func(s Summary) float64 { return s.CacheHitRate }),
-			MaxShare: round3(median(shares[name])),
+			Policy:     name,
+			Seeds:      len(ss),
+			TTFTP50:    pick(func(s Summary) float64 { return s.TTFTP50 }),
+			TTFTP99:    pick(func(s Summary) float64 { return s.TTFTP99 }),
+			E2EP50:     pick(func(s Summary) float64 { return s.E2EP50 }),
+			NetTTFTP50: pick(func(s Summary) float64 { return s.NetTTFTP50 }),
+			NetTTFTP99: pick(func(s Summary) float64 { return s.NetTTFTP99 }),
+			ProxyP50:   pick(func(s Summary) float64 { return s.ProxyP50 }),
+			HitRate:    pick(func(s Summary) float64 { return s.CacheHitRate }),
+			MaxShare:   round3(median(shares[name])),
 		}
 		for _, s := range ss {
 			pm.Failed += s.Failed
 		}
 		c.Policies = append(c.Policies, pm)
 	}
-	llm, ok := c.policy(judgedPolicy)
-	for _, name := range stockPolicies {
-		s, found := c.policy(name)
-		if !found {
-			continue
-		}
-		if c.BestP50Policy == "" || s.TTFTP50 < c.BestP50 {
-			c.BestP50, c.BestP50Policy = s.TTFTP50, name
-		}
-		if c.BestP99Policy == "" || s.TTFTP99 < c.BestP99 {
-			c.BestP99, c.BestP99Policy = s.TTFTP99, name
-		}
-	}
-	if !ok || c.BestP50Policy == "" || c.BestP50 <= 0 || c.BestP99 <= 0 {
-		return c
-	}
-	c.Judged = true
-	c.P50Ratio = round3(llm.TTFTP50 / c.BestP50)
-	c.P99Ratio = round3(llm.TTFTP99 / c.BestP99)
-	c.Pass = passes(c.P50Ratio, c.P99Ratio, llm.Failed)
-	for _, r := range runs {
-		if seedPasses(r.Policies) {
-			c.SeedsPassing++
-		}
+	v := c.judge(runs, rawTTFT)
+	c.BestP50, c.BestP50Policy, c.BestP99, c.BestP99Policy = v.BestP50, v.BestP50Policy, v.BestP99, v.BestP99Policy
+	c.P50Ratio, c.P99Ratio, c.Judged, c.Pass, c.SeedsPassing = v.P50Ratio, v.P99Ratio, v.Judged, v.Pass, v.SeedsPassing
+	if net := c.judge(runs, netTTFT); net.Judged {
+		c.Net = &net
 	}
 	return c
 }
 
-// seedPasses reports whether llm passes against the best stock figures of one seed's run.
-func seedPasses(ps []Summary) bool {
+// judge is the verdict on llm in the cell on the figures f of its medians and runs: not judged
+// when llm or every stock policy lacks them.
+func (c MatrixCell) judge(runs []MatrixRun, f ttftFigures) Verdict {
+	var v Verdict
+	llm, ok := c.policy(judgedPolicy)
+	for _, name := range stockPolicies {
+		s, found := c.policy(name)
+		p50, p99 := f.median(s)
+		if !found || p50 <= 0 || p99 <= 0 { // missing, or without these figures (nothing answered)
+			continue
+		}
+		if v.BestP50Policy == "" || p50 < v.BestP50 {
+			v.BestP50, v.BestP50Policy = p50, name
+		}
+		if v.BestP99Policy == "" || p99 < v.BestP99 {
+			v.BestP99, v.BestP99Policy = p99, name
+		}
+	}
+	llm50, llm99 := f.median(llm)
+	if !ok || v.BestP50Policy == "" || llm50 <= 0 || llm99 <= 0 {
+		return v
+	}
+	v.Judged = true
+	v.P50Ratio = round3(llm50 / v.BestP50)
+	v.P99Ratio = round3(llm99 / v.BestP99)
+	v.Pass = passes(v.P50Ratio, v.P99Ratio, llm.Failed)
+	for _, r := range runs {
+		if seedPasses(r.Policies, f) {
+			v.SeedsPassing++
+		}
+	}
+	return v
+}
+
+// seedPasses reports whether llm passes against the best stock figures f of one seed's run.
+func seedPasses(ps []Summary, f ttftFigures) bool {
 	var llm *Summary
 	best50, best99 := math.Inf(1), math.Inf(1)
 	for i := range ps {
 		s := &ps[i]
-		switch {
+		switch p50, p99 := f.run(*s); {
 		case s.Skipped != "":
 		case s.Policy == judgedPolicy:
 			llm = s
-		case slices.Contains(stockPolicies, s.Policy):
-			best50, best99 = min(best50, s.TTFTP50), min(best99, s.TTFTP99)
+		case slices.Contains(stockPolicies, s.Policy) && p50 > 0 && p99 > 0:
+			best50, best99 = min(best50, p50), min(best99, p99)
 		}
 	}
-	return llm != nil && !math.IsInf(best99, 1) && passes(llm.TTFTP50/best50, llm.TTFTP99/best99, llm.Failed)
+	if llm == nil || math.IsInf(best99, 1) {
+		return false
+	}
+	p50, p99 := f.run(*llm)
+	return p50 > 0 && p99 > 0 && passes(p50/best50, p99/best99, llm.Failed)
 }
 
 // passes is the verdict on llm's TTFT ratios to the best stock policy's, with failed requests lost.
@@ -427,6 +494,71 @@ func matrixVerdict(cells []MatrixCell) string {
 		v += fmt.Sprintf(". Seed by seed: passes on every seed in %d cells, on none in %d, the seeds disagree in %d", every, none, judged-every-none)
 	}
 	return v
+}
+
+// netVerdict is the one-line summary of the verdicts on TTFT net of the proxy's own time (empty when
+// no cell has them).
+func netVerdict(cells []MatrixCell) string {
+	judged, passed, every, none := 0, 0, 0, 0
+	var failed []string
+	for _, c := range cells {
+		if c.Net == nil {
+			continue
+		}
+		judged++
+		switch c.Net.SeedsPassing {
+		case c.Seeds:
+			every++
+		case 0:
+			none++
+		}
+		if c.Net.Pass {
+			passed++
+		} else {
+			failed = append(failed, c.Regime+"/"+c.Workload)
+		}
+	}
+	if judged == 0 {
+		return ""
+	}
+	v := fmt.Sprintf("net of the proxy's own time (counted once, not time-scale times): %s passes %d of %d cells", judgedPolicy, passed, judged)
+	if len(failed) > 0 {
+		v += "; fails " + strings.Join(failed, ", ")
+	}
+	return v + fmt.Sprintf(". Seed by seed: every seed in %d cells, none in %d, the seeds disagree in %d", every, none, judged-every-none)
+}
+
+// writeNetMarkdown writes the section on the harness's time compression: each policy's proxy time and
+// the verdicts on TTFT with that time counted once.
+func writeNetMarkdown(out io.Writer, mr MatrixResults) {
+	v := netVerdict(mr.Cells)
+	if v == "" {
+		return
+	}
+	fmt.Fprintf(out, "\n## Net of the proxy's own time\n\n**%s**\n\n", v)
+	fmt.Fprintf(out, "The simulated backends run faster than real time (the time scale), the proxy does not: each wall millisecond from a request's sending to its arrival at the backend "+
+		"(Caddy, and the policy reading and tokenizing the body) counts as time-scale simulated milliseconds in the figures above, where a deployment counts it once. "+
+		"Here each request's TTFT counts that time once; the proxy columns are its median per request in wall milliseconds (the stock policies' lowest). "+
+		"What this does not remove: the policy's CPU is taken from the simulators on the same %s.\n\n", mr.Machine)
+	fmt.Fprintf(out, "| regime | workload | llm proxy ms | stock proxy ms | net p50 ratio | net p99 ratio | seeds passing | verdict |\n|---|---|---|---|---|---|---|---|\n")
+	for _, c := range mr.Cells {
+		if c.Net == nil {
+			continue
+		}
+		llm, _ := c.policy(judgedPolicy)
+		stock := math.Inf(1)
+		for _, name := range stockPolicies {
+			if p, ok := c.policy(name); ok && p.ProxyP50 > 0 {
+				stock = min(stock, p.ProxyP50)
+			}
+		}
+		word := "FAIL"
+		if c.Net.Pass {
+			word = "PASS"
+		}
+		fmt.Fprintf(out, "| %s | %s | %.2f | %.2f | %.2f | %.2f | %d/%d | %s |\n", c.Regime, c.Workload, llm.ProxyP50, stock,
+			c.Net.P50Ratio, c.Net.P99Ratio, c.Net.SeedsPassing, c.Seeds, word)
+	}
 }
 
 // matrixHeader names the columns of the pass/fail table.
@@ -493,6 +625,7 @@ func writeMatrixMarkdown(out io.Writer, mr MatrixResults) {
 		for _, r := range matrixRows(mr.Cells) {
 			fmt.Fprintf(out, "| %s |\n", strings.Join(r, " | "))
 		}
+		writeNetMarkdown(out, mr)
 		fmt.Fprintf(out, "\n## Every policy, medians over seeds (TTFT p50 / p99 ms, hit rate)\n\n")
 		var pols []string
 		for _, c := range mr.Cells {
@@ -569,6 +702,9 @@ func rejudgeMatrix(path, dir, command string) error {
 	}
 	writeMatrixTable(os.Stdout, mr.Cells)
 	fmt.Println(matrixVerdict(mr.Cells))
+	if v := netVerdict(mr.Cells); v != "" {
+		fmt.Println(v)
+	}
 	return writeMatrixOutputs(dir, mr)
 }
 

@@ -209,6 +209,36 @@ func TestJudgeCell(t *testing.T) {
 	}
 }
 
+// The verdict net of the proxy's time is judged like the other, on its own figures: here llm loses on
+// TTFT as measured (its proxy time counted ten times) and passes net of it; without net figures on
+// every policy there is no net verdict.
+func TestJudgeCellNet(t *testing.T) {
+	withNet := func(s Summary, p50, p99 float64) Summary { s.NetTTFTP50, s.NetTTFTP99 = p50, p99; return s }
+	runs := []MatrixRun{{Policies: []Summary{
+		withNet(summaryOf("least_conn", 100, 1000), 99, 990),
+		withNet(summaryOf("header", 90, 1100), 89, 1090),
+		withNet(summaryOf("llm", 120, 990), 91, 960),
+	}}}
+	c := judgeCell("r", "w", runs)
+	if c.Pass || c.Net == nil {
+		t.Fatalf("pass %v net %+v: want a raw loss and a net verdict", c.Pass, c.Net)
+	}
+	if n := c.Net; !n.Pass || n.SeedsPassing != 1 || n.BestP50Policy != "header" || n.BestP99Policy != "least_conn" || n.P50Ratio != 1.022 || n.P99Ratio != 0.97 {
+		t.Errorf("net verdict %+v, want a pass on header's p50 89 (1.022x) and least_conn's p99 990 (0.97x)", *n)
+	}
+	if v := netVerdict([]MatrixCell{c}); !strings.Contains(v, "passes 1 of 1") {
+		t.Errorf("netVerdict = %q, want 1 of 1", v)
+	}
+	runs[0].Policies[1].NetTTFTP50, runs[0].Policies[1].NetTTFTP99 = 0, 0 // header's backends did not say
+	if c := judgeCell("r", "w", runs); c.Net == nil || c.Net.BestP50Policy != "least_conn" {
+		t.Errorf("net verdict %+v, want it on least_conn alone", c.Net)
+	}
+	runs[0].Policies[2].NetTTFTP50 = 0
+	if c := judgeCell("r", "w", runs); c.Net != nil || netVerdict([]MatrixCell{c}) != "" {
+		t.Errorf("net verdict %+v without llm's net figures, want none", c.Net)
+	}
+}
+
 func TestMaxShare(t *testing.T) {
 	tests := []struct {
 		name     string

@@ -1,7 +1,9 @@
 package main
 
 import (
+	"bufio"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -9,6 +11,8 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"path/filepath"
+	"strings"
 	"sync"
 	"time"
 
@@ -182,13 +186,13 @@ func runWorkload(ctx context.Context, o options, sims []simSettings, w Workload,
 	for _, p := range o.policies {
 		label := w.Name + "/" + p.Name
 		prog.setLabel(label)
-		s, err := runPolicy(ctx, o, sims, w, wr.RateRPS, p, prog)
+		s, err := runPolicyDump(ctx, o, sims, w, wr.RateRPS, p, prog)
 		// Other processes on a shared machine can stall the load generator: run again (up to
 		// maxReruns times) while the arrivals left late, and keep the least disturbed run.
 		for rerun := 1; err == nil && s.LagP99 > lagRerunMS && rerun <= o.maxReruns; rerun++ {
 			prog.grow(w.NumRequests())
 			wr.Notes = append(wr.Notes, fmt.Sprintf("%s: run %d had scheduling lag p99 %.1f ms (wall), running it again", p.Name, rerun, s.LagP99))
-			again, err2 := runPolicy(ctx, o, sims, w, wr.RateRPS, p, prog)
+			again, err2 := runPolicyDump(ctx, o, sims, w, wr.RateRPS, p, prog)
 			if err2 == nil && again.LagP99 < s.LagP99 {
 				s = again
 			}
@@ -222,6 +226,46 @@ var errSkipped = errors.New("policy unavailable")
 func runPolicy(ctx context.Context, o options, sims []simSettings, w Workload, rate float64, p policy, prog *progress) (Summary, error) {
 	s, _, err := runPolicyResults(ctx, o, sims, w, rate, p, proxyExtras{}, prog)
 	return s, err
+}
+
+// runPolicyDump is runPolicy that also writes the run's requests into o.dump when it is set (the
+// file of a run repeated for lag is overwritten: the last run's).
+func runPolicyDump(ctx context.Context, o options, sims []simSettings, w Workload, rate float64, p policy, prog *progress) (Summary, error) {
+	s, results, err := runPolicyResults(ctx, o, sims, w, rate, p, proxyExtras{}, prog)
+	if err == nil && o.dump != "" {
+		err = dumpResults(filepath.Join(o.dump, dumpName(w.Name, p.Name)), results)
+	}
+	return s, err
+}
+
+// dumpName is a run's file name in -dump's directory: the workload's name (with the matrix's regime,
+// seed and load) and the policy, path separators and spaces replaced.
+func dumpName(workload, policy string) string {
+	return strings.NewReplacer("/", "_", " ", "").Replace(workload+"_"+policy) + ".jsonl"
+}
+
+// dumpResults writes results to path, one JSON object a line.
+func dumpResults(path string, results []requestResult) error {
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return err
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	bw := bufio.NewWriter(f)
+	enc := json.NewEncoder(bw)
+	for _, r := range results {
+		if err := enc.Encode(r); err != nil {
+			_ = f.Close()
+			return err
+		}
+	}
+	if err := bw.Flush(); err != nil {
+		_ = f.Close()
+		return err
+	}
+	return f.Close()
 }
 
 // runPolicyResults is runPolicy with the extras around the policy; it also returns every request's

@@ -72,7 +72,10 @@ type requestResult struct {
 	Sent, End time.Time
 	Lag       time.Duration
 	// TTFT is the time to the first chunk with content; E2E to the end of the stream.
-	TTFT, E2E    time.Duration
+	TTFT, E2E time.Duration
+	// Proxy is the wall time from Sent to the request's arrival at the backend that answered (the
+	// simulator's X-Sim-Arrived): the proxy's own time, the policy's included; 0 when unknown.
+	Proxy        time.Duration
 	PromptTokens int
 	CachedTokens int
 	OutputTokens int
@@ -88,7 +91,7 @@ type requestResult struct {
 	Failed                bool
 	Status                int
 	Err                   string
-	// Upstream is the backend that answered, when the proxy says so (X-Upstream, -instances only), and
+	// Upstream is the backend that answered, when the proxy says so (X-Upstream), and
 	// Conversation the request's X-Conversation-ID.
 	Upstream, Conversation string
 }
@@ -97,14 +100,23 @@ type requestResult struct {
 // time multiplied by the simulators' time scale, so they read like a real GPU's) and throughput is
 // per simulated second; lag is in wall milliseconds.
 type Summary struct {
-	Policy           string  `json:"policy"`
-	Requests         int     `json:"requests"`
-	Completed        int     `json:"completed"`
-	Failed           int     `json:"failed"`
-	TTFTP50          float64 `json:"ttft_p50_ms"`
-	TTFTP90          float64 `json:"ttft_p90_ms"`
-	TTFTP99          float64 `json:"ttft_p99_ms"`
-	TTFTMean         float64 `json:"ttft_mean_ms"`
+	Policy    string  `json:"policy"`
+	Requests  int     `json:"requests"`
+	Completed int     `json:"completed"`
+	Failed    int     `json:"failed"`
+	TTFTP50   float64 `json:"ttft_p50_ms"`
+	TTFTP90   float64 `json:"ttft_p90_ms"`
+	TTFTP99   float64 `json:"ttft_p99_ms"`
+	TTFTMean  float64 `json:"ttft_mean_ms"`
+	// NetTTFTP50 and NetTTFTP99 are the TTFT percentiles with the proxy's own wall time (Proxy)
+	// counted once, as a deployment counts it, instead of time-scale times: the simulators run that
+	// much faster than real time, but the proxy and the policy in it do not. ProxyP50 and ProxyP99
+	// are that wall time's percentiles (wall milliseconds). Zero when the backends do not say when a
+	// request arrived.
+	NetTTFTP50       float64 `json:"net_ttft_p50_ms,omitempty"`
+	NetTTFTP99       float64 `json:"net_ttft_p99_ms,omitempty"`
+	ProxyP50         float64 `json:"proxy_p50_wall_ms,omitempty"`
+	ProxyP99         float64 `json:"proxy_p99_wall_ms,omitempty"`
 	E2EP50           float64 `json:"e2e_p50_ms"`
 	E2EP90           float64 `json:"e2e_p90_ms"`
 	E2EP99           float64 `json:"e2e_p99_ms"`
@@ -137,7 +149,7 @@ type Summary struct {
 // wall durations to simulated ones.
 func summarize(policy string, results []requestResult, scale float64) Summary {
 	s := Summary{Policy: policy}
-	var ttft, e2e, tpot, lag []float64
+	var ttft, e2e, tpot, lag, net, proxy []float64
 	var first, last time.Time
 	outTokens, prompt, cached := 0, 0, 0
 	var predicted, confirmed float64
@@ -161,6 +173,10 @@ func summarize(policy string, results []requestResult, scale float64) Summary {
 			last = r.End
 		}
 		ttft = append(ttft, ms(r.TTFT)*scale)
+		if r.Proxy > 0 {
+			proxy = append(proxy, ms(r.Proxy))
+			net = append(net, ms(r.TTFT-r.Proxy)*scale+ms(r.Proxy))
+		}
 		e2e = append(e2e, ms(r.E2E)*scale)
 		if r.OutputTokens > 1 {
 			tpot = append(tpot, ms(r.E2E-r.TTFT)*scale/float64(r.OutputTokens-1))
@@ -196,10 +212,14 @@ func summarize(policy string, results []requestResult, scale float64) Summary {
 	if predicted > 0 {
 		s.PredictionPrecision = round3(confirmed/predicted*1e3) / 1e3
 	}
+	if len(net) == len(ttft) && len(net) > 0 { // every answer said when it arrived
+		n, x := newDistribution(net), newDistribution(proxy)
+		s.NetTTFTP50, s.NetTTFTP99, s.ProxyP50, s.ProxyP99 = n.P50, n.P99, x.P50, x.P99
+	}
 	s.ttft = t.sorted
 	for _, f := range []*float64{&s.TTFTP50, &s.TTFTP90, &s.TTFTP99, &s.TTFTMean, &s.E2EP50, &s.E2EP90, &s.E2EP99,
 		&s.E2EMean, &s.TPOTP50, &s.TPOTP99, &s.TPOTMean, &s.OutputTokensPerS, &s.RequestsPerS, &s.ClientCachedRate,
-		&s.LagP50, &s.LagP99, &s.LagMax} {
+		&s.LagP50, &s.LagP99, &s.LagMax, &s.NetTTFTP50, &s.NetTTFTP99, &s.ProxyP50, &s.ProxyP99} {
 		*f = round3(*f)
 	}
 	return s

@@ -67,6 +67,29 @@ func TestSummarize(t *testing.T) {
 	}
 }
 
+// The proxy's own wall time counts once in the net TTFT, the rest of a TTFT time-scale times; without
+// it on every answer there is no net figure at all (an average over some requests would mislead).
+func TestSummarizeNetOfProxy(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	res := []requestResult{
+		{Seq: 0, Sent: t0, End: t0.Add(100 * time.Millisecond), TTFT: 20 * time.Millisecond, E2E: 100 * time.Millisecond, Proxy: 4 * time.Millisecond},
+		{Seq: 1, Sent: t0, End: t0.Add(100 * time.Millisecond), TTFT: 10 * time.Millisecond, E2E: 100 * time.Millisecond, Proxy: time.Millisecond},
+		{Seq: 2, Sent: t0, End: t0.Add(100 * time.Millisecond), TTFT: 30 * time.Millisecond, E2E: 100 * time.Millisecond, Proxy: 2 * time.Millisecond},
+	}
+	s := summarize("p", res, 10)
+	// (20-4)x10+4 = 164, (10-1)x10+1 = 91, (30-2)x10+2 = 282 (p99 interpolated between 164 and 282)
+	if s.TTFTP50 != 200 || s.NetTTFTP50 != 164 || s.NetTTFTP99 < 279 || s.NetTTFTP99 > 282 {
+		t.Errorf("TTFT p50 %v, net p50 %v p99 %v; want 200, 164, ~280", s.TTFTP50, s.NetTTFTP50, s.NetTTFTP99)
+	}
+	if s.ProxyP50 != 2 || s.ProxyP99 < 3.9 || s.ProxyP99 > 4 {
+		t.Errorf("proxy p50 %v p99 %v (wall ms), want 2 and ~4", s.ProxyP50, s.ProxyP99)
+	}
+	res[1].Proxy = 0
+	if s := summarize("p", res, 10); s.NetTTFTP50 != 0 || s.ProxyP50 != 0 {
+		t.Errorf("one answer without its arrival time: net p50 %v, proxy p50 %v; want none", s.NetTTFTP50, s.ProxyP50)
+	}
+}
+
 func TestSummarizeEmptyIsValidJSON(t *testing.T) {
 	s := summarize("p", nil, 1)
 	for name, v := range map[string]float64{"ttft": s.TTFTP99, "e2e": s.E2EMean, "tpot": s.TPOTP50} {

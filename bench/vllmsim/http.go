@@ -75,11 +75,18 @@ func allowMethod(w http.ResponseWriter, r *http.Request, method string) bool {
 	return false
 }
 
+// ArrivedHeader is the response header in which a completion's response says when its request
+// arrived (unix nanoseconds).
+const ArrivedHeader = "X-Sim-Arrived"
+
 func (s *Server) serveCompletion(w http.ResponseWriter, r *http.Request, chat bool) {
 	if !allowMethod(w, r, http.MethodPost) {
 		return
 	}
 	s.requests.Add(1)
+	// When the request reached the backend, for a benchmark to tell the proxy's time from the
+	// backend's (unix nanoseconds, on this process's clock).
+	w.Header().Set(ArrivedHeader, strconv.FormatInt(time.Now().UnixNano(), 10))
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxBodyBytes))
 	if err != nil {
 		var tooLarge *http.MaxBytesError
