@@ -745,8 +745,8 @@ func compareMatrices(w io.Writer, base, changed string) error {
 		}
 	}
 	type sums struct {
-		p50, p99 float64
-		n        int
+		p50, p99, netP50, netP99 float64
+		n, netN                  int
 	}
 	means := map[string]*sums{}
 	var order []string
@@ -770,6 +770,11 @@ func compareMatrices(w io.Writer, base, changed string) error {
 			m.p50 += math.Log(r50)
 			m.p99 += math.Log(r99)
 			m.n++
+			if q.NetTTFTP50 > 0 && q.NetTTFTP99 > 0 && p.NetTTFTP50 > 0 && p.NetTTFTP99 > 0 {
+				m.netP50 += math.Log(p.NetTTFTP50 / q.NetTTFTP50)
+				m.netP99 += math.Log(p.NetTTFTP99 / q.NetTTFTP99)
+				m.netN++
+			}
 		}
 	}
 	if err := tw.Flush(); err != nil {
@@ -781,7 +786,11 @@ func compareMatrices(w io.Writer, base, changed string) error {
 	fmt.Fprintf(w, "\ngeometric means of new over base (%s over %s):\n", changed, base)
 	for _, p := range order {
 		m := means[p]
-		fmt.Fprintf(w, "  %-24s p50 %.3fx  p99 %.3fx  over %d cells\n", p, math.Exp(m.p50/float64(m.n)), math.Exp(m.p99/float64(m.n)), m.n)
+		fmt.Fprintf(w, "  %-24s p50 %.3fx  p99 %.3fx  over %d cells", p, math.Exp(m.p50/float64(m.n)), math.Exp(m.p99/float64(m.n)), m.n)
+		if m.netN > 0 { // both runs recorded the proxy's time
+			fmt.Fprintf(w, "; net of the proxy's time p50 %.3fx  p99 %.3fx  over %d", math.Exp(m.netP50/float64(m.netN)), math.Exp(m.netP99/float64(m.netN)), m.netN)
+		}
+		fmt.Fprintln(w)
 	}
 	return nil
 }

@@ -533,6 +533,19 @@ func TestCompare(t *testing.T) {
 	if strings.Contains(got, "only-base") {
 		t.Errorf("a cell only the base holds was compared:\n%s", got)
 	}
+	// Where both runs recorded the proxy's time, the net figures get their own means.
+	withNet := func(r MatrixRun, net50, net99 float64) MatrixRun {
+		r.Policies[1].NetTTFTP50, r.Policies[1].NetTTFTP99 = net50, net99
+		return r
+	}
+	out.Reset()
+	if err := compareMatrices(&out, write("base2.json", withNet(cell("a", 50, 500), 40, 400)), write("new2.json", withNet(cell("a", 100, 250), 20, 800))); err != nil {
+		t.Fatal(err)
+	}
+	if got := strings.Join(strings.Fields(out.String()), " "); !strings.Contains(got, "llm p50 2.000x p99 0.500x over 1 cells; net of the proxy's time p50 0.500x p99 2.000x over 1") ||
+		strings.Contains(got, "least_conn p50 1.000x p99 1.000x over 1 cells;") {
+		t.Errorf("net means missing, or printed for a policy without net figures:\n%s", got)
+	}
 	other := write("other.json", cell("c", 1, 1))
 	if err := compareMatrices(&out, base, other); err == nil {
 		t.Error("files without a common cell: no error")
