@@ -423,6 +423,7 @@ func (s *LLMSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, w
 	matchedTokens.Observe(float64(d.MatchedTokens))
 	setPlaceholder(repl, "http.llm.upstream_reason", d.Reason.String())
 	setPlaceholder(repl, "http.llm.matched_tokens", d.MatchedTokens)
+	setPlaceholder(repl, "http.llm.predicted_ttft_ms", int64(d.TTFT*1000+0.5))
 	setRequestPlaceholders(repl, req)
 	if c := s.logger.Check(zapcore.DebugLevel, "selected upstream"); c != nil {
 		c.Write(

@@ -121,6 +121,7 @@ func observerConfig(transport, policyOptions string, dials ...string) string {
 		lb_policy %s
 		transport %s
 		header_down X-Matched-Tokens {http.llm.matched_tokens}
+		header_down X-Predicted-TTFT {http.llm.predicted_ttft_ms}
 		flush_interval -1
 	}
 }
@@ -156,6 +157,9 @@ func askProxy(t *testing.T, client *http.Client, id string, body []byte) observe
 	}
 	a := observedAnswer{body: raw, cached: -1}
 	a.matched, _ = strconv.Atoi(res.Header.Get("X-Matched-Tokens"))
+	if ms, err := strconv.Atoi(res.Header.Get("X-Predicted-TTFT")); err != nil || ms < 0 || ms > 60_000 {
+		t.Errorf("request %s: predicted TTFT placeholder %q, want whole milliseconds", id, res.Header.Get("X-Predicted-TTFT"))
+	}
 	doc := raw // a whole answer; in a stream, the last event with a usage
 	if bytes.HasPrefix(raw, []byte("data: ")) {
 		doc = nil

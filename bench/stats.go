@@ -88,9 +88,12 @@ type requestResult struct {
 	// Matched and PolicyPrompt are the llm policy's predicted cached tokens and prompt tokens, in its
 	// own tokenizer's count (0 for other policies).
 	Matched, PolicyPrompt int
-	Failed                bool
-	Status                int
-	Err                   string
+	// PredictedTTFT is the llm policy's predicted time to first token for the backend it chose, in
+	// wall milliseconds (0 for other policies).
+	PredictedTTFT float64
+	Failed        bool
+	Status        int
+	Err           string
 	// Upstream is the backend that answered, when the proxy says so (X-Upstream), and
 	// Conversation the request's X-Conversation-ID.
 	Upstream, Conversation string
