@@ -84,6 +84,9 @@ type upstreamLoad struct {
 	// busyFrom is the snapshot the next busy interval is measured from (ObserveBusy); its At is zero
 	// before the first.
 	busyFrom scraper.Snapshot
+	// queueGen and queueSteps are the generation-token and step counters of the last snapshot whose
+	// running and waiting counts taught the service model (ObserveQueue).
+	queueGen, queueSteps float64
 
 	observed cacheCounters // what the backend reported cached, against the predictions (observe.go)
 	// horizon (nanoseconds) is how long the backend has lately kept a prefix, learned from its reports:
@@ -529,7 +532,17 @@ func (l *upstreamLoad) scrapedLocked(snap *scraper.Snapshot, at int64) {
 	l.foreignWaiting = float64(waiting - len(l.waitingOurs))
 	l.foreignAt, l.foreign = at, max(snap.Running+snap.Waiting-float64(ours), 0)
 	l.updateTrustLocked(snap)
-	l.model.ObserveQueue(snap.Running, snap.Waiting, snap.KVUsage)
+	// A scrape taken before the engine finished another step shows the batch of the last one again: a
+	// second look at one state, not a second observation of where the backend queues. One long prefill
+	// step (8k tokens at 2k tokens/s: 4 s) outlasts several scrapes, and three of them at 6 running with
+	// requests waiting taught a 64-slot backend that it had 6 slots. Backends that export neither counter
+	// count every scrape.
+	stepped := snap.GenerationTokens != l.queueGen || snap.Steps != l.queueSteps ||
+		snap.GenerationTokens == 0 && snap.Steps == 0
+	if stepped {
+		l.queueGen, l.queueSteps = snap.GenerationTokens, snap.Steps
+		l.model.ObserveQueue(snap.Running, snap.Waiting, snap.KVUsage)
+	}
 	l.observeBusyLocked(snap)
 }
 

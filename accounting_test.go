@@ -385,3 +385,41 @@ func TestBusyIntervalsTeachPrefill(t *testing.T) {
 		t.Errorf("%d busy intervals without prefix-cache counters, want 0", n)
 	}
 }
+
+// TestSlotsLearnedOncePerStep: scrapes taken while one long prefill step runs (no counter moved) show one
+// state, not several observations of where the backend queues: five of them at 6 running with requests
+// waiting teach no slot count. Steps that end between scrapes do; so does every scrape of a backend that
+// exports neither counter.
+func TestSlotsLearnedOncePerStep(t *testing.T) {
+	lt := newTestLoads()
+	at := time.Unix(1_700_000_000, 0)
+	scrape := func(dial string, s scraper.Snapshot) {
+		t.Helper()
+		at = at.Add(250 * time.Millisecond)
+		s.At = at
+		lt.view(dial, at.UnixNano(), &s)
+	}
+	slots := func(dial string) float64 { return lt.lookup(dial).model.Service().Slots }
+
+	const vllm = "10.0.0.1:8000"
+	for range 5 {
+		scrape(vllm, scraper.Snapshot{Running: 6, Waiting: 3, KVUsage: 0.3, GenerationTokens: 100, Steps: 40})
+	}
+	if s := slots(vllm); s != 0 {
+		t.Errorf("slots %v from five scrapes inside one step, want 0 (unknown)", s)
+	}
+	for i := range 3 {
+		scrape(vllm, scraper.Snapshot{Running: 8, Waiting: 2, KVUsage: 0.3, GenerationTokens: float64(200 + 8*i), Steps: float64(41 + i)})
+	}
+	if s := slots(vllm); s != 8 {
+		t.Errorf("slots %v after three steps pinned at 8 with requests waiting, want 8", s)
+	}
+
+	const bare = "10.0.0.2:30000"
+	for range 3 {
+		scrape(bare, scraper.Snapshot{Running: 8, Waiting: 2, KVUsage: 0.3})
+	}
+	if s := slots(bare); s != 8 {
+		t.Errorf("slots %v on a backend without step counters, want 8", s)
+	}
+}

@@ -21,6 +21,9 @@ type Service struct {
 	// MeanDuration is the mean time a request holds one of the upstream's slots: from its prefill's start
 	// (not its wait for a slot) to its last byte.
 	MeanDuration float64
+	// Ceiling is the most requests the backend was seen running at once (its metrics); 0 when unknown.
+	// A slot count below it is disproved.
+	Ceiling float64
 	// Samples is how many observations the estimate rests on (0: it is the prior).
 	Samples int
 	// FirstTokens is how many of them are observed first tokens (ObserveFirstToken), and BusyIntervals
@@ -268,6 +271,7 @@ func (m *ServiceModel) serviceLocked() Service {
 		PrefillSecondsPerToken: p.PrefillSecondsPerToken * scale,
 		TokenSeconds:           p.TokenSeconds * scale,
 		Slots:                  m.slots,
+		Ceiling:                m.ceiling,
 		MeanDuration:           max(m.meanDur, 1e-3),
 		Samples:                m.durN + m.ttftN + m.busyN,
 		BusyIntervals:          m.busyN,
@@ -360,6 +364,8 @@ type Fleet struct {
 	// ratioWeight and logRatio pool the busy intervals' prefill over the speed-scaled prior (busyRatio),
 	// weighted by busy intervals, as a geometric mean.
 	ratioWeight, logRatio float64
+	// slots is the largest slot count any upstream has shown (0: none has).
+	slots float64
 }
 
 // trustedBusy is how many busy intervals make an upstream's own prefill speed fully trusted over the
@@ -373,6 +379,7 @@ const trustedSamples = 16
 
 // Add counts s into the fleet's estimate, weighted by its samples.
 func (f *Fleet) Add(s Service) {
+	f.slots = max(f.slots, s.Slots)
 	if r := s.busyRatio(); r > 0 {
 		w := float64(min(s.BusyIntervals, trustedBusy))
 		f.ratioWeight += w
@@ -401,7 +408,19 @@ func (f *Fleet) Add(s Service) {
 // 0.1 s). A backend that really is slower shows it in its first requests. Once measured at all, an
 // upstream blends both ways: kept optimistic until 16 samples, a barely measured one drew conversations
 // off their homes (TestRoutesSurviveReload, 1 run in 16).
+//
+// An upstream whose slot count is not known yet takes the largest one another upstream has shown, unless
+// it has been seen running more requests than that: a backend learns its own only after several scrapes
+// with requests waiting at the same batch size, and until then its slots were taken as unlimited. A burst
+// on the upstream holding a hot prefix was then predicted to wait nothing behind a full batch (small
+// batch regime, 8 slots: 20 requests in flight, first tokens predicted in 0.1 s, answered in 1.5-4 s),
+// while another upstream had already learned that these backends run 8 at once. A pool of unlike
+// backends borrows a count that may be too small for some; the first scrape showing one running more
+// than it disproves it there.
 func (f *Fleet) Blend(s Service) Service {
+	if s.Slots == 0 && f.slots > 0 && s.Ceiling <= f.slots {
+		s.Slots = f.slots
+	}
 	if f.ratioWeight > 0 && s.BusyIntervals < trustedBusy && s.scaledPrefill > 0 {
 		own := 0.0
 		if s.busyRatio() > 0 {

@@ -211,6 +211,44 @@ func TestFleetBlendBorrowsNoCongestion(t *testing.T) {
 	}
 }
 
+// TestFleetBlendBorrowsSlots: an upstream whose slot count is not known yet takes the largest one the
+// fleet has shown, unless its own backend was seen running more than that; a known count is kept.
+func TestFleetBlendBorrowsSlots(t *testing.T) {
+	learned := NewServiceModel(Prior)
+	for range minAtCeiling {
+		learned.ObserveQueue(8, 4, 0.3)
+	}
+	if s := learned.Service(); s.Slots != 8 || s.Ceiling != 8 {
+		t.Fatalf("learned slots %v, ceiling %v, want 8 and 8", s.Slots, s.Ceiling)
+	}
+	var f Fleet
+	f.Add(learned.Service())
+	f.Add(Prior)
+
+	burst := NewServiceModel(Prior) // seen running 8 once with others waiting: not yet proof
+	burst.ObserveQueue(8, 6, 0.3)
+	if got := f.Blend(burst.Service()).Slots; got != 8 {
+		t.Errorf("upstream not yet sure of its slots, fleet's 8: blended to %v slots, want 8", got)
+	}
+	if got := f.Blend(Prior).Slots; got != 8 {
+		t.Errorf("upstream never scraped: blended to %v slots, want the fleet's 8", got)
+	}
+	bigger := NewServiceModel(Prior)
+	bigger.ObserveQueue(12, 0, 0.3)
+	if got := f.Blend(bigger.Service()).Slots; got != 0 {
+		t.Errorf("upstream seen running 12: blended to %v slots, want 0 (8 is disproved there)", got)
+	}
+	own := Service{Slots: 4, Ceiling: 4}
+	if got := f.Blend(own).Slots; got != 4 {
+		t.Errorf("upstream that learned 4 slots: blended to %v, want its own 4", got)
+	}
+	var none Fleet
+	none.Add(burst.Service())
+	if got := none.Blend(Prior).Slots; got != 0 {
+		t.Errorf("no upstream knows its slots: blended to %v, want 0 (unknown)", got)
+	}
+}
+
 // TestFleetPoolsBusyPrefill: one upstream's busy intervals show its kind of backend prefills 4x slower
 // than the prior; an upstream with none takes that ratio on its own speed-scaled prior (one 3x slower
 // overall ends 12x slower to prefill), and one with trustedBusy intervals of its own keeps its figure.
