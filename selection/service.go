@@ -228,7 +228,7 @@ func (m *ServiceModel) ObserveQueue(running, waiting, kvUsage float64) {
 	if running > m.ceiling {
 		m.ceiling, m.atCeil, m.belowCeil, m.slots = running, 0, 0, 0
 	}
-	if waiting < 1 || kvUsage >= kvFull {
+	if waiting < 1 || kvUsage >= min(kvFull, running/(running+1)) {
 		return
 	}
 	if running >= m.ceiling {
@@ -250,6 +250,10 @@ func (m *ServiceModel) ObserveQueue(running, waiting, kvUsage float64) {
 const minAtCeiling = 3
 
 // kvFull is the KV-cache usage from which requests waiting are explained by the cache, not by the slots.
+// A batch of a few long requests is limited by the cache well before that: with r running, one more
+// of their mean size does not fit once the usage exceeds r/(r+1) (one 30k-token agentic session in a
+// 44k-token cache, at 0.7, with the next one waiting: three backends learned 1 slot, and the decision
+// sent every new session to the fourth).
 const kvFull = 0.9
 
 // Service returns the current estimate.

@@ -139,6 +139,15 @@ func TestServiceModelSlots(t *testing.T) {
 	if s := slots(kv); s != 0 {
 		t.Errorf("slots %v learned while the KV cache was full, want 0 (unknown)", s)
 	}
+
+	// One long session holds 70% of the cache and the next does not fit: the cache's limit too.
+	long := NewServiceModel(Prior)
+	for range 5 {
+		long.ObserveQueue(1, 2, 0.7)
+	}
+	if s := slots(long); s != 0 {
+		t.Errorf("slots %v learned while one request held 70%% of the cache, want 0 (unknown)", s)
+	}
 }
 
 // TestServiceModelIgnoresOutliers: one stalled request does not teach a 10x slowdown.
