@@ -64,22 +64,14 @@ type MatrixCell struct {
 	Seeds    int            `json:"seeds"`
 	RateRPS  float64        `json:"rate_rps"`
 	Policies []PolicyMedian `json:"policies"`
-	// BestP50 and BestP99 are the best stock policy's median TTFT p50 and p99, and which policy
-	// that was (they may differ); P50Ratio and P99Ratio are llm's divided by them.
-	BestP50       float64 `json:"best_stock_ttft_p50_ms"`
-	BestP50Policy string  `json:"best_stock_p50_policy"`
-	BestP99       float64 `json:"best_stock_ttft_p99_ms"`
-	BestP99Policy string  `json:"best_stock_p99_policy"`
-	P50Ratio      float64 `json:"llm_p50_ratio"`
-	P99Ratio      float64 `json:"llm_p99_ratio"`
-	// Judged is false when llm or every stock policy is missing from the cell.
-	Judged bool `json:"judged"`
-	Pass   bool `json:"pass"`
-	// SeedsPassing is on how many of the cell's seeds llm passes against that seed's best stock
-	// figures (the same thresholds): how much the verdict on the medians is worth. Identical runs of
-	// the stock policies move a cell's figures by 10-55%, so a median verdict that one seed of three
-	// carries is a tie, not a win or a loss.
-	SeedsPassing int `json:"seeds_passing"`
+	// Verdict is llm's standing on the cell's medians: the best stock policy's median TTFT p50 and
+	// p99, and which policy that was (they may differ), llm's ratios to them; Judged is false when llm
+	// or every stock policy is missing from the cell. SeedsPassing is on how many of the cell's seeds
+	// llm passes against that seed's best stock figures (the same thresholds): how much the verdict on
+	// the medians is worth. Identical runs of the stock policies move a cell's figures by 10-55%, so a
+	// median verdict that one seed of three carries is a tie, not a win or a loss. Its fields are the
+	// cell's own in JSON.
+	Verdict
 	// Net is the same verdict on TTFT with the proxy's own wall time counted once instead of
 	// time-scale times (Summary.NetTTFTP50): the decision, without the harness's magnification of
 	// the time the policy takes to read and tokenize a request. Nil when the runs do not have it.
@@ -374,9 +366,7 @@ func judgeCell(regime, workload string, runs []MatrixRun) MatrixCell {
 		}
 		c.Policies = append(c.Policies, pm)
 	}
-	v := c.judge(runs, rawTTFT)
-	c.BestP50, c.BestP50Policy, c.BestP99, c.BestP99Policy = v.BestP50, v.BestP50Policy, v.BestP99, v.BestP99Policy
-	c.P50Ratio, c.P99Ratio, c.Judged, c.Pass, c.SeedsPassing = v.P50Ratio, v.P99Ratio, v.Judged, v.Pass, v.SeedsPassing
+	c.Verdict = c.judge(runs, rawTTFT)
 	if net := c.judge(runs, netTTFT); net.Judged {
 		c.Net = &net
 	}

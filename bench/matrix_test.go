@@ -262,9 +262,9 @@ func TestMaxShare(t *testing.T) {
 
 func TestMatrixVerdict(t *testing.T) {
 	cells := []MatrixCell{
-		{Regime: "a", Workload: "x", Judged: true, Pass: true, Seeds: 3, SeedsPassing: 3},
-		{Regime: "a", Workload: "y", Judged: true, Seeds: 3, SeedsPassing: 1},
-		{Regime: "a", Workload: "z", Judged: true, Pass: true, Seeds: 3, SeedsPassing: 2},
+		{Regime: "a", Workload: "x", Seeds: 3, Verdict: Verdict{Judged: true, Pass: true, SeedsPassing: 3}},
+		{Regime: "a", Workload: "y", Seeds: 3, Verdict: Verdict{Judged: true, SeedsPassing: 1}},
+		{Regime: "a", Workload: "z", Seeds: 3, Verdict: Verdict{Judged: true, Pass: true, SeedsPassing: 2}},
 		{Regime: "b", Workload: "x"},
 	}
 	got := matrixVerdict(cells)
@@ -294,9 +294,9 @@ func TestRatioColor(t *testing.T) {
 // well-formed, has a rectangle per cell, prints each judged cell's p99 ratio and has axis titles.
 func TestHeatMap(t *testing.T) {
 	cells := []MatrixCell{
-		{Regime: "small-batch", Workload: "shared-prefix", Judged: true, Pass: true, P50Ratio: 0.4, P99Ratio: 0.83},
-		{Regime: "small-batch", Workload: "hot-prefix", Judged: true, P50Ratio: 1.1, P99Ratio: 2.4},
-		{Regime: "default", Workload: "shared-prefix", Judged: true, Pass: true, P50Ratio: 0.2, P99Ratio: 0.5},
+		{Regime: "small-batch", Workload: "shared-prefix", Verdict: Verdict{Judged: true, Pass: true, P50Ratio: 0.4, P99Ratio: 0.83}},
+		{Regime: "small-batch", Workload: "hot-prefix", Verdict: Verdict{Judged: true, P50Ratio: 1.1, P99Ratio: 2.4}},
+		{Regime: "default", Workload: "shared-prefix", Verdict: Verdict{Judged: true, Pass: true, P50Ratio: 0.2, P99Ratio: 0.5}},
 	}
 	var b strings.Builder
 	writeHeatMap(&b, cells, 3)
