@@ -64,13 +64,7 @@ type MatrixCell struct {
 	Seeds    int            `json:"seeds"`
 	RateRPS  float64        `json:"rate_rps"`
 	Policies []PolicyMedian `json:"policies"`
-	// Verdict is llm's standing on the cell's medians: the best stock policy's median TTFT p50 and
-	// p99, and which policy that was (they may differ), llm's ratios to them; Judged is false when llm
-	// or every stock policy is missing from the cell. SeedsPassing is on how many of the cell's seeds
-	// llm passes against that seed's best stock figures (the same thresholds): how much the verdict on
-	// the medians is worth. Identical runs of the stock policies move a cell's figures by 10-55%, so a
-	// median verdict that one seed of three carries is a tie, not a win or a loss. Its fields are the
-	// cell's own in JSON.
+	// Verdict is llm's standing on the measured TTFTs; its fields are the cell's own in JSON.
 	Verdict
 	// Net is the same verdict on TTFT with the proxy's own wall time counted once instead of
 	// time-scale times (Summary.NetTTFTP50): the decision, without the harness's magnification of
@@ -82,15 +76,22 @@ type MatrixCell struct {
 // p99 (and which policies those were), llm's ratios to them, the verdict on the medians and on how
 // many seeds llm passes.
 type Verdict struct {
+	// BestP50 and BestP99 are the best stock policy's median TTFT p50 and p99, and which policy
+	// that was (they may differ); P50Ratio and P99Ratio are llm's divided by them.
 	BestP50       float64 `json:"best_stock_ttft_p50_ms"`
 	BestP50Policy string  `json:"best_stock_p50_policy"`
 	BestP99       float64 `json:"best_stock_ttft_p99_ms"`
 	BestP99Policy string  `json:"best_stock_p99_policy"`
 	P50Ratio      float64 `json:"llm_p50_ratio"`
 	P99Ratio      float64 `json:"llm_p99_ratio"`
-	Judged        bool    `json:"judged"`
-	Pass          bool    `json:"pass"`
-	SeedsPassing  int     `json:"seeds_passing"`
+	// Judged is false when llm or every stock policy is missing from the cell.
+	Judged bool `json:"judged"`
+	Pass   bool `json:"pass"`
+	// SeedsPassing is on how many of the cell's seeds llm passes against that seed's best stock
+	// figures (the same thresholds): how much the verdict on the medians is worth. Identical runs of
+	// the stock policies move a cell's figures by 10-55%, so a median verdict that one seed of three
+	// carries is a tie, not a win or a loss.
+	SeedsPassing int `json:"seeds_passing"`
 }
 
 // ttftFigures picks the TTFT p50 and p99 a verdict is on, from one run's summary or from a cell's
