@@ -60,9 +60,12 @@ type upstreamLoad struct {
 	gap      float64 // seconds between this proxy's requests sent there (EWMA)
 	gaps     int     // gaps observed, up to minGaps
 	lastSent int64   // unix nanoseconds of the last one
-	// waitingOurs are this proxy's requests its last scrape counted as waiting, and foreignWaiting the
-	// waiting requests beyond them (other clients'), computed once per scrape.
-	waitingOurs    []*reservation
+	// pendingOurs are this proxy's requests without a first token at its last scrape, newest first: the
+	// first waitingOurs of them the scrape counted as waiting, the rest as running (prefilling: chunked
+	// prefill admits a long prompt into the batch and prefills it over several steps). foreignWaiting is
+	// the waiting requests beyond them (other clients'). Computed once per scrape.
+	pendingOurs    []*reservation
+	waitingOurs    int
 	foreignWaiting float64
 
 	// Cache trust: the share of its predicted cache hits the backend's own prefix-cache counters confirm.
@@ -469,7 +472,12 @@ func (l *upstreamLoad) arrivalRateLocked(now int64) float64 {
 // in arrival order, so its waiting requests are the newest it received, and this proxy's requests sent
 // before the scrape, newest first, stand for as many of them as they can, with their own uncached prompts
 // (until their first token is observed or they end). The rest are other clients', at the mean uncached
-// prompt of this proxy's requests there. The backend works that backlog off at its prefill speed from
+// prompt of this proxy's requests there. Ahead of that backlog is what is left of the prefill of this
+// proxy's requests the scrape counts as running that have no first token yet: with chunked prefill a
+// backend admits a long prompt into its batch at once and prefills it over many steps (a 20k-token
+// prompt at 8k tokens/s runs for 2.5 s with nothing waiting), and without them an upstream two seconds
+// into a new agent session's prefill looked idle and took the next new session too (large-batch agentic:
+// the worst first tokens, 3-7 s, were such pairs). The backend works all that off at its prefill speed from
 // the scrape on: a scrape is up to one interval old, and a backlog it showed is mostly prefilled long
 // before the next (read as it stood, each waiting request counted for a whole interval against an
 // upstream that had long started it: three instances sharing routes moved shared-prefix groups off
@@ -484,9 +492,23 @@ func (l *upstreamLoad) fromScrapeLocked(snap *scraper.Snapshot, now int64, spt f
 		l.scrapedLocked(snap, at)
 	}
 	backlog := l.foreignWaiting * l.meanUncached
-	for _, r := range l.waitingOurs {
+	for _, r := range l.pendingOurs[:l.waitingOurs] {
 		if r.index >= 0 && !r.firstToken {
 			backlog += float64(r.uncached)
+		}
+	}
+	// Ahead of the waiting ones, what is left of the prefill of those already running at the scrape: they
+	// end when this proxy predicted (prefillDone), unless their first token came sooner. One already later
+	// than predicted has about as long again to go as it is late, up to its whole prefill: its upstream
+	// is slower than its estimate (a new backend, before its first tokens teach it), and counting it done
+	// made that upstream look idle beside the others, whose running prefills count, and took every
+	// request until it answered.
+	var left, ahead int64 // left at now; predicted at the scrape to be left of it
+	for _, r := range l.pendingOurs[l.waitingOurs:] {
+		if r.index >= 0 && !r.firstToken {
+			late := max(now-r.prefillDone, 0)
+			left = max(left, r.prefillDone-now, min(late, seconds(r.prefill)))
+			ahead = max(ahead, r.prefillDone-at)
 		}
 	}
 	since := 0
@@ -498,7 +520,8 @@ func (l *upstreamLoad) fromScrapeLocked(snap *scraper.Snapshot, now int64, spt f
 			}
 		}
 	}
-	queued = max(backlog*spt-float64(max(now-at, 0))/1e9, 0) + float64(since)*spt
+	drained := float64(max(now-at-ahead, 0)) / 1e9 // the waiting ones start once the running ones are done
+	queued = float64(left)/1e9 + max(backlog*spt-drained, 0) + float64(since)*spt
 	return l.foreign, queued, kvSince
 }
 
@@ -508,13 +531,13 @@ func (l *upstreamLoad) fromScrapeLocked(snap *scraper.Snapshot, now int64, spt f
 func (l *upstreamLoad) scrapedLocked(snap *scraper.Snapshot, at int64) {
 	// Ours at the time of the scrape: those in flight that had started, and those ended since.
 	ours := 0
-	clear(l.waitingOurs)
-	l.waitingOurs = l.waitingOurs[:0]
+	clear(l.pendingOurs)
+	l.pendingOurs = l.pendingOurs[:0]
 	for _, r := range l.inflight {
 		if r.start <= at {
 			ours++
 			if !r.firstToken {
-				l.waitingOurs = append(l.waitingOurs, r)
+				l.pendingOurs = append(l.pendingOurs, r)
 			}
 		}
 	}
@@ -524,12 +547,9 @@ func (l *upstreamLoad) scrapedLocked(snap *scraper.Snapshot, at int64) {
 		}
 	}
 	waiting := int(max(snap.Waiting, 0))
-	if len(l.waitingOurs) > waiting {
-		slices.SortFunc(l.waitingOurs, func(a, b *reservation) int { return cmp.Compare(b.start, a.start) })
-		clear(l.waitingOurs[waiting:])
-		l.waitingOurs = l.waitingOurs[:waiting]
-	}
-	l.foreignWaiting = float64(waiting - len(l.waitingOurs))
+	slices.SortFunc(l.pendingOurs, func(a, b *reservation) int { return cmp.Compare(b.start, a.start) })
+	l.waitingOurs = min(waiting, len(l.pendingOurs))
+	l.foreignWaiting = float64(waiting - l.waitingOurs)
 	l.foreignAt, l.foreign = at, max(snap.Running+snap.Waiting-float64(ours), 0)
 	l.updateTrustLocked(snap)
 	// A scrape taken before the engine finished another step shows the batch of the last one again: a

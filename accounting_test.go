@@ -140,23 +140,65 @@ func TestScrapedWaitingAreTheNewest(t *testing.T) {
 	for i, uncached := range []int{4000, 4000, 10, 3000} {
 		mine = append(mine, lt.reserve(dial, work{uncached: uncached}, t0.Add(time.Duration(i)*time.Millisecond).UnixNano()))
 	}
+	mine[0].noteFirstToken(t0.Add(530 * time.Millisecond).UnixNano()) // as predicted: decoding since
 	at := t0.Add(time.Second)
 	now := at.Add(time.Millisecond).UnixNano()
 	spt := selection.Prior.PrefillSecondsPerToken
+	// The oldest is decoding, the second running, predicted to prefill for 30 ms more (8,000 tokens at 8k/s
+	// and the overhead, from t0): the waiting ones start after it.
+	running := 8000*spt + selection.Prior.Overhead - 1
 	v := lt.view(dial, now, &scraper.Snapshot{Running: 2, Waiting: 2, At: at})
-	if want := (10+3000)*spt - 0.001; math.Abs(v.queued-want) > want*0.01 {
-		t.Errorf("queued = %.4f s, want %.4f: the two newest of ours (10 and 3000 tokens), less 1 ms prefilled since", v.queued, want)
+	if want := running - 0.001 + (10+3000)*spt; math.Abs(v.queued-want) > want*0.01 {
+		t.Errorf("queued = %.4f s, want %.4f: the two newest of ours (10 and 3000 tokens) behind the 29 ms left of a running one", v.queued, want)
 	}
 	mine[3].noteFirstToken(now)
 	v = lt.view(dial, at.UnixNano(), &scraper.Snapshot{Running: 2, Waiting: 2, At: at})
-	if want := 10 * spt; math.Abs(v.queued-want) > want*0.01 {
+	if want := running + 10*spt; math.Abs(v.queued-want) > want*0.01 {
 		t.Errorf("queued = %.4f s after a first token, want %.4f", v.queued, want)
 	}
 	at2 := at.Add(time.Second)
 	v = lt.view(dial, at2.UnixNano(), &scraper.Snapshot{Running: 1, Waiting: 4, At: at2})
 	mean := lt.lookup(dial).meanUncached
-	if want := (4000 + 4000 + 10 + mean) * spt; math.Abs(v.queued-want) > want*0.01 {
-		t.Errorf("queued = %.4f s, want %.4f: ours not yet answered, and one other client's at the mean", v.queued, want)
+	if want := (4000 + 10 + 2*mean) * spt; math.Abs(v.queued-want) > want*0.01 {
+		t.Errorf("queued = %.4f s, want %.4f: ours not yet answered, and two other clients' at the mean", v.queued, want)
+	}
+}
+
+// TestScrapedRunningStillPrefill: a request the scrape counts as running is not done prefilling (chunked
+// prefill admits a long prompt into the batch at once and prefills it over several steps): what is left
+// of its predicted prefill comes before the waiting ones. A 20k-token prompt sent 0.5 s before a scrape
+// showing it running and nothing waiting still has 2 s to go at 8k tokens/s; without this, the upstream
+// looked idle and took the next new agent session, whose first token then waited behind the first's.
+func TestScrapedRunningStillPrefill(t *testing.T) {
+	lt := newTestLoads()
+	const dial = "10.0.0.1:8000"
+	spt := selection.Prior.PrefillSecondsPerToken
+	t0 := time.Unix(1_700_000_000, 0)
+	long := lt.reserve(dial, work{uncached: 20000}, t0.UnixNano())
+	at := t0.Add(500 * time.Millisecond)
+	snap := &scraper.Snapshot{Running: 1, Waiting: 0, At: at}
+	left := 20000*spt + selection.Prior.Overhead - 0.5
+	// Later than predicted, it has about as long again to go as it is late (its upstream is slower than
+	// its estimate), up to its whole prefill.
+	for _, c := range []struct {
+		after time.Duration
+		want  float64
+	}{{0, left}, {time.Second, left - 1}, {time.Duration(left*1e9) + 200*time.Millisecond, 0.2}, {time.Duration(left*1e9) + 4*time.Second, 20000 * spt}} {
+		if v := lt.view(dial, at.Add(c.after).UnixNano(), snap); math.Abs(v.queued-c.want) > 1e-6 {
+			t.Errorf("%v after the scrape: queued = %.4f s, want %.4f", c.after, v.queued, c.want)
+		}
+	}
+	// Two of ours sent after it, waiting behind it: they start once it is done.
+	lt.reserve(dial, work{uncached: 1000}, at.Add(time.Millisecond).UnixNano())
+	lt.reserve(dial, work{uncached: 3000}, at.Add(2*time.Millisecond).UnixNano())
+	at2 := at.Add(3 * time.Millisecond)
+	if v, want := lt.view(dial, at2.UnixNano(), &scraper.Snapshot{Running: 1, Waiting: 2, At: at2}), left-0.003+4000*spt; math.Abs(v.queued-want) > 1e-6 {
+		t.Errorf("with two waiting behind it: queued = %.4f s, want %.4f", v.queued, want)
+	}
+	// Its first token: only the waiting ones are left.
+	long.noteFirstToken(at2.UnixNano())
+	if v, want := lt.view(dial, at2.UnixNano(), &scraper.Snapshot{Running: 1, Waiting: 2, At: at2}), 4000*spt; math.Abs(v.queued-want) > 1e-6 {
+		t.Errorf("after its first token: queued = %.4f s, want %.4f", v.queued, want)
 	}
 }
 
