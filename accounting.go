@@ -39,9 +39,12 @@ type upstreamLoad struct {
 
 	mu       sync.Mutex
 	inflight []*reservation // this proxy's requests in flight, in no order
+	kv       int64          // the KV-cache space they take (their reservation.kv added up)
 	ended    [endRing]int64 // start times of recently ended requests, by end time (ring), for scrapes
 	endedAt  [endRing]int64
-	endNext  int
+	// endedLearned is when the route table learned each one's prefixes there (reservation.learned).
+	endedLearned [endRing]int64
+	endNext      int
 	// foreign is the requests its last scrape showed beyond this proxy's own, computed once per scrape.
 	foreignAt    int64
 	foreign      float64
@@ -124,6 +127,8 @@ type reservation struct {
 	dial     string
 	uncached int   // prompt tokens to prefill
 	output   int   // expected output tokens
+	kv       int   // KV-cache tokens it takes from the free space (selection.Decision.KVTokens)
+	learned  int64 // when the route table learned its prefixes there (affinity.Table.Learn); 0: not
 	start    int64 // unix nanoseconds, when it was sent
 	waited   float64
 	// prefill is its own prefill in seconds, and prefillDone when it is predicted (or was observed) to
@@ -145,6 +150,8 @@ type reservation struct {
 // work describes a request about to be reserved on an upstream.
 type work struct {
 	uncached, output int
+	kv               int     // KV-cache space it takes (reservation.kv); 0: uncached + output
+	learned          int64   // reservation.learned
 	prompt, matched  int     // its prompt tokens and those predicted cached there
 	waited           float64 // predicted seconds before its prefill can start (from the decision)
 	prediction       prediction
@@ -197,8 +204,11 @@ func (t *loadTable) reserve(dial string, w work, now int64) *reservation {
 // add records r as in flight and queues its prefill.
 func (l *upstreamLoad) add(dial string, w work, now int64) *reservation {
 	svc := l.model.Service()
-	r := &reservation{load: l, dial: dial, uncached: w.uncached, output: w.output, start: now, waited: w.waited,
-		prediction: w.prediction}
+	r := &reservation{load: l, dial: dial, uncached: w.uncached, output: w.output, kv: w.kv, learned: w.learned,
+		start: now, waited: w.waited, prediction: w.prediction}
+	if r.kv == 0 {
+		r.kv = w.uncached + w.output
+	}
 	r.prefill = svc.PrefillSecondsPerToken * float64(w.uncached)
 	l.mu.Lock()
 	begin := max(now+seconds(w.waited), l.prefillUntil.Load())
@@ -206,6 +216,7 @@ func (l *upstreamLoad) add(dial string, w work, now int64) *reservation {
 	r.prefillDone = begin + seconds(r.prefill+svc.Overhead)
 	r.index = len(l.inflight)
 	l.inflight = append(l.inflight, r)
+	l.kv += int64(r.kv)
 	l.allocTotal += int64(w.uncached + w.output)
 	l.allocAt[l.allocNext], l.allocCum[l.allocNext] = now, l.allocTotal
 	l.allocNext = (l.allocNext + 1) % allocRing
@@ -268,12 +279,13 @@ func (r *reservation) release(now int64, completed bool) {
 	l.inflight[r.index].index = r.index
 	l.inflight[last] = nil
 	l.inflight = l.inflight[:last]
+	l.kv -= int64(r.kv)
 	r.index = -1
 	if r.prefillDone > now {
 		remaining := min(r.prefillDone-now, seconds(r.prefill))
 		l.prefillUntil.Store(max(l.prefillUntil.Load()-remaining, now))
 	}
-	l.ended[l.endNext], l.endedAt[l.endNext] = r.start, now
+	l.ended[l.endNext], l.endedAt[l.endNext], l.endedLearned[l.endNext] = r.start, now, r.learned
 	l.endNext = (l.endNext + 1) % endRing
 	if completed {
 		if d := float64(now-r.start) / 1e9; l.held == 0 {
@@ -305,9 +317,13 @@ type upstreamView struct {
 	// arrivals is the rate at which this proxy sends it requests, per second.
 	arrivals float64
 	// kvCapacity is its KV cache in tokens (0: unknown, no fresh scrape says) and kvUsed the tokens wanted:
-	// the scraped usage plus what this proxy sent since (prompt to prefill and output expected), and at
-	// least what all this proxy's requests in flight there want, admitted or waiting (a scrape counts
-	// only the admitted: a prompt waiting for space is in no usage figure).
+	// the scraped usage plus what this proxy sent since, and at least what all this proxy's requests in
+	// flight there want, admitted or waiting (a scrape counts only the admitted: a prompt waiting for space
+	// is in no usage figure). A request wants its prompt to prefill and its expected output, and its whole
+	// prompt where the cached prefix it reuses was free (selection.Candidate.CachedFree): an agent whose
+	// history waits in the free queue wants all of it back, and counted at what it prefills, three such
+	// requests waiting there looked like a third of their demand (fast-prefill agentic: first tokens of
+	// 7-10 s predicted at 1-3 s).
 	kvCapacity, kvUsed float64
 	// overdue is how many times longer than service predicts this proxy's requests in flight there have
 	// already run (see upstreamLoad.overdueLocked); 0 when none overran, or when a scrape shows others'
@@ -357,7 +373,7 @@ func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstrea
 		foreign, v.queued, kvSince = l.fromScrapeLocked(snap, now, v.service.PrefillSecondsPerToken)
 		v.requests += foreign
 		if c := float64(snap.BlockSize) * float64(snap.NumBlocks); c > 0 {
-			v.kvCapacity, v.kvUsed = c, max(snap.KVUsage*c+kvSince, float64(l.tokens.Load()))
+			v.kvCapacity, v.kvUsed = c, max(snap.KVUsage*c+kvSince, float64(l.kv))
 		}
 	}
 	if foreign < 1 {
@@ -430,7 +446,7 @@ func (l *upstreamLoad) allocatedSinceLocked(at int64) int64 {
 func (l *upstreamLoad) evictedSince(seen, now int64) int64 {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	freed := seen + seconds(l.held)
+	freed := l.freedLocked(seen)
 	if freed >= now {
 		return 0 // still in use
 	}
@@ -444,6 +460,36 @@ func (l *upstreamLoad) evictedSince(seen, now int64) int64 {
 	}
 	return n
 }
+
+// holds reports whether the upstream still holds, in a request running there, a prefix the route table
+// learned there at seen (unix nanoseconds, affinity.Table.MatchSeen): whether the request that sent it
+// is still in flight. When neither it nor its end is remembered (a route a peer learned, or one older
+// than the last endRing ends), whether it was sent less than a request's usual duration there ago (see
+// evictedSince). An agent's turn that ended early, read by that average, looked as if it still held its
+// history, and the next turn was predicted to fit in the cache beside it (hetero agentic: first tokens
+// predicted at 0.6 s came after 7 s).
+func (l *upstreamLoad) holds(seen, now int64) bool {
+	if seen == 0 {
+		return false
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, r := range l.inflight {
+		if r.learned == seen {
+			return true
+		}
+	}
+	for _, learned := range l.endedLearned {
+		if learned == seen {
+			return false
+		}
+	}
+	return l.freedLocked(seen) >= now
+}
+
+// freedLocked is when a prefix sent at seen is predicted freed: when the request that sent it ends, about
+// held later. The caller holds l.mu.
+func (l *upstreamLoad) freedLocked(seen int64) int64 { return seen + seconds(l.held) }
 
 // minGaps is how many gaps between requests an arrival rate needs.
 const minGaps = 4
@@ -464,7 +510,7 @@ func (l *upstreamLoad) arrivalRateLocked(now int64) float64 {
 
 // fromScrapeLocked returns the requests snap shows beyond this proxy's own at the time of the scrape, the
 // seconds of prefill queued there at now for an upstream that prefills a token in spt seconds, and the
-// KV cache tokens this proxy's requests since the scrape take (prompt to prefill and output expected).
+// KV cache tokens this proxy's requests since the scrape take (reservation.kv).
 // The first call for a new snapshot also tells the service model the backend's queue and checks the
 // cache predictions. The caller holds l.mu.
 //
@@ -514,7 +560,7 @@ func (l *upstreamLoad) fromScrapeLocked(snap *scraper.Snapshot, now int64, spt f
 	since := 0
 	for _, r := range l.inflight {
 		if r.start > at {
-			kvSince += float64(r.uncached + r.output)
+			kvSince += float64(r.kv)
 			if !r.firstToken {
 				since += r.uncached
 			}

@@ -258,6 +258,13 @@ func TestKVDemandCountsOursInFlight(t *testing.T) {
 	if v := lt.view(dial, at.UnixNano(), snap); v.kvUsed != 0.5*16*4096 {
 		t.Errorf("kv used = %.0f, want the scrape's 32768", v.kvUsed)
 	}
+	// One that reuses a cached prefix whose blocks are free takes its whole prompt's space, not only
+	// what it prefills: 20,000 of its 21,000 tokens cached.
+	lt.reserve(dial, work{uncached: 1000, output: 64, kv: 21064}, at.UnixNano())
+	snap = &scraper.Snapshot{Running: 2, Waiting: 3, KVUsage: 0.99, BlockSize: 16, NumBlocks: 512, At: at}
+	if v := lt.view(dial, at.UnixNano(), snap); v.kvUsed != 4*4064+21064 {
+		t.Errorf("kv used = %.0f, want 37320 (ours in flight, the last with its whole prompt)", v.kvUsed)
+	}
 }
 
 // TestOverrunOnlyWhereOursIsAll: the overrun of this proxy's requests is reported where its view holds
@@ -463,5 +470,22 @@ func TestSlotsLearnedOncePerStep(t *testing.T) {
 	}
 	if s := slots(bare); s != 8 {
 		t.Errorf("slots %v on a backend without step counters, want 8", s)
+	}
+}
+
+// TestScaledPrior: a capacity hint scales every time in the prior, the mean duration of a request too
+// (it sets the pace at which slots and cache space free: left at the prior's, an upstream 30x faster
+// looked up to 30x slower to free cache space for its first few dozen requests).
+func TestScaledPrior(t *testing.T) {
+	p, q := selection.Prior, scaledPrior(4)
+	for name, v := range map[string][2]float64{
+		"overhead":      {p.Overhead, q.Overhead},
+		"prefill":       {p.PrefillSecondsPerToken, q.PrefillSecondsPerToken},
+		"decode step":   {p.TokenSeconds, q.TokenSeconds},
+		"mean duration": {p.MeanDuration, q.MeanDuration},
+	} {
+		if v[1] != v[0]/4 {
+			t.Errorf("%s: %g at capacity 4, want a quarter of the prior's %g", name, v[1], v[0])
+		}
 	}
 }

@@ -126,8 +126,9 @@ func (d *decider) commit(q *query, dial string, dec selection.Decision) *reserva
 	if d.lora != nil {
 		d.lora.commit(q, dial)
 	}
+	var learned int64
 	if d.routes != nil {
-		d.routes.Learn(q.req.Model, q.bounds, dial)
+		learned = d.routes.Learn(q.req.Model, q.bounds, dial)
 		if q.conversation != "" {
 			d.routes.Pin(q.req.Model, q.conversation, dial)
 		}
@@ -146,6 +147,8 @@ func (d *decider) commit(q *query, dial string, dec selection.Decision) *reserva
 		prompt:     q.req.PromptTokens,
 		matched:    matched,
 		uncached:   q.req.PromptTokens - matched,
+		kv:         dec.KVTokens,
+		learned:    learned,
 		output:     d.outputEstimate(q.req.MaxTokens),
 		waited:     dec.Wait,
 		prediction: pred,
@@ -273,6 +276,7 @@ func (s cacheSignal) fill(q *query, keys []string, cands []selection.Candidate) 
 			continue
 		}
 		cands[i].CachedTokens = int(float64(cached[i]) * l.cacheTrust())
+		cands[i].CachedFree = !l.holds(q.seen[i], q.now)
 	}
 	if q.conversation == "" {
 		return
@@ -284,8 +288,10 @@ func (s cacheSignal) fill(q *query, keys []string, cands []selection.Candidate) 
 	for i := range cands {
 		if cands[i].Key == dial {
 			cands[i].Pinned = true
-			if n := len(q.req.Boundaries); n >= 2 {
-				cands[i].CachedTokens = max(cands[i].CachedTokens, q.req.Boundaries[n-2].Tokens)
+			if n := len(q.req.Boundaries); n >= 2 && q.req.Boundaries[n-2].Tokens > cands[i].CachedTokens {
+				// Credited by the pin beyond the routes' claim: its last turn has ended, so that history
+				// waits in the free queue.
+				cands[i].CachedTokens, cands[i].CachedFree = q.req.Boundaries[n-2].Tokens, true
 			}
 		}
 	}

@@ -268,3 +268,67 @@ func TestOverrunSlowsAnUpstream(t *testing.T) {
 		})
 	}
 }
+
+// TestCachedPrefixFreeOnceItsTurnEnded: a cached prefix counts as free space to reuse (its whole prompt
+// takes cache space) once the request that last sent it has ended, and as held (only the uncached part
+// takes space) while it runs; the reservation carries that space.
+func TestCachedPrefixFreeOnceItsTurnEnded(t *testing.T) {
+	t0 := time.Unix(1_700_000_000, 0)
+	clock := t0
+	at := func(s float64) int64 { return t0.Add(time.Duration(s * float64(time.Second))).UnixNano() }
+	routes := affinity.New(affinity.Config{Capacity: 1000, TTL: 10 * time.Minute, BlockSize: 16, Now: func() time.Time { return clock }})
+	keys := []string{"10.0.0.1:8000", "10.0.0.2:8000"}
+	lt := &loadTable{m: make(map[string]*upstreamLoad)}
+	dec := newDecider(selection.DefaultConfig(), routes, lt, 256, nil)
+	history := []map[string]string{{"role": "user", "content": strings.Repeat("run the tests ", 1000)}}
+	parse := func(msgs []map[string]string) *tokenize.Request {
+		body, _ := json.Marshal(map[string]any{"model": "m", "max_tokens": 64, "messages": msgs})
+		req, err := tokenize.Parse(body, tokenize.APIChat, tokenize.Options{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return req
+	}
+	turn := func(now int64) (*query, []selection.Candidate, selection.Decision) {
+		history = append(history, map[string]string{"role": "assistant", "content": "ok"}, map[string]string{"role": "user", "content": "go on"})
+		clock = time.Unix(0, now)
+		q := &query{req: parse(history), now: now}
+		cands := make([]selection.Candidate, len(keys))
+		return q, cands, dec.choose(q, keys, cands, nil)
+	}
+
+	// The first turn runs 2 s: requests there hold their prefix about that long.
+	q, _, d := turn(at(0))
+	home := d.Index
+	dec.commit(q, keys[home], d).release(at(2), true)
+
+	// 3 s after it was sent, it has ended: reusing its prefix takes its whole prompt's space.
+	q, cands, d := turn(at(3))
+	if d.Index != home || !cands[home].CachedFree || d.KVTokens != q.req.PromptTokens+64 {
+		t.Fatalf("after the turn ended: chose %d, free %v, kv %d; want %d, free, the whole prompt and output (%d)",
+			d.Index, cands[home].CachedFree, d.KVTokens, home, q.req.PromptTokens+64)
+	}
+	r := dec.commit(q, keys[home], d)
+	if got := lt.lookup(keys[home]).kv; got != int64(d.KVTokens) {
+		t.Errorf("reserved kv %d, want the decision's %d", got, d.KVTokens)
+	}
+
+	// While that turn runs, the next one (a client's retry) finds the prefix held: only what it
+	// prefills and generates takes space.
+	q, cands, d = turn(at(3.5))
+	if d.Index != home || cands[home].CachedFree || d.KVTokens != q.req.PromptTokens-d.MatchedTokens+64 {
+		t.Errorf("while the sender runs: chose %d, free %v, kv %d; want %d, held, %d", d.Index, cands[home].CachedFree,
+			d.KVTokens, home, q.req.PromptTokens-d.MatchedTokens+64)
+	}
+	// It ends early, 0.6 s after it was sent where requests have taken 2 s: the next turn finds the
+	// prefix free, though sent less than a usual request's duration ago.
+	r.release(at(3.6), true)
+	if got := lt.lookup(keys[home]).kv; got != 0 {
+		t.Errorf("kv after the release: %d, want 0", got)
+	}
+	q, cands, d = turn(at(4))
+	if d.Index != home || !cands[home].CachedFree || d.KVTokens != q.req.PromptTokens+64 {
+		t.Errorf("after a turn that ended early: chose %d, free %v, kv %d; want %d, free, %d", d.Index,
+			cands[home].CachedFree, d.KVTokens, home, q.req.PromptTokens+64)
+	}
+}

@@ -54,12 +54,14 @@ func allRoutes() []*affinity.Table {
 	return out
 }
 
-// scaledPrior is the service prior of an upstream with the given relative capacity.
+// scaledPrior is the service prior of an upstream with the given relative capacity: every time in it,
+// the mean duration of a request included, is that many times shorter.
 func scaledPrior(capacity float64) selection.Service {
 	p := selection.Prior
 	p.Overhead /= capacity
 	p.PrefillSecondsPerToken /= capacity
 	p.TokenSeconds /= capacity
+	p.MeanDuration /= capacity
 	return p
 }
 

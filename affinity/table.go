@@ -193,10 +193,12 @@ func (t *Table) BlockSize() int {
 // shares only the earlier messages still matches that block. Each touched route moves to the front of the
 // LRU and lists upstream first with the current time; entries of forgotten upstreams, entries past TTL
 // and entries beyond MaxUpstreamsPerRoute are dropped. Cost: O(len(bounds)) LRU operations under the
-// exclusive lock, plus removing at most len(bounds)+64 expired routes from the LRU tail.
-func (t *Table) Learn(model string, bounds []tokenize.Boundary, upstream string) {
+// exclusive lock, plus removing at most len(bounds)+64 expired routes from the LRU tail. It returns the
+// time recorded (unix nanoseconds), the one MatchSeen reports for these routes until they are learned
+// again; 0 when there was nothing to learn.
+func (t *Table) Learn(model string, bounds []tokenize.Boundary, upstream string) (seen int64) {
 	if upstream == "" || len(bounds) == 0 {
-		return
+		return 0
 	}
 	mh := ModelHash(model)
 	t.mu.Lock()
@@ -219,6 +221,7 @@ func (t *Table) Learn(model string, bounds []tokenize.Boundary, upstream string)
 	t.stats.Changes++
 	t.sweepLocked(now, sweepBatch+len(bounds))
 	t.ups.unref(id)
+	return now
 }
 
 // mergeLocked adds (id, seen) to the route at key, keeping entries most recent first, dropping dead and

@@ -97,6 +97,12 @@ type Candidate struct {
 	KVCapacity, KVUsed float64
 	// CachedTokens is how many of this request's prompt tokens it probably holds in its KV cache.
 	CachedTokens int
+	// CachedFree is set when no request running there holds the blocks of that cached prefix: vLLM keeps
+	// such blocks in its free queue, counted as free space, and a request that reuses them takes them out
+	// of it, so it needs free space for its whole prompt, not only the part it prefills (an agent's history,
+	// whose previous turn has ended, does not make room for itself). False: the prefix is in use there
+	// (a system prompt the requests running there share), and only the uncached part takes new space.
+	CachedFree bool
 	// Pinned is true when the request's conversation is pinned to this candidate.
 	Pinned bool
 	// Availability is the share of new work the upstream should take, relative to what it would take
@@ -159,6 +165,9 @@ type Decision struct {
 	// Wait is the chosen candidate's predicted queueing before this request's prefill starts, and TTFT
 	// its predicted time to first token (both in seconds).
 	Wait, TTFT float64
+	// KVTokens is the KV-cache space the request takes there: its uncached prompt and output, or its
+	// whole prompt and output where the cached prefix is free (Candidate.CachedFree).
+	KVTokens int
 }
 
 // Cost is what sending the request to c costs, in seconds: the predicted time until its first token
@@ -189,7 +198,7 @@ type Decision struct {
 // With neither (no adapter, or no upstream reports LoRA), the cost is the same as without the terms.
 func Cost(c *Candidate, req Request, cached int) (cost, wait, ttft float64) {
 	uncached := req.PromptTokens - min(cached, req.PromptTokens)
-	wait = Wait(c, float64(uncached+req.OutputTokens)) + c.AdapterWait
+	wait = Wait(c, float64(kvTokens(c, req, uncached))) + c.AdapterWait
 	prefill := float64(uncached)*c.Service.PrefillSecondsPerToken + c.AdapterLoad
 	ttft = wait + c.Service.Overhead + prefill
 	waiting := 0.0
@@ -197,6 +206,14 @@ func Cost(c *Candidate, req Request, cached int) (cost, wait, ttft float64) {
 		waiting = max(c.Requests-s, 0)
 	}
 	return ttft + prefill*waiting + c.Arrivals*prefill*prefill/2, wait, ttft
+}
+
+// kvTokens is the KV-cache space req takes on c with uncached prompt tokens to prefill.
+func kvTokens(c *Candidate, req Request, uncached int) int {
+	if c.CachedFree {
+		return req.PromptTokens + req.OutputTokens
+	}
+	return uncached + req.OutputTokens
 }
 
 // Wait is how long a new request that needs kv tokens of KV cache waits on c before its prefill starts:
@@ -253,8 +270,10 @@ func Choose(cands []Candidate, req Request, cfg Config, rnd func(n int) int, scr
 	}
 	excludeUnavailable(cands, costs, req, rnd)
 	decision := func(i int, reason Reason) Decision {
-		_, wait, ttft := Cost(&cands[i], req, cands[i].CachedTokens)
-		return Decision{Index: i, Reason: reason, MatchedTokens: cands[i].CachedTokens, Wait: wait, TTFT: ttft}
+		c := &cands[i]
+		_, wait, ttft := Cost(c, req, c.CachedTokens)
+		return Decision{Index: i, Reason: reason, MatchedTokens: c.CachedTokens, Wait: wait, TTFT: ttft,
+			KVTokens: kvTokens(c, req, req.PromptTokens-min(c.CachedTokens, req.PromptTokens))}
 	}
 	if len(cands) == 1 {
 		return decision(0, ReasonLoad)

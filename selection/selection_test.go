@@ -44,6 +44,18 @@ func withKV(cs []Candidate, capacity float64, used ...float64) []Candidate {
 	return cs
 }
 
+// agentKV is an agent's 20k-token history cached on the first of two upstreams with 32k-token caches
+// and 5 s requests, 24k tokens used there and none on the second; free says whether the history's
+// blocks are free there (Candidate.CachedFree).
+func agentKV(free bool) []Candidate {
+	cs := withKV(withCached(cands(0, 0), 20000, 0), 32000, 24000, 0)
+	for i := range cs {
+		cs[i].Service.MeanDuration = 5
+	}
+	cs[0].CachedFree = free
+	return cs
+}
+
 func TestChoose(t *testing.T) {
 	cfg := DefaultConfig()
 	leastTokens := cfg
@@ -212,6 +224,22 @@ func TestChoose(t *testing.T) {
 			cands: withKV(cands(0, 0.23), 32000, 40000, 31000),
 			req:   Request{PromptTokens: 20, OutputTokens: 64}, cfg: leastTokens,
 			want: 1, wantReason: ReasonLoad,
+		},
+		{
+			// A 20k-token history cached on the first, with 8k of 32k free there; requests last 5 s. In use
+			// there (a request running holds it), only the 1,500 tokens to prefill and generate take space:
+			// they fit, 0.11 s to the first token against 2.1 s of prefill on the second.
+			name:  "a cached prefix in use takes no free cache space",
+			cands: agentKV(false), req: Request{PromptTokens: 21000, OutputTokens: 500}, cfg: cfg,
+			want: 0, wantReason: ReasonAffinity,
+		},
+		{
+			// Free there (the turn that sent it has ended), reusing it takes it out of the free space: the
+			// whole 21,500 tokens must fit, 13,500 more than is free, 2.8 s for the 24k held to free that
+			// much, longer than prefilling everything on the empty second.
+			name:  "a cached prefix whose blocks are free needs room for the whole prompt",
+			cands: agentKV(true), req: Request{PromptTokens: 21000, OutputTokens: 500}, cfg: cfg,
+			want: 1, wantReason: ReasonGuard,
 		},
 		{
 			name:  "on idle upstreams the same queue is not worth the hit",
