@@ -198,7 +198,7 @@ type Decision struct {
 // With neither (no adapter, or no upstream reports LoRA), the cost is the same as without the terms.
 func Cost(c *Candidate, req Request, cached int) (cost, wait, ttft float64) {
 	uncached := req.PromptTokens - min(cached, req.PromptTokens)
-	wait = Wait(c, float64(kvTokens(c, req, uncached))) + c.AdapterWait
+	wait = Wait(c, float64(kvTokens(c, req, cached))) + c.AdapterWait
 	prefill := float64(uncached)*c.Service.PrefillSecondsPerToken + c.AdapterLoad
 	ttft = wait + c.Service.Overhead + prefill
 	waiting := 0.0
@@ -208,12 +208,12 @@ func Cost(c *Candidate, req Request, cached int) (cost, wait, ttft float64) {
 	return ttft + prefill*waiting + c.Arrivals*prefill*prefill/2, wait, ttft
 }
 
-// kvTokens is the KV-cache space req takes on c with uncached prompt tokens to prefill.
-func kvTokens(c *Candidate, req Request, uncached int) int {
+// kvTokens is the KV-cache space req takes on c with cached of its prompt tokens there.
+func kvTokens(c *Candidate, req Request, cached int) int {
 	if c.CachedFree {
 		return req.PromptTokens + req.OutputTokens
 	}
-	return uncached + req.OutputTokens
+	return req.PromptTokens - min(cached, req.PromptTokens) + req.OutputTokens
 }
 
 // Wait is how long a new request that needs kv tokens of KV cache waits on c before its prefill starts:
@@ -273,7 +273,7 @@ func Choose(cands []Candidate, req Request, cfg Config, rnd func(n int) int, scr
 		c := &cands[i]
 		_, wait, ttft := Cost(c, req, c.CachedTokens)
 		return Decision{Index: i, Reason: reason, MatchedTokens: c.CachedTokens, Wait: wait, TTFT: ttft,
-			KVTokens: kvTokens(c, req, req.PromptTokens-min(c.CachedTokens, req.PromptTokens))}
+			KVTokens: kvTokens(c, req, c.CachedTokens)}
 	}
 	if len(cands) == 1 {
 		return decision(0, ReasonLoad)
