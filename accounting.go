@@ -329,11 +329,6 @@ type upstreamView struct {
 	// already run (see upstreamLoad.overdueLocked); 0 when none overran, or when a scrape shows others'
 	// requests there (see view).
 	overdue float64
-	// full is the running count at which a fresh scrape shows the upstream full (requests waiting for a
-	// slot or the step's token budget, not for cache space, at the most it has been seen running); 0
-	// otherwise. Until a slot count is learned (several such scrapes, ObserveQueue), the decision takes it
-	// for this upstream's slots: see loadSignal.
-	full float64
 }
 
 // view returns dial's state at now for the decision.
@@ -379,9 +374,6 @@ func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstrea
 		v.requests += foreign
 		if c := float64(snap.BlockSize) * float64(snap.NumBlocks); c > 0 {
 			v.kvCapacity, v.kvUsed = c, max(snap.KVUsage*c+kvSince, float64(l.kv))
-		}
-		if selection.SlotBound(snap.Running, snap.Waiting, snap.KVUsage) && snap.Running >= v.service.Ceiling {
-			v.full = snap.Running
 		}
 	}
 	if foreign < 1 {

@@ -489,32 +489,3 @@ func TestScaledPrior(t *testing.T) {
 		}
 	}
 }
-
-// TestScrapeShowsFull: a scrape with requests waiting (not for cache space) at the most the upstream has
-// been seen running shows it full at that count; below that most, what waits is not waiting for a slot
-// (with chunked prefill, requests wait for the step's token budget at any batch size).
-func TestScrapeShowsFull(t *testing.T) {
-	lt := newTestLoads()
-	const dial = "10.0.0.1:8000"
-	at := time.Unix(1_700_000_000, 0)
-	steps := 0.0
-	view := func(running, waiting, kv float64) float64 {
-		t.Helper()
-		at, steps = at.Add(250*time.Millisecond), steps+10
-		return lt.view(dial, at.UnixNano(), &scraper.Snapshot{Running: running, Waiting: waiting, KVUsage: kv, Steps: steps, At: at}).full
-	}
-	for _, c := range []struct {
-		running, waiting, kv, full float64
-	}{
-		{6, 2, 0.3, 6},   // the most seen so far
-		{6, 0, 0.3, 0},   // nothing waiting
-		{10, 0, 0.3, 0},  // ran 10: 6 was no limit
-		{8, 3, 0.3, 0},   // waiting below the most it ran: the token budget, not a slot
-		{10, 3, 0.3, 10}, // waiting at the most it ran
-		{10, 3, 0.95, 0}, // the cache is full: counted in tokens instead
-	} {
-		if got := view(c.running, c.waiting, c.kv); got != c.full {
-			t.Errorf("running %v, waiting %v, KV %v: full at %v, want %v", c.running, c.waiting, c.kv, got, c.full)
-		}
-	}
-}

@@ -44,9 +44,8 @@ type query struct {
 	seen   []int64   // and when each claim was last learned (unix nanoseconds)
 	cut    []int     // claims older than their upstream's cache horizon, not credited
 	avail  []float64 // scratch for the availability signal
-	// overdue is each candidate's overrun of its predicted durations (upstreamView.overdue), and full the
-	// running count at which its scrape shows it full (upstreamView.full).
-	overdue, full []float64
+	// overdue is each candidate's overrun of its predicted durations (upstreamView.overdue).
+	overdue []float64
 	// adapter is set by the LoRA signal when the request's model is a LoRA adapter on some candidate.
 	adapter bool
 }
@@ -54,7 +53,7 @@ type query struct {
 // reset readies q for a new request, keeping its scratch slices' storage (a decision makes none).
 func (q *query) reset(req *tokenize.Request, now int64) {
 	*q = query{req: req, now: now, cached: q.cached[:0], seen: q.seen[:0], cut: q.cut[:0], avail: q.avail[:0],
-		overdue: q.overdue[:0], full: q.full[:0]}
+		overdue: q.overdue[:0]}
 }
 
 // signal fills its part of each candidate; cands[i] is the upstream keys[i].
@@ -175,7 +174,7 @@ type loadSignal struct {
 
 func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 	var fleet selection.Fleet
-	q.overdue, q.full = q.overdue[:0], q.full[:0]
+	q.overdue = q.overdue[:0]
 	for i, key := range keys {
 		var snap *scraper.Snapshot
 		if s.scrapes != nil {
@@ -189,7 +188,7 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 		cands[i].Service, cands[i].Requests, cands[i].Queued = v.service, v.requests, v.queued
 		cands[i].KVCapacity, cands[i].KVUsed = v.kvCapacity, v.kvUsed
 		cands[i].Arrivals = v.arrivals
-		q.overdue, q.full = append(q.overdue, v.overdue), append(q.full, v.full)
+		q.overdue = append(q.overdue, v.overdue)
 		fleet.Add(v.service)
 	}
 	// An upstream whose requests in flight overran their predicted durations by more than the others'
@@ -209,15 +208,6 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 		if f := q.overdue[i] / ref; f > 1 {
 			cands[i].Service = cands[i].Service.Slower(f)
 			cands[i].Queued *= f
-		}
-		// A backend whose scrape shows requests waiting at the most it has run is full now, whatever its
-		// slot count turns out to be: a new request there waits for a running one to end. Learning the
-		// count takes several such scrapes, and until then a burst on the upstream holding a hot prefix
-		// was predicted to wait for nothing (small-batch hot-prefix: 21 cache hits in a row sent to one
-		// upstream with 8 slots, predicted at 9-27 ms, answered in 50-470 ms, while least_conn kept every
-		// upstream's queue short).
-		if cands[i].Service.Slots == 0 && q.full[i] > 0 {
-			cands[i].Service.Slots = q.full[i]
 		}
 	}
 }

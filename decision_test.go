@@ -3,15 +3,9 @@ package caddyllm
 import (
 	"encoding/json"
 	"fmt"
-	"io"
-	"net/http"
-	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/caddyserver/caddy/v2"
-	"go.uber.org/zap"
 
 	"github.com/tokenrouter/caddy-llm/affinity"
 	"github.com/tokenrouter/caddy-llm/selection"
@@ -336,85 +330,5 @@ func TestCachedPrefixFreeOnceItsTurnEnded(t *testing.T) {
 	if d.Index != home || !cands[home].CachedFree || d.KVTokens != q.req.PromptTokens+64 {
 		t.Errorf("after a turn that ended early: chose %d, free %v, kv %d; want %d, free, %d", d.Index,
 			cands[home].CachedFree, d.KVTokens, home, q.req.PromptTokens+64)
-	}
-}
-
-// TestFullBeforeItsSlotsAreLearned: an upstream whose fresh scrape shows requests waiting at the most
-// it has been seen running is full now, so a new request there waits for a running one to end, though
-// no slot count has been learned yet (that takes several such scrapes). A cache hit there then loses to
-// an idle upstream's full prefill; the same claim wins where the scrape shows the cache, not the
-// slots, as the reason requests wait (the wait is then counted in tokens), or where nothing waits.
-func TestFullBeforeItsSlotsAreLearned(t *testing.T) {
-	metricsOf := func(running, waiting int, kv float64) string {
-		return fmt.Sprintf(`# TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{engine="0",model_name="m"} %d
-# TYPE vllm:num_requests_waiting gauge
-vllm:num_requests_waiting{engine="0",model_name="m"} %d
-# TYPE vllm:kv_cache_usage_perc gauge
-vllm:kv_cache_usage_perc{engine="0",model_name="m"} %g
-# TYPE vllm:cache_config_info gauge
-vllm:cache_config_info{block_size="16",engine="0",model_name="m",num_gpu_blocks="100000"} 1
-`, running, waiting, kv)
-	}
-	serve := func(text string) string {
-		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			w.Header().Set("Content-Type", "text/plain; version=0.0.4")
-			io.WriteString(w, text)
-		}))
-		t.Cleanup(srv.Close)
-		return strings.TrimPrefix(srv.URL, "http://")
-	}
-	body, _ := json.Marshal(map[string]any{"model": "m", "max_tokens": 64, "messages": []map[string]string{
-		{"role": "system", "content": strings.Repeat("you are a careful assistant ", 300)},
-		{"role": "user", "content": "hello"}}})
-	req, err := tokenize.Parse(body, tokenize.APIChat, tokenize.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	cases := []struct {
-		name             string
-		running, waiting int
-		kv               float64
-		full             bool // the prefix's home is avoided
-	}{
-		{"requests waiting for a slot", 8, 3, 0.3, true},
-		{"nothing waiting", 8, 0, 0.3, false},
-		{"waiting for cache space", 8, 3, 0.95, false},
-	}
-	for _, c := range cases {
-		t.Run(c.name, func(t *testing.T) {
-			home, idle := serve(metricsOf(c.running, c.waiting, c.kv)), serve(metricsOf(0, 0, 0))
-			cfg := &MetricsConfig{Interval: caddy.Duration(20 * time.Millisecond)}
-			cfg.provision()
-			sc := newScrapes(cfg, zap.NewNop())
-			t.Cleanup(sc.release)
-			keys := []string{home, idle}
-			waitFor(t, "fresh scrapes", func() bool {
-				_, a := sc.load(home)
-				_, b := sc.load(idle)
-				return a && b
-			})
-			routes := affinity.New(affinity.Config{Capacity: 1000, TTL: 10 * time.Minute, BlockSize: 16})
-			lt := newTestLoads()
-			dec := newDecider(selection.DefaultConfig(), routes, lt, 64, sc)
-			now := time.Now().UnixNano()
-			routes.Learn("m", routeBoundaries(req.Boundaries), home) // the system prompt is cached at home
-			for range c.running + c.waiting {                        // all of them this proxy's, small
-				lt.reserve(home, work{uncached: 10, output: 64}, now-int64(time.Millisecond))
-			}
-			q := &query{req: req, now: now}
-			cands := make([]selection.Candidate, len(keys))
-			d := dec.choose(q, keys, cands, nil)
-			if cands[0].CachedTokens == 0 {
-				t.Fatalf("no cache claim at home: %+v", cands[0])
-			}
-			if avoided := d.Index != 0; avoided != c.full {
-				t.Errorf("chose %s (home: slots %v, wait %.3f s; idle: %+v), want home avoided: %v",
-					keys[d.Index], cands[0].Service.Slots, selection.Wait(&cands[0], 0), cands[1], c.full)
-			}
-			if got := lt.lookup(home).model.Service().Slots; got != 0 {
-				t.Errorf("slots learned from one scrape: %v, want none", got)
-			}
-		})
 	}
 }

@@ -228,7 +228,7 @@ func (m *ServiceModel) ObserveQueue(running, waiting, kvUsage float64) {
 	if running > m.ceiling {
 		m.ceiling, m.atCeil, m.belowCeil, m.slots = running, 0, 0, 0
 	}
-	if !SlotBound(running, waiting, kvUsage) {
+	if waiting < 1 || kvUsage >= min(kvFull, running/(running+1)) {
 		return
 	}
 	if running >= m.ceiling {
@@ -243,13 +243,6 @@ func (m *ServiceModel) ObserveQueue(running, waiting, kvUsage float64) {
 	if m.atCeil >= minAtCeiling && m.atCeil >= 3*m.belowCeil {
 		m.slots = m.ceiling
 	}
-}
-
-// SlotBound reports whether a backend's own counts, running and waiting requests at KV-cache usage
-// kvUsage (0-1; 0 when unknown), show requests waiting for something other than cache space: a slot, or
-// with chunked prefill the step's token budget.
-func SlotBound(running, waiting, kvUsage float64) bool {
-	return waiting >= 1 && running >= 1 && kvUsage < min(kvFull, running/(running+1))
 }
 
 // minAtCeiling is how many scrapes must show requests waiting at the running ceiling before it is
