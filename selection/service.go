@@ -207,8 +207,14 @@ func (m *ServiceModel) ObserveBusy(seconds, uncached, steps float64) {
 }
 
 // minBusy is how many busy intervals the model needs before it prefers them over the scaled prior for
-// the prefill.
-const minBusy = 2
+// the prefill. One: an interval spans at least minBusySteps engine steps, and what one interval says is
+// weighed as one of trustedBusy in the upstream's own estimate, the rest pooled over the fleet (Blend).
+// With two, a backend whose steps take 30 ms had its first say after about 4 s of busy time: in the
+// matrix's shared-prefix runs (7 simulated seconds), backends that prefill 2k tokens/s had one busy
+// interval each by the end and were priced at 1.8-4x that speed throughout, their cache misses with
+// them. One interval moves the estimate only part of the way (its error is shared with the step
+// time, in proportion to each term's part of the interval), so trusting it early is cheap.
+const minBusy = 1
 
 // maxScale bounds how far from the prior the speed scale goes, and one observation's pull on it.
 const maxScale = 30

@@ -363,3 +363,23 @@ func TestServiceModelBusy(t *testing.T) {
 		t.Errorf("with %d first tokens at 20k tokens/s: %.0f tokens/s, want the first tokens' estimate", 2*minFirstTokens, 1/got)
 	}
 }
+
+// TestServiceModelFirstBusyIntervalCounts: the first busy interval already moves the prefill speed (the
+// fleet pools it; see Blend): a backend 4x slower to prefill than the prior is priced slower after one.
+// Waiting for a second one left the backends of the matrix's slow-prefill regime (steps of 30 ms, an
+// interval of 64 or more) at the prior for most of a run.
+func TestServiceModelFirstBusyIntervalCounts(t *testing.T) {
+	const steps, uncached = 64.0, 4000.0
+	m := NewServiceModel(Prior)
+	m.ObserveBusy(steps*Prior.TokenSeconds+uncached*4*Prior.PrefillSecondsPerToken, uncached, steps)
+	s := m.Service()
+	if s.BusyIntervals != 1 || s.PrefillSecondsPerToken < 1.1*Prior.PrefillSecondsPerToken {
+		t.Errorf("after one busy interval at a quarter of the prior's prefill speed: %d intervals, %.0f tokens/s, want slower than the prior's %.0f",
+			s.BusyIntervals, 1/s.PrefillSecondsPerToken, 1/Prior.PrefillSecondsPerToken)
+	}
+	var f Fleet
+	f.Add(s)
+	if got := f.Blend(NewServiceModel(Prior).Service()).PrefillSecondsPerToken; got < 1.1*Prior.PrefillSecondsPerToken {
+		t.Errorf("an unmeasured upstream beside it: %.0f tokens/s, want the fleet's slower speed", 1/got)
+	}
+}
