@@ -153,7 +153,7 @@ func parseOptions(args []string) (options, error) {
 	var setups string
 	fs.StringVar(&setups, "setups", "one,shared,unshared", "with -instances: which setups to run")
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the run to this file")
-	fs.StringVar(&o.compare, "compare", "", "BASE.json,NEW.json: compare two -matrix results.json (nothing is run): each cell's median TTFT p50, p99 and hit rate of NEW over BASE per policy, and their geometric means")
+	fs.StringVar(&o.compare, "compare", "", "BASE.json,NEW.json: compare two -matrix results.json (nothing is run): each cell's median TTFT p50, p99 and hit rate of NEW over BASE per policy, the same seed by seed (geometric mean of the per-seed ratios, seeds worse), and their geometric means")
 	fs.StringVar(&o.rejudge, "rejudge", "", "judge the runs of an earlier -matrix results.json again (nothing is run) and write its report, results.json and matrix.svg into -out")
 	fs.StringVar(&o.dump, "dump", "", "write every run's requests (timings, tokens, the backend that answered) as JSON lines into this directory, one file per run")
 	fs.BoolVar(&o.observe, "observe", false, "run every llm policy behind transport llm (it reads each response's cached tokens and corrects the routes)")

@@ -735,6 +735,7 @@ func compareMatrices(w io.Writer, base, changed string) error {
 			before[key{c.Regime, c.Workload, p.Policy}] = p
 		}
 	}
+	paired := pairSeeds(a.Runs, b.Runs)
 	type sums struct {
 		p50, p99, netP50, netP99 float64
 		n, netN                  int
@@ -742,7 +743,7 @@ func compareMatrices(w io.Writer, base, changed string) error {
 	means := map[string]*sums{}
 	var order []string
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintf(tw, "regime\tworkload\tpolicy\tp50 base\tp50 new\tratio\tp99 base\tp99 new\tratio\thit base\thit new\n")
+	fmt.Fprintf(tw, "regime\tworkload\tpolicy\tp50 base\tp50 new\tratio\tp99 base\tp99 new\tratio\thit base\thit new\tp50 paired\tp99 paired\n")
 	for _, c := range judgeCells(b.Runs) {
 		for _, p := range c.Policies {
 			q, ok := before[key{c.Regime, c.Workload, p.Policy}]
@@ -750,8 +751,9 @@ func compareMatrices(w io.Writer, base, changed string) error {
 				continue
 			}
 			r50, r99 := p.TTFTP50/q.TTFTP50, p.TTFTP99/q.TTFTP99
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%.0f\t%.0f\t%.2f\t%.0f\t%.0f\t%.2f\t%.0f%%\t%.0f%%\n", c.Regime, c.Workload, p.Policy,
-				q.TTFTP50, p.TTFTP50, r50, q.TTFTP99, p.TTFTP99, r99, 100*q.HitRate, 100*p.HitRate)
+			pr := paired[seedKey{c.Regime, c.Workload, p.Policy, 0}]
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%.0f\t%.0f\t%.2f\t%.0f\t%.0f\t%.2f\t%.0f%%\t%.0f%%\t%s\t%s\n", c.Regime, c.Workload, p.Policy,
+				q.TTFTP50, p.TTFTP50, r50, q.TTFTP99, p.TTFTP99, r99, 100*q.HitRate, 100*p.HitRate, pr.p50, pr.p99)
 			m := means[p.Policy]
 			if m == nil {
 				m = &sums{}
@@ -784,6 +786,63 @@ func compareMatrices(w io.Writer, base, changed string) error {
 		fmt.Fprintln(w)
 	}
 	return nil
+}
+
+// seedKey names one policy's run of a cell on one seed (seed 0: all seeds).
+type seedKey struct {
+	regime, workload, policy string
+	seed                     int64
+}
+
+// pairedRatio is one cell's and policy's figures of a new run over a base run, seed by seed: the
+// geometric mean of the per-seed ratios and on how many of the seeds both ran the new one was worse,
+// formatted "0.97 (3/9 worse)". Paired, a cell's verdict does not hang on whichever seed its median
+// falls on: two runs of one decision move single seeds by tens of percent.
+type pairedRatio struct{ p50, p99 string }
+
+// pairSeeds pairs the runs of changed with those of base on the same regime, workload, policy and seed,
+// keyed with seed 0.
+func pairSeeds(base, changed []MatrixRun) map[seedKey]pairedRatio {
+	before := map[seedKey]Summary{}
+	for _, r := range base {
+		for _, p := range r.Policies {
+			before[seedKey{r.Regime, r.Workload, p.Policy, r.Seed}] = p
+		}
+	}
+	type acc struct {
+		log50, log99     float64
+		worse50, worse99 int
+		n                int
+	}
+	sums := map[seedKey]*acc{}
+	for _, r := range changed {
+		for _, p := range r.Policies {
+			q, ok := before[seedKey{r.Regime, r.Workload, p.Policy, r.Seed}]
+			if !ok || !(q.TTFTP50 > 0 && q.TTFTP99 > 0 && p.TTFTP50 > 0 && p.TTFTP99 > 0) {
+				continue
+			}
+			k := seedKey{r.Regime, r.Workload, p.Policy, 0}
+			a := sums[k]
+			if a == nil {
+				a = &acc{}
+				sums[k] = a
+			}
+			a.log50 += math.Log(p.TTFTP50 / q.TTFTP50)
+			a.log99 += math.Log(p.TTFTP99 / q.TTFTP99)
+			a.worse50 += btoi(p.TTFTP50 > q.TTFTP50)
+			a.worse99 += btoi(p.TTFTP99 > q.TTFTP99)
+			a.n++
+		}
+	}
+	out := make(map[seedKey]pairedRatio, len(sums))
+	for k, a := range sums {
+		n := float64(a.n)
+		out[k] = pairedRatio{
+			p50: fmt.Sprintf("%.2f (%d/%d worse)", math.Exp(a.log50/n), a.worse50, a.n),
+			p99: fmt.Sprintf("%.2f (%d/%d worse)", math.Exp(a.log99/n), a.worse99, a.n),
+		}
+	}
+	return out
 }
 
 // writeMatrixOutputs writes results.json, report.md and (for -matrix) matrix.svg into dir.

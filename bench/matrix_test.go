@@ -530,6 +530,24 @@ func TestCompare(t *testing.T) {
 			t.Errorf("output lacks %q:\n%s", want, got)
 		}
 	}
+	// Seed by seed: cell a ran one seed, worse on p50, better on p99.
+	if !strings.Contains(got, "2.00 (1/1 worse) 0.50 (0/1 worse)") {
+		t.Errorf("paired figures of cell a missing:\n%s", got)
+	}
+	// Two seeds, one twice as slow and one twice as fast: the paired mean is 1, worse on one of two,
+	// whatever the medians say.
+	seeded := func(seed int64, llm50 float64) MatrixRun {
+		r := cell("s", llm50, 500)
+		r.Seed = seed
+		return r
+	}
+	out.Reset()
+	if err := compareMatrices(&out, write("base-seeds.json", seeded(1, 50), seeded(2, 100)), write("new-seeds.json", seeded(1, 100), seeded(2, 50))); err != nil {
+		t.Fatal(err)
+	}
+	if got := strings.Join(strings.Fields(out.String()), " "); !strings.Contains(got, "1.00 (1/2 worse) 1.00 (0/2 worse)") {
+		t.Errorf("paired figures over two seeds missing:\n%s", got)
+	}
 	if strings.Contains(got, "only-base") {
 		t.Errorf("a cell only the base holds was compared:\n%s", got)
 	}
