@@ -728,11 +728,10 @@ func compareMatrices(w io.Writer, base, changed string) error {
 	if err != nil {
 		return err
 	}
-	type key struct{ regime, workload, policy string }
-	before := map[key]PolicyMedian{}
+	before := map[cellKey]PolicyMedian{}
 	for _, c := range judgeCells(a.Runs) {
 		for _, p := range c.Policies {
-			before[key{c.Regime, c.Workload, p.Policy}] = p
+			before[cellKey{c.Regime, c.Workload, p.Policy}] = p
 		}
 	}
 	paired := pairSeeds(a.Runs, b.Runs)
@@ -746,12 +745,12 @@ func compareMatrices(w io.Writer, base, changed string) error {
 	fmt.Fprintf(tw, "regime\tworkload\tpolicy\tp50 base\tp50 new\tratio\tp99 base\tp99 new\tratio\thit base\thit new\tp50 paired\tp99 paired\n")
 	for _, c := range judgeCells(b.Runs) {
 		for _, p := range c.Policies {
-			q, ok := before[key{c.Regime, c.Workload, p.Policy}]
+			q, ok := before[cellKey{c.Regime, c.Workload, p.Policy}]
 			if !ok || !(q.TTFTP50 > 0 && q.TTFTP99 > 0 && p.TTFTP50 > 0 && p.TTFTP99 > 0) {
 				continue
 			}
 			r50, r99 := p.TTFTP50/q.TTFTP50, p.TTFTP99/q.TTFTP99
-			pr := paired[seedKey{c.Regime, c.Workload, p.Policy, 0}]
+			pr := paired[cellKey{c.Regime, c.Workload, p.Policy}]
 			fmt.Fprintf(tw, "%s\t%s\t%s\t%.0f\t%.0f\t%.2f\t%.0f\t%.0f\t%.2f\t%.0f%%\t%.0f%%\t%s\t%s\n", c.Regime, c.Workload, p.Policy,
 				q.TTFTP50, p.TTFTP50, r50, q.TTFTP99, p.TTFTP99, r99, 100*q.HitRate, 100*p.HitRate, pr.p50, pr.p99)
 			m := means[p.Policy]
@@ -788,11 +787,8 @@ func compareMatrices(w io.Writer, base, changed string) error {
 	return nil
 }
 
-// seedKey names one policy's run of a cell on one seed (seed 0: all seeds).
-type seedKey struct {
-	regime, workload, policy string
-	seed                     int64
-}
+// cellKey names one policy's figures in one cell.
+type cellKey struct{ regime, workload, policy string }
 
 // pairedRatio is one cell's and policy's figures of a new run over a base run, seed by seed: the
 // geometric mean of the per-seed ratios and on how many of the seeds both ran the new one was worse,
@@ -800,13 +796,16 @@ type seedKey struct {
 // falls on: two runs of one decision move single seeds by tens of percent.
 type pairedRatio struct{ p50, p99 string }
 
-// pairSeeds pairs the runs of changed with those of base on the same regime, workload, policy and seed,
-// keyed with seed 0.
-func pairSeeds(base, changed []MatrixRun) map[seedKey]pairedRatio {
+// pairSeeds pairs the runs of changed with those of base on the same regime, workload, policy and seed.
+func pairSeeds(base, changed []MatrixRun) map[cellKey]pairedRatio {
+	type seedKey struct {
+		cellKey
+		seed int64
+	}
 	before := map[seedKey]Summary{}
 	for _, r := range base {
 		for _, p := range r.Policies {
-			before[seedKey{r.Regime, r.Workload, p.Policy, r.Seed}] = p
+			before[seedKey{cellKey{r.Regime, r.Workload, p.Policy}, r.Seed}] = p
 		}
 	}
 	type acc struct {
@@ -814,14 +813,14 @@ func pairSeeds(base, changed []MatrixRun) map[seedKey]pairedRatio {
 		worse50, worse99 int
 		n                int
 	}
-	sums := map[seedKey]*acc{}
+	sums := map[cellKey]*acc{}
 	for _, r := range changed {
 		for _, p := range r.Policies {
-			q, ok := before[seedKey{r.Regime, r.Workload, p.Policy, r.Seed}]
+			k := cellKey{r.Regime, r.Workload, p.Policy}
+			q, ok := before[seedKey{k, r.Seed}]
 			if !ok || !(q.TTFTP50 > 0 && q.TTFTP99 > 0 && p.TTFTP50 > 0 && p.TTFTP99 > 0) {
 				continue
 			}
-			k := seedKey{r.Regime, r.Workload, p.Policy, 0}
 			a := sums[k]
 			if a == nil {
 				a = &acc{}
@@ -834,7 +833,7 @@ func pairSeeds(base, changed []MatrixRun) map[seedKey]pairedRatio {
 			a.n++
 		}
 	}
-	out := make(map[seedKey]pairedRatio, len(sums))
+	out := make(map[cellKey]pairedRatio, len(sums))
 	for k, a := range sums {
 		n := float64(a.n)
 		out[k] = pairedRatio{
