@@ -2,8 +2,10 @@ package caddyllm
 
 import (
 	"cmp"
+	"math"
 	"math/rand/v2"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/cespare/xxhash/v2"
@@ -29,6 +31,7 @@ type decider struct {
 	lora         *loraSignal // nil: metrics off
 	// capacities weigh the tenant chains (with availability); nil: all 1.
 	capacities map[string]float64
+	demand     *prefixDemand
 }
 
 // query is one decision's input, shared by the signals.
@@ -62,7 +65,7 @@ type signal interface {
 }
 
 func newDecider(cfg selection.Config, routes *affinity.Table, loads *loadTable, outputTokens int, scrapes *scrapes) *decider {
-	d := &decider{cfg: cfg, routes: routes, loads: loads, outputTokens: outputTokens}
+	d := &decider{cfg: cfg, routes: routes, loads: loads, outputTokens: outputTokens, demand: new(prefixDemand)}
 	d.signals = append(d.signals, loadSignal{loads: loads, scrapes: scrapes})
 	if routes != nil {
 		d.signals = append(d.signals, cacheSignal{routes: routes, loads: loads})
@@ -100,9 +103,12 @@ func (d *decider) choose(q *query, keys []string, cands []selection.Candidate, s
 	req := selection.Request{
 		PromptTokens: q.req.PromptTokens,
 		OutputTokens: d.outputEstimate(q.req.MaxTokens),
-		PrefixHash:   prefixHash(q.req.Boundaries),
+		PrefixHash:   prefixHash(q.req),
 	}
 	req.AvailabilityHash = req.PrefixHash
+	if !q.retry { // a retry is counted once, and goes by the cost (its home may be what failed)
+		req.Share = d.demand.share(req.PrefixHash)
+	}
 	if q.tenant == "" {
 		return selection.Choose(cands, req, d.cfg, randIntN, scratch)
 	}
@@ -321,15 +327,75 @@ func answeredThere(msgs []tokenize.Message, matched, blockSize int) int {
 // longest prefix before its last message (the system prompt of a first turn, the history of a later
 // one), so that proxies agree on where a shared prefix goes while different conversations behind one
 // system prompt still spread once their histories differ.
-func prefixHash(bounds []tokenize.Boundary) uint64 {
-	switch n := len(bounds); n {
-	case 0:
+func prefixHash(req *tokenize.Request) uint64 {
+	bounds := req.Boundaries
+	switch n := len(bounds); {
+	case n == 0:
 		return 0
-	case 1:
-		return bounds[0].Hash
-	default:
-		return bounds[n-2].Hash
+	case len(req.Messages) == 0: // a completion's prompt: all of it but its last step
+		return bounds[max(n-2, 0)].Hash
 	}
+	// The boundaries include steps inside long messages: the last one at or before the last
+	// message's start, not the one before the last boundary (a step of the last message when it is
+	// longer than tokenize.StepBytes, which made every request's prefix its own).
+	last := req.Messages[len(req.Messages)-1]
+	i, _ := slices.BinarySearchFunc(bounds, last.End-last.Tokens+1, func(b tokenize.Boundary, t int) int {
+		return cmp.Compare(b.Tokens, t)
+	})
+	return bounds[max(i-1, 0)].Hash
 }
+
+// prefixDemand tells what share of recent requests carry each prefix (PrefixHash): counts decayed by
+// request, over about demandMemory requests, in a direct-mapped table of demandSlots entries (bounded;
+// a collision replaces an entry only once it is down to about one request).
+type prefixDemand struct {
+	mu    sync.Mutex
+	slots [demandSlots]demandEntry
+	n     int64   // requests counted
+	total float64 // their decayed count
+}
+
+type demandEntry struct {
+	hash  uint64
+	count float64
+	n     int64 // prefixDemand.n when count was last updated
+}
+
+const (
+	demandSlots  = 4096
+	demandMemory = 512
+	demandKeep   = 1 - 1.0/demandMemory
+)
+
+// share counts a request with prefix h and returns the share of recent requests that carried it; 0
+// while fewer than minDemand requests have been counted.
+func (p *prefixDemand) share(h uint64) float64 {
+	if p == nil || h == 0 {
+		return 0
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.n++
+	p.total = p.total*demandKeep + 1
+	e := &p.slots[h%demandSlots]
+	if e.hash != h {
+		if e.count*math.Pow(demandKeep, float64(p.n-e.n)) >= 1.5 {
+			// The slot holds a prefix still in demand: replaced by a one-off (a conversation's history),
+			// a hot prefix would restart from one request and look like one upstream's worth for the
+			// next few dozen. This one is not counted; it goes by the cost.
+			return 0
+		}
+		*e = demandEntry{hash: h, n: p.n}
+	}
+	e.count = e.count*math.Pow(demandKeep, float64(p.n-e.n)) + 1
+	e.n = p.n
+	if p.n < minDemand || e.count < 1.5 {
+		return 0 // too few requests to tell, or a prefix of one request (a conversation's history)
+	}
+	return e.count / p.total
+}
+
+// minDemand is how many requests the shares need before they say anything.
+const minDemand = 32
 
 var randIntN = rand.IntN

@@ -3,6 +3,7 @@ package caddyllm
 import (
 	"encoding/json"
 	"fmt"
+	"math"
 	"strings"
 	"testing"
 	"time"
@@ -21,27 +22,10 @@ func TestDecisionPipeline(t *testing.T) {
 	lt := &loadTable{m: make(map[string]*upstreamLoad)}
 	dec := newDecider(selection.DefaultConfig(), routes, lt, 256, nil)
 
-	type message struct {
-		Role    string `json:"role"`
-		Content string `json:"content"`
-	}
+	type message = chatMessage
 	system := message{"system", "You are a support agent for a hardware shop. " + strings.Repeat("Answer politely and cite the manual. ", 60)}
-	parse := func(msgs ...message) *tokenize.Request {
-		body, _ := json.Marshal(map[string]any{"model": "m", "messages": msgs})
-		req, err := tokenize.Parse(body, tokenize.APIChat, tokenize.Options{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return req
-	}
-	// route decides among the upstreams as Select does, commits, and ends the request at once.
-	route := func(req *tokenize.Request) selection.Decision {
-		q := &query{req: req, now: now.UnixNano()}
-		cands := make([]selection.Candidate, len(keys))
-		d := dec.choose(q, keys, cands, nil)
-		dec.commit(q, keys[d.Index], d).release(now.UnixNano(), false)
-		return d
-	}
+	parse := func(msgs ...message) *tokenize.Request { return parseChat(t, msgs...) }
+	route := func(req *tokenize.Request) selection.Decision { return routeNow(dec, keys, req, now) }
 
 	turn1 := []message{system, {"user", "My drill will not start."}}
 	first := route(parse(turn1...))
@@ -331,4 +315,163 @@ func TestCachedPrefixFreeOnceItsTurnEnded(t *testing.T) {
 		t.Errorf("after a turn that ended early: chose %d, free %v, kv %d; want %d, free, %d", d.Index,
 			cands[home].CachedFree, d.KVTokens, home, q.req.PromptTokens+64)
 	}
+}
+
+// TestPrefixDemandShares: the share of recent requests that carried a prefix, counted by request: a
+// prefix in four of five requests has about 0.8 of them, one seen once a small share, and nothing is
+// said before minDemand requests.
+func TestPrefixDemandShares(t *testing.T) {
+	var p prefixDemand
+	if got := p.share(1); got != 0 {
+		t.Errorf("first request: share %v, want 0 (too few to tell)", got)
+	}
+	var hot float64
+	for i := range 1000 {
+		if i%5 != 0 {
+			hot = p.share(1)
+		} else {
+			p.share(uint64(1000 + i)) // a prefix seen once
+		}
+	}
+	if math.Abs(hot-0.8) > 0.02 {
+		t.Errorf("a prefix in 4 of 5 requests: share %.3f, want about 0.8", hot)
+	}
+	// A one-off prefix in the hot one's slot neither replaces it nor is counted.
+	if got := p.share(1 + demandSlots); got != 0 {
+		t.Errorf("a one-off colliding with a hot prefix: share %v, want 0 (not counted)", got)
+	}
+	if got := p.share(1); math.Abs(got-0.8) > 0.02 {
+		t.Errorf("the hot prefix after a colliding one-off: share %.3f, want about 0.8", got)
+	}
+	if got := p.share(999_999); got > 0.01 {
+		t.Errorf("a new prefix: share %.3f, want about 1/%d", got, demandMemory)
+	}
+	// Traffic moves on: after demandMemory x 4 requests of other prefixes, the old hot one is forgotten.
+	for i := range 4 * demandMemory {
+		p.share(uint64(5000 + i%7))
+	}
+	if got := p.share(1); got > 0.05 {
+		t.Errorf("the old hot prefix after %d other requests: share %.3f, want small", 4*demandMemory, got)
+	}
+	if got := p.share(0); got != 0 {
+		t.Errorf("no prefix: share %v, want 0", got)
+	}
+	var none *prefixDemand
+	if got := none.share(1); got != 0 {
+		t.Errorf("no table: share %v, want 0", got)
+	}
+}
+
+// TestPrefixDemandKeepsAGroupHome: a queue at a prefix's home that makes a cold upstream's prefill a
+// little cheaper moves a hot prefix (most requests carry it: it needs more than one home) and not a
+// group that one request in eight carries (one home serves it); a retry is not counted.
+func TestPrefixDemandKeepsAGroupHome(t *testing.T) {
+	now := time.Unix(1_700_000_000, 0)
+	keys := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"}
+	type message = chatMessage
+	parse := func(msgs ...message) *tokenize.Request { return parseChat(t, msgs...) }
+	group := message{"system", "You review pull requests for a storage engine. " + strings.Repeat("Cite the line you mean. ", 150)}
+	// scenario routes 64 requests, one in every `every` behind the group's system prompt and the
+	// others behind system prompts of their own, then queues work at the group's home and routes one
+	// more of the group's requests.
+	scenario := func(every int) (home int, d selection.Decision, dec *decider) {
+		routes := affinity.New(affinity.Config{Capacity: 1000, TTL: 10 * time.Minute, BlockSize: 16, Now: func() time.Time { return now }})
+		lt := &loadTable{m: make(map[string]*upstreamLoad)}
+		dec = newDecider(selection.DefaultConfig(), routes, lt, 256, nil)
+		route := func(req *tokenize.Request) selection.Decision { return routeNow(dec, keys, req, now) }
+		home = -1
+		for i := range 64 {
+			if i%every != 0 {
+				route(parse(message{"system", fmt.Sprintf("Assistant %d. ", i) + strings.Repeat("Be brief. ", 100)}, message{"user", "hi"}))
+				continue
+			}
+			d := route(parse(group, message{"user", fmt.Sprintf("Review change %d.", i)}))
+			if home >= 0 && d.Index != home {
+				t.Fatalf("every %d: request %d of the group went to %d, its home is %d (nothing queued yet)", every, i, d.Index, home)
+			}
+			home = d.Index
+		}
+		lt.reserve(keys[home], work{uncached: 1500}, now.UnixNano())
+		return home, route(parse(group, message{"user", "Review change 99."})), dec
+	}
+
+	home, d, dec := scenario(8)
+	if d.Index != home || d.Reason != selection.ReasonAffinity {
+		t.Errorf("a group one request in eight carries: %+v, want its home %d (reason affinity)", d, home)
+	}
+	home, d, _ = scenario(1)
+	if d.Index == home || d.Reason != selection.ReasonGuard {
+		t.Errorf("a prefix every request carries: %+v, want another upstream than its home %d (reason guard)", d, home)
+	}
+
+	counted := dec.demand.n
+	q := &query{req: parse(group, message{"user", "Again."}), now: now.UnixNano(), retry: true}
+	dec.choose(q, keys, make([]selection.Candidate, len(keys)), nil)
+	if dec.demand.n != counted {
+		t.Errorf("a retry counted again: %d requests, want %d", dec.demand.n, counted)
+	}
+}
+
+// TestPrefixHash: a request's prefix is the prompt before its last message however long that message
+// is (its steps are boundaries too), so that requests behind one system prompt share it and
+// conversations part once their histories differ.
+func TestPrefixHash(t *testing.T) {
+	parse := func(msgs ...string) uint64 {
+		var body []map[string]string
+		for i, m := range msgs {
+			role := []string{"system", "user", "assistant"}[min(i, 1+(i+1)%2)]
+			body = append(body, map[string]string{"role": role, "content": m})
+		}
+		b, _ := json.Marshal(map[string]any{"model": "m", "messages": body})
+		req, err := tokenize.Parse(b, tokenize.APIChat, tokenize.Options{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return prefixHash(req)
+	}
+	long := func(s string) string { return strings.Repeat(s+" ", 4*tokenize.StepBytes/len(s)) }
+	system := long("You answer questions about the manual.")
+	a := parse(system, long("How do I reset the router?"))
+	if b := parse(system, long("Which ports are open by default?")); a == 0 || a != b {
+		t.Errorf("two long questions behind one system prompt: prefixes %x and %x, want one", a, b)
+	}
+	if b := parse(system, "Short?"); a != b {
+		t.Errorf("a short and a long question behind one system prompt: prefixes %x and %x, want one", a, b)
+	}
+	if b := parse(long("You write poems."), long("How do I reset the router?")); a == b {
+		t.Errorf("different system prompts: the same prefix %x", a)
+	}
+	turn2 := parse(system, long("How do I reset the router?"), long("Hold the button."), long("Then what?"))
+	other := parse(system, long("Which ports are open by default?"), long("Hold the button."), long("Then what?"))
+	if turn2 == a || turn2 == other {
+		t.Errorf("later turns: prefix %x (first turn %x, another conversation %x), want the history's own", turn2, a, other)
+	}
+	if b := parse(system, long("How do I reset the router?"), long("Hold the button."), "Ok."); b != turn2 {
+		t.Errorf("one history, two last messages: prefixes %x and %x, want one", turn2, b)
+	}
+}
+
+// chatMessage is one message of a chat request body.
+type chatMessage struct {
+	Role    string `json:"role"`
+	Content string `json:"content"`
+}
+
+// parseChat parses a chat request of model "m" with msgs as the policy does.
+func parseChat(t *testing.T, msgs ...chatMessage) *tokenize.Request {
+	t.Helper()
+	body, _ := json.Marshal(map[string]any{"model": "m", "messages": msgs})
+	req, err := tokenize.Parse(body, tokenize.APIChat, tokenize.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return req
+}
+
+// routeNow decides among keys as Select does, commits, and ends the request at once (at now).
+func routeNow(dec *decider, keys []string, req *tokenize.Request, now time.Time) selection.Decision {
+	q := &query{req: req, now: now.UnixNano()}
+	d := dec.choose(q, keys, make([]selection.Candidate, len(keys)), nil)
+	dec.commit(q, keys[d.Index], d).release(now.UnixNano(), false)
+	return d
 }

@@ -98,6 +98,33 @@ func TestChoose(t *testing.T) {
 			want: 1, wantReason: ReasonGuard,
 		},
 		{
+			// The same queue, for a prefix one request in ten carries (0.2 of one upstream's share of
+			// two): one home can serve it, and 0.32 s there is within twice the 0.22 s elsewhere.
+			name:  "combined: a prefix one upstream can serve stays home within the pin's margin",
+			cands: withCached(cands(0.3, 0), 2000, 0), req: Request{PromptTokens: 2100, Share: 0.1}, cfg: cfg,
+			want: 0, wantReason: ReasonAffinity,
+		},
+		{
+			name:  "combined: a prefix more than one upstream's share of requests is replicated",
+			cands: withCached(cands(0.3, 0), 2000, 0), req: Request{PromptTokens: 2100, Share: 0.6}, cfg: cfg,
+			want: 1, wantReason: ReasonGuard,
+		},
+		{
+			name:  "combined: a prefix that would fill more than half of one upstream goes by the cost",
+			cands: withCached(cands(0.3, 0), 2000, 0), req: Request{PromptTokens: 2100, Share: 0.3}, cfg: cfg,
+			want: 1, wantReason: ReasonGuard,
+		},
+		{
+			name:  "combined: a request of such a prefix that brings more work than it finds cached goes by the cost",
+			cands: withCached(cands(0.3, 0), 1000, 0), req: Request{PromptTokens: 2100, Share: 0.1}, cfg: cfg,
+			want: 1, wantReason: ReasonGuard,
+		},
+		{
+			name:  "combined: a prefix one upstream can serve moves past the margin",
+			cands: withCached(cands(0.6, 0), 2000, 0), req: Request{PromptTokens: 2100, Share: 0.1}, cfg: cfg,
+			want: 1, wantReason: ReasonGuard,
+		},
+		{
 			name:  "combined: the longer match wins at equal queue",
 			cands: withCached(cands(0, 0), 512, 1024), req: Request{PromptTokens: 2000}, cfg: cfg,
 			want: 1, wantReason: ReasonAffinity,
