@@ -378,16 +378,18 @@ func (p *prefixDemand) share(h uint64) float64 {
 	p.n++
 	p.total = p.total*demandKeep + 1
 	e := &p.slots[h%demandSlots]
+	count := e.count * math.Pow(demandKeep, float64(p.n-e.n)) // the slot's count, decayed to now
 	if e.hash != h {
-		if e.count*math.Pow(demandKeep, float64(p.n-e.n)) >= 1.5 {
+		if count >= 1.5 {
 			// The slot holds a prefix still in demand: replaced by a one-off (a conversation's history),
 			// a hot prefix would restart from one request and look like one upstream's worth for the
 			// next few dozen. This one is not counted; it goes by the cost.
 			return 0
 		}
-		*e = demandEntry{hash: h, n: p.n}
+		*e = demandEntry{hash: h}
+		count = 0
 	}
-	e.count = e.count*math.Pow(demandKeep, float64(p.n-e.n)) + 1
+	e.count = count + 1
 	e.n = p.n
 	if p.n < minDemand || e.count < 1.5 {
 		return 0 // too few requests to tell, or a prefix of one request (a conversation's history)

@@ -292,9 +292,12 @@ func Choose(cands []Candidate, req Request, cfg Config, rnd func(n int) int, scr
 	// fast even after prefilling what the pinned one has cached. The margin is hysteresis: moving costs the
 	// conversation its home for every later turn, and a small predicted difference (estimates of two
 	// upstreams that differ by their noise) must not move it.
+	withinPinMargin := func(i int) bool {
+		return costs[i] <= pinMargin*costs[best]+tolerance(costs[best], &cands[best], cfg)
+	}
 	for i := range cands {
 		if cands[i].Pinned {
-			if costs[i] <= pinMargin*costs[best]+tolerance(costs[best], &cands[best], cfg) {
+			if withinPinMargin(i) {
 				return decision(i, ReasonConversation)
 			}
 			break
@@ -330,7 +333,7 @@ func Choose(cands []Candidate, req Request, cfg Config, rnd func(n int) int, scr
 	// (a slot count learned sooner) sent more of them: hit rate 7-24 points lower, p50 3-4x.
 	if req.Share > 0 && 2*req.Share*float64(len(cands)) < 1 && longest >= 0 && longest != best &&
 		cands[longest].CachedTokens > cands[best].CachedTokens && 2*cands[longest].CachedTokens >= req.PromptTokens &&
-		costs[longest] <= pinMargin*costs[best]+tolerance(costs[best], &cands[best], cfg) {
+		withinPinMargin(longest) {
 		return decision(longest, ReasonAffinity)
 	}
 	switch {
