@@ -425,7 +425,7 @@ func TestStreamingPassesThroughUnbuffered(t *testing.T) {
 func openStream(t *testing.T, client *http.Client, body string) <-chan string {
 	t.Helper()
 	req, _ := http.NewRequest(http.MethodPost, proxyURL+"/v1/chat/completions", strings.NewReader(body))
-	res, err := client.Do(req)
+	res, err := doReloadSafe(client, req)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -458,7 +458,7 @@ func TestClientCancelMidStreamReleases(t *testing.T) {
 	for range 5 {
 		ctx, cancel := context.WithCancel(context.Background())
 		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, proxyURL+"/v1/chat/completions", strings.NewReader(chatBody("m", 20, true)))
-		res, err := tester.Client.Do(req)
+		res, err := doReloadSafe(tester.Client, req)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -503,6 +503,7 @@ func TestNonLLMRequestsUseFallback(t *testing.T) {
 	a := newBackend(t)
 	tester := caddytest.NewTester(t)
 	tester.InitServer(proxyConfig("llm {\n\t\t\tfallback first\n\t\t}", "", a), "caddyfile")
+	settle(t) // AssertGetResponse sends once: a reset by the previous config's server is not this test's subject
 	tester.AssertGetResponse(proxyURL+"/v1/models", http.StatusOK, fmt.Sprintf(`{"id":"x","object":"chat.completion","upstream":%q}`, a.dial))
 	res, _ := post(t, tester.Client, "/v1/embeddings", `{"input":"x"}`)
 	if res.StatusCode != http.StatusOK {
@@ -522,7 +523,8 @@ func TestOversizeBodyIsProxiedIntact(t *testing.T) {
 	for _, length := range []int64{int64(len(body)), -1} { // known length (not read at all), and chunked (read up to the cap)
 		req, _ := http.NewRequest(http.MethodPost, proxyURL+"/v1/chat/completions", io.MultiReader(strings.NewReader(body)))
 		req.ContentLength = length
-		res, err := tester.Client.Do(req)
+		req.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(io.MultiReader(strings.NewReader(body))), nil }
+		res, err := doReloadSafe(tester.Client, req)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -68,7 +68,8 @@ func TestMatcherRoutes(t *testing.T) {
 			var got string
 			if tc.body == "" {
 				var err error
-				res, err = tester.Client.Get(proxyURL + tc.path)
+				req, _ := http.NewRequest(http.MethodGet, proxyURL+tc.path, nil)
+				res, err = doReloadSafe(tester.Client, req)
 				if err != nil {
 					t.Fatal(err)
 				}
