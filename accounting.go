@@ -329,6 +329,11 @@ type upstreamView struct {
 	// already run (see upstreamLoad.overdueLocked); 0 when none overran, or when a scrape shows others'
 	// requests there (see view).
 	overdue float64
+	// full is the running count at which a fresh scrape shows the upstream full: requests waiting, not
+	// for cache space, at the most it has been seen running, as in every such scrape of at least two
+	// (a backend limited by the chunked-prefill token budget queues at varying batch sizes); 0
+	// otherwise. See fullNow.
+	full float64
 }
 
 // view returns dial's state at now for the decision.
@@ -374,6 +379,10 @@ func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstrea
 		v.requests += foreign
 		if c := float64(snap.BlockSize) * float64(snap.NumBlocks); c > 0 {
 			v.kvCapacity, v.kvUsed = c, max(snap.KVUsage*c+kvSince, float64(l.kv))
+		}
+		if selection.SlotBound(snap.Running, snap.Waiting, snap.KVUsage) && snap.Running >= v.service.Ceiling &&
+			v.service.AtCeiling >= 2 && v.service.BelowCeiling == 0 {
+			v.full = snap.Running
 		}
 	}
 	if foreign < 1 {

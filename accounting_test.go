@@ -489,3 +489,48 @@ func TestScaledPrior(t *testing.T) {
 		}
 	}
 }
+
+// TestFullNow: a backend seen with requests waiting at the most it has run, in two scrapes (two steps)
+// and never below it, is full at that count for the decisions that read the second, before its slot count is learned (three); one scrape
+// is not enough, nor are waits at varying batch sizes (the chunked-prefill token budget) or for cache
+// space.
+func TestFullNow(t *testing.T) {
+	lt := newTestLoads()
+	at := time.Unix(1_700_000_000, 0)
+	step := 0.0
+	scrape := func(dial string, running, waiting, kv float64) upstreamView {
+		t.Helper()
+		at, step = at.Add(250*time.Millisecond), step+1
+		s := scraper.Snapshot{Running: running, Waiting: waiting, KVUsage: kv, GenerationTokens: 10 * step, Steps: step, At: at}
+		lt.view(dial, at.UnixNano(), &s) // the decision that reads the scrape first teaches it to the model
+		return lt.view(dial, at.UnixNano()+1e6, &s)
+	}
+
+	const slots = "10.0.0.1:8000"
+	if v := scrape(slots, 8, 3, 0.3); v.full != 0 {
+		t.Errorf("one scrape at 8 running with requests waiting: full %v, want 0", v.full)
+	}
+	if v := scrape(slots, 8, 2, 0.3); v.full != 8 {
+		t.Errorf("two scrapes at 8 running with requests waiting: full %v, want 8", v.full)
+	}
+	if s := lt.lookup(slots).model.Service().Slots; s != 0 {
+		t.Errorf("slot count %v learned from two scrapes, want it unknown (fullNow stands in)", s)
+	}
+	if v := scrape(slots, 8, 0, 0.3); v.full != 0 {
+		t.Errorf("nothing waiting: full %v, want 0", v.full)
+	}
+
+	const budget = "10.0.0.2:8000"
+	for _, running := range []float64{12, 9, 12, 12} {
+		if v := scrape(budget, running, 2, 0.3); v.full != 0 {
+			t.Errorf("waiting at %v running after waits below the most run: full %v, want 0", running, v.full)
+		}
+	}
+
+	const cache = "10.0.0.3:8000"
+	for range 3 {
+		if v := scrape(cache, 2, 2, 0.95); v.full != 0 {
+			t.Errorf("waiting for cache space: full %v, want 0", v.full)
+		}
+	}
+}

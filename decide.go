@@ -49,6 +49,11 @@ type query struct {
 	avail  []float64 // scratch for the availability signal
 	// overdue is each candidate's overrun of its predicted durations (upstreamView.overdue).
 	overdue []float64
+	// full is each candidate's running count at which its scrape shows it full (upstreamView.full).
+	full []float64
+	// hot: the request's prefix is in more demand than half of one upstream can serve (prefixDemand),
+	// so it is to be replicated, not held home.
+	hot bool
 	// adapter is set by the LoRA signal when the request's model is a LoRA adapter on some candidate.
 	adapter bool
 }
@@ -56,7 +61,7 @@ type query struct {
 // reset readies q for a new request, keeping its scratch slices' storage (a decision makes none).
 func (q *query) reset(req *tokenize.Request, now int64) {
 	*q = query{req: req, now: now, cached: q.cached[:0], seen: q.seen[:0], cut: q.cut[:0], avail: q.avail[:0],
-		overdue: q.overdue[:0]}
+		overdue: q.overdue[:0], full: q.full[:0]}
 }
 
 // signal fills its part of each candidate; cands[i] is the upstream keys[i].
@@ -97,9 +102,6 @@ func (d *decider) choose(q *query, keys []string, cands []selection.Candidate, s
 	for i := range cands {
 		cands[i] = selection.Candidate{Key: keys[i]}
 	}
-	for _, s := range d.signals {
-		s.fill(q, keys, cands)
-	}
 	req := selection.Request{
 		PromptTokens: q.req.PromptTokens,
 		OutputTokens: d.outputEstimate(q.req.MaxTokens),
@@ -108,6 +110,10 @@ func (d *decider) choose(q *query, keys []string, cands []selection.Candidate, s
 	req.AvailabilityHash = req.PrefixHash
 	if !q.retry { // a retry is counted once, and goes by the cost (its home may be what failed)
 		req.Share = d.demand.share(req.PrefixHash)
+	}
+	q.hot = selection.Hot(req.Share, len(cands))
+	for _, s := range d.signals {
+		s.fill(q, keys, cands)
 	}
 	if q.tenant == "" {
 		return selection.Choose(cands, req, d.cfg, randIntN, scratch)
@@ -180,7 +186,7 @@ type loadSignal struct {
 
 func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 	var fleet selection.Fleet
-	q.overdue = q.overdue[:0]
+	q.overdue, q.full = q.overdue[:0], q.full[:0]
 	for i, key := range keys {
 		var snap *scraper.Snapshot
 		if s.scrapes != nil {
@@ -194,7 +200,7 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 		cands[i].Service, cands[i].Requests, cands[i].Queued = v.service, v.requests, v.queued
 		cands[i].KVCapacity, cands[i].KVUsed = v.kvCapacity, v.kvUsed
 		cands[i].Arrivals = v.arrivals
-		q.overdue = append(q.overdue, v.overdue)
+		q.overdue, q.full = append(q.overdue, v.overdue), append(q.full, v.full)
 		fleet.Add(v.service)
 	}
 	// An upstream whose requests in flight overran their predicted durations by more than the others'
@@ -215,7 +221,23 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 			cands[i].Service = cands[i].Service.Slower(f)
 			cands[i].Queued *= f
 		}
+		cands[i].Service = fullNow(cands[i].Service, q.full[i], q.hot)
 	}
+}
+
+// fullNow returns s with full for its slot count when a request whose prefix is to be replicated (hot)
+// meets an upstream whose scrapes show it full at that many running (upstreamView.full) before its slot
+// count is learned. Early in a run the upstreams holding a hot prefix took bursts of its cache hits,
+// each predicted to wait for nothing while the backend, 8 slots without chunked prefill, queued them
+// behind running requests (small-batch hot-prefix: 21 hits in a row on one upstream, predicted at
+// 9-27 ms, answered in 50-470 ms). Priced for every request, the same count sent shared-prefix groups
+// away from their homes (p50 3x, docs/bench/full-now-rejected); a group held home by its demand share
+// does not need it, and a hot prefix is to be replicated anyway.
+func fullNow(s selection.Service, full float64, hot bool) selection.Service {
+	if hot && s.Slots == 0 && full > 0 {
+		s.Slots = full
+	}
+	return s
 }
 
 // medianOverdue is the lower median of the candidates' overruns, each at least 1.

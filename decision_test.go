@@ -475,3 +475,23 @@ func routeNow(dec *decider, keys []string, req *tokenize.Request, now time.Time)
 	dec.commit(q, keys[d.Index], d).release(now.UnixNano(), false)
 	return d
 }
+
+// TestFullNowOnlyForHotPrefixes: the full count stands in for an unknown slot count only for a request
+// whose prefix is to be replicated; a learned count is kept.
+func TestFullNowOnlyForHotPrefixes(t *testing.T) {
+	for _, tc := range []struct {
+		name        string
+		slots, full float64
+		hot         bool
+		want        float64
+	}{
+		{"hot, unknown slots, seen full", 0, 8, true, 8},
+		{"held prefix", 0, 8, false, 0},
+		{"not seen full", 0, 0, true, 0},
+		{"slots learned", 16, 8, true, 16},
+	} {
+		if got := fullNow(selection.Service{Slots: tc.slots}, tc.full, tc.hot).Slots; got != tc.want {
+			t.Errorf("%s: slots %v, want %v", tc.name, got, tc.want)
+		}
+	}
+}

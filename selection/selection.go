@@ -250,6 +250,12 @@ func Wait(c *Candidate, kv float64) float64 {
 	return wait
 }
 
+// Hot reports whether a prefix carried by share of the requests (Request.Share) is in more demand than
+// half of one of n upstreams can serve: it is to be replicated, not held home.
+func Hot(share float64, n int) bool {
+	return 2*share*float64(n) >= 1
+}
+
 // Choose picks a candidate for req. rnd(n) must return a number in [0, n); it breaks exact ties when the
 // request has no prefix hash. scratch, if it has capacity for 2*len(cands) values, avoids allocations.
 func Choose(cands []Candidate, req Request, cfg Config, rnd func(n int) int, scratch []float64) Decision {
@@ -331,7 +337,7 @@ func Choose(cands []Candidate, req Request, cfg Config, rnd func(n int) int, scr
 	// (an agent's first turn behind a shared system prompt). Without this, a shared-prefix group's
 	// requests went to cold upstreams whenever its home queued, and pricing that queue more exactly
 	// (a slot count learned sooner) sent more of them: hit rate 7-24 points lower, p50 3-4x.
-	if req.Share > 0 && 2*req.Share*float64(len(cands)) < 1 && longest >= 0 && longest != best &&
+	if req.Share > 0 && !Hot(req.Share, len(cands)) && longest >= 0 && longest != best &&
 		cands[longest].CachedTokens > cands[best].CachedTokens && 2*cands[longest].CachedTokens >= req.PromptTokens &&
 		withinPinMargin(longest) {
 		return decision(longest, ReasonAffinity)

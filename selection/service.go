@@ -24,6 +24,9 @@ type Service struct {
 	// Ceiling is the most requests the backend was seen running at once (its metrics); 0 when unknown.
 	// A slot count below it is disproved.
 	Ceiling float64
+	// AtCeiling and BelowCeiling count the backend's scrapes with requests waiting for a slot (not for
+	// cache space) at Ceiling and below it (see ObserveQueue).
+	AtCeiling, BelowCeiling int
 	// Samples is how many observations the estimate rests on (0: it is the prior).
 	Samples int
 	// FirstTokens is how many of them are observed first tokens (ObserveFirstToken), and BusyIntervals
@@ -234,7 +237,7 @@ func (m *ServiceModel) ObserveQueue(running, waiting, kvUsage float64) {
 	if running > m.ceiling {
 		m.ceiling, m.atCeil, m.belowCeil, m.slots = running, 0, 0, 0
 	}
-	if waiting < 1 || kvUsage >= min(kvFull, running/(running+1)) {
+	if !SlotBound(running, waiting, kvUsage) {
 		return
 	}
 	if running >= m.ceiling {
@@ -249,6 +252,13 @@ func (m *ServiceModel) ObserveQueue(running, waiting, kvUsage float64) {
 	if m.atCeil >= minAtCeiling && m.atCeil >= 3*m.belowCeil {
 		m.slots = m.ceiling
 	}
+}
+
+// SlotBound reports whether a backend's own counts, running and waiting requests at KV-cache usage
+// kvUsage (0-1; 0 when unknown), show requests waiting for something other than cache space: a slot, or
+// with chunked prefill the step's token budget.
+func SlotBound(running, waiting, kvUsage float64) bool {
+	return waiting >= 1 && running >= 1 && kvUsage < min(kvFull, running/(running+1))
 }
 
 // minAtCeiling is how many scrapes must show requests waiting at the running ceiling before it is
@@ -282,6 +292,8 @@ func (m *ServiceModel) serviceLocked() Service {
 		TokenSeconds:           p.TokenSeconds * scale,
 		Slots:                  m.slots,
 		Ceiling:                m.ceiling,
+		AtCeiling:              m.atCeil,
+		BelowCeiling:           m.belowCeil,
 		MeanDuration:           max(m.meanDur, 1e-3),
 		Samples:                m.durN + m.ttftN + m.busyN,
 		BusyIntervals:          m.busyN,
