@@ -329,10 +329,10 @@ type upstreamView struct {
 	// already run (see upstreamLoad.overdueLocked); 0 when none overran, or when a scrape shows others'
 	// requests there (see view).
 	overdue float64
-	// full is the running count at which a fresh scrape shows the upstream full: requests waiting, not
-	// for cache space, at the most it has been seen running, as in every such scrape of at least two
-	// (a backend limited by the chunked-prefill token budget queues at varying batch sizes); 0
-	// otherwise. See fullNow.
+	// full is the running count at which the upstream is full now: its fresh scrape shows requests
+	// waiting, not for cache space, at the most it has been seen running, and so did every such scrape
+	// the service model has taken, two at least (a backend limited by the chunked-prefill token budget
+	// queues at varying batch sizes); 0 otherwise. See fullNow.
 	full float64
 }
 
