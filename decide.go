@@ -54,6 +54,9 @@ type query struct {
 	// hot: the request's prefix is in more demand than half of one upstream can serve (prefixDemand),
 	// so it is to be replicated, not held home.
 	hot bool
+	// peerClaim is the longest cache claim's length in tokens when it is known only from peers (routes
+	// shared by other instances, affinity.Table.MatchPeers); 0 otherwise.
+	peerClaim int
 	// adapter is set by the LoRA signal when the request's model is a LoRA adapter on some candidate.
 	adapter bool
 }
@@ -102,18 +105,25 @@ func (d *decider) choose(q *query, keys []string, cands []selection.Candidate, s
 	for i := range cands {
 		cands[i] = selection.Candidate{Key: keys[i]}
 	}
+	for _, s := range d.signals {
+		s.fill(q, keys, cands)
+	}
+	prefix := prefixBoundary(q.req)
 	req := selection.Request{
 		PromptTokens: q.req.PromptTokens,
 		OutputTokens: d.outputEstimate(q.req.MaxTokens),
-		PrefixHash:   prefixHash(q.req),
+		PrefixHash:   prefix.Hash,
 	}
 	req.AvailabilityHash = req.PrefixHash
 	if !q.retry { // a retry is counted once, and goes by the cost (its home may be what failed)
-		req.Share = d.demand.share(req.PrefixHash)
+		// A claim on the whole prefix that only peers have learned: another instance sent it (routes
+		// shared through `share`), which this instance's own count cannot know.
+		elsewhere := q.peerClaim > 0 && q.peerClaim+d.routes.BlockSize() > prefix.Tokens
+		req.Share = d.demand.share(req.PrefixHash, elsewhere)
 	}
 	q.hot = selection.Hot(req.Share, len(cands))
-	for _, s := range d.signals {
-		s.fill(q, keys, cands)
+	for i := range cands {
+		cands[i].Service = fullNow(cands[i].Service, q.full[i], q.hot)
 	}
 	if q.tenant == "" {
 		return selection.Choose(cands, req, d.cfg, randIntN, scratch)
@@ -221,7 +231,6 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 			cands[i].Service = cands[i].Service.Slower(f)
 			cands[i].Queued *= f
 		}
-		cands[i].Service = fullNow(cands[i].Service, q.full[i], q.hot)
 	}
 }
 
@@ -279,7 +288,9 @@ func (s cacheSignal) fill(q *query, keys []string, cands []selection.Candidate) 
 	// Kept for commit: the route table's own claim on the chosen upstream, its age, and what was cut.
 	q.cached, q.seen, q.cut = q.cached[:len(keys)], q.seen[:len(keys)], q.cut[:len(keys)]
 	cached := q.cached
-	s.routes.MatchSeen(q.req.Model, q.bounds, keys, cached, q.seen)
+	if longest, peers := s.routes.MatchPeers(q.req.Model, q.bounds, keys, cached, q.seen); peers {
+		q.peerClaim = longest
+	}
 	bs := s.routes.BlockSize()
 	clear(q.cut)
 	for i := range cands {
@@ -350,12 +361,17 @@ func answeredThere(msgs []tokenize.Message, matched, blockSize int) int {
 // one), so that proxies agree on where a shared prefix goes while different conversations behind one
 // system prompt still spread once their histories differ.
 func prefixHash(req *tokenize.Request) uint64 {
+	return prefixBoundary(req).Hash
+}
+
+// prefixBoundary is the boundary that ends a request's prefix (prefixHash); zero when it has none.
+func prefixBoundary(req *tokenize.Request) tokenize.Boundary {
 	bounds := req.Boundaries
 	switch n := len(bounds); {
 	case n == 0:
-		return 0
+		return tokenize.Boundary{}
 	case len(req.Messages) == 0: // a completion's prompt: all of it but its last step
-		return bounds[max(n-2, 0)].Hash
+		return bounds[max(n-2, 0)]
 	}
 	// The boundaries include steps inside long messages: the last one at or before the last
 	// message's start, not the one before the last boundary (a step of the last message when it is
@@ -364,7 +380,7 @@ func prefixHash(req *tokenize.Request) uint64 {
 	i, _ := slices.BinarySearchFunc(bounds, last.End-last.Tokens+1, func(b tokenize.Boundary, t int) int {
 		return cmp.Compare(b.Tokens, t)
 	})
-	return bounds[max(i-1, 0)].Hash
+	return bounds[max(i-1, 0)]
 }
 
 // prefixDemand tells what share of recent requests carry each prefix (PrefixHash): counts decayed by
@@ -390,8 +406,12 @@ const (
 )
 
 // share counts a request with prefix h and returns the share of recent requests that carried it; 0
-// while fewer than minDemand requests have been counted.
-func (p *prefixDemand) share(h uint64) float64 {
+// while fewer than minDemand requests have been counted, and for a prefix seen once unless it was
+// seen elsewhere (another instance sent it: see choose). Several instances each see a share of a
+// prefix's requests: a shared-prefix group's five, over three instances sharing routes, were seen
+// about twice by each, too few for the share, and went by the cost at 94.7% of one instance's hit
+// rate.
+func (p *prefixDemand) share(h uint64, elsewhere bool) float64 {
 	if p == nil || h == 0 {
 		return 0
 	}
@@ -413,7 +433,7 @@ func (p *prefixDemand) share(h uint64) float64 {
 	}
 	e.count = count + 1
 	e.n = p.n
-	if p.n < minDemand || e.count < 1.5 {
+	if p.n < minDemand || e.count < 1.5 && !elsewhere {
 		return 0 // too few requests to tell, or a prefix of one request (a conversation's history)
 	}
 	return e.count / p.total

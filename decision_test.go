@@ -322,42 +322,42 @@ func TestCachedPrefixFreeOnceItsTurnEnded(t *testing.T) {
 // said before minDemand requests.
 func TestPrefixDemandShares(t *testing.T) {
 	var p prefixDemand
-	if got := p.share(1); got != 0 {
+	if got := p.share(1, false); got != 0 {
 		t.Errorf("first request: share %v, want 0 (too few to tell)", got)
 	}
 	var hot float64
 	for i := range 1000 {
 		if i%5 != 0 {
-			hot = p.share(1)
+			hot = p.share(1, false)
 		} else {
-			p.share(uint64(1000 + i)) // a prefix seen once
+			p.share(uint64(1000+i), false) // a prefix seen once
 		}
 	}
 	if math.Abs(hot-0.8) > 0.02 {
 		t.Errorf("a prefix in 4 of 5 requests: share %.3f, want about 0.8", hot)
 	}
 	// A one-off prefix in the hot one's slot neither replaces it nor is counted.
-	if got := p.share(1 + demandSlots); got != 0 {
+	if got := p.share(1+demandSlots, false); got != 0 {
 		t.Errorf("a one-off colliding with a hot prefix: share %v, want 0 (not counted)", got)
 	}
-	if got := p.share(1); math.Abs(got-0.8) > 0.02 {
+	if got := p.share(1, false); math.Abs(got-0.8) > 0.02 {
 		t.Errorf("the hot prefix after a colliding one-off: share %.3f, want about 0.8", got)
 	}
-	if got := p.share(999_999); got > 0.01 {
+	if got := p.share(999_999, false); got > 0.01 {
 		t.Errorf("a new prefix: share %.3f, want about 1/%d", got, demandMemory)
 	}
 	// Traffic moves on: after demandMemory x 4 requests of other prefixes, the old hot one is forgotten.
 	for i := range 4 * demandMemory {
-		p.share(uint64(5000 + i%7))
+		p.share(uint64(5000+i%7), false)
 	}
-	if got := p.share(1); got > 0.05 {
+	if got := p.share(1, false); got > 0.05 {
 		t.Errorf("the old hot prefix after %d other requests: share %.3f, want small", 4*demandMemory, got)
 	}
-	if got := p.share(0); got != 0 {
+	if got := p.share(0, false); got != 0 {
 		t.Errorf("no prefix: share %v, want 0", got)
 	}
 	var none *prefixDemand
-	if got := none.share(1); got != 0 {
+	if got := none.share(1, false); got != 0 {
 		t.Errorf("no table: share %v, want 0", got)
 	}
 }
@@ -493,5 +493,34 @@ func TestFullNowOnlyForHotPrefixes(t *testing.T) {
 		if got := fullNow(selection.Service{Slots: tc.slots}, tc.full, tc.hot).Slots; got != tc.want {
 			t.Errorf("%s: slots %v, want %v", tc.name, got, tc.want)
 		}
+	}
+}
+
+// TestPeerSeenPrefixStaysHome: a group's prefix that another instance sent (its routes imported through
+// `share`) counts as seen before, so this instance's first request of the group stays at the group's
+// home under a queue that would move a one-off, as the group's second request would locally.
+func TestPeerSeenPrefixStaysHome(t *testing.T) {
+	now := time.Unix(1_700_000_000, 0)
+	keys := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"}
+	type message = chatMessage
+	group := message{"system", "You review pull requests for a storage engine. " + strings.Repeat("Cite the line you mean. ", 150)}
+	cfg := affinity.Config{Capacity: 1000, TTL: 10 * time.Minute, BlockSize: 16, Now: func() time.Time { return now }}
+	routes := affinity.New(cfg)
+	lt := &loadTable{m: make(map[string]*upstreamLoad)}
+	dec := newDecider(selection.DefaultConfig(), routes, lt, 256, nil)
+	for i := range 40 { // enough requests for the shares to say anything, none of the group's
+		routeNow(dec, keys, parseChat(t, message{"system", fmt.Sprintf("Assistant %d. ", i) + strings.Repeat("Be brief. ", 100)}, message{"user", "hi"}), now)
+	}
+
+	// A peer sent one of the group's requests to keys[1]; its routes arrive here.
+	peer := affinity.New(cfg)
+	peer.EnableFeed(1000)
+	peer.Learn("m", parseChat(t, group, message{"user", "Review change 1."}).Boundaries, keys[1])
+	changes, _ := peer.DrainFeed(nil)
+	routes.ImportChanges(changes)
+
+	lt.reserve(keys[1], work{uncached: 1500}, now.UnixNano())
+	if d := routeNow(dec, keys, parseChat(t, group, message{"user", "Review change 2."}), now); d.Index != 1 || d.Reason != selection.ReasonAffinity {
+		t.Errorf("the group's first request here: %+v, want its home 1 (reason affinity)", d)
 	}
 }

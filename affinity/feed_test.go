@@ -139,3 +139,31 @@ func TestImportPins(t *testing.T) {
 	}
 	checkInvariants(t, tb)
 }
+
+// TestMatchPeers: the longest claim is reported as known only from peers while its route is in the remote
+// tier (imported), and no longer once this instance has learned it too; a shorter local claim does not
+// hide a longer remote one.
+func TestMatchPeers(t *testing.T) {
+	tb, clock := newTestTable(Config{})
+	now := clock.Now().UnixNano()
+	b := prompt(msg{"system", 200}, msg{"question", 40})
+	ups := []string{"a", "b"}
+	cached := make([]int, len(ups))
+	if longest, peers := tb.MatchPeers("m", b, ups, cached, nil); longest != 0 || peers {
+		t.Errorf("empty table: longest %d, peers %t", longest, peers)
+	}
+	tb.Learn("m", b[:1], "a") // this instance sent the system prompt alone to a
+	var changes []Change
+	for _, x := range b {
+		changes = append(changes, Change{Key: RouteKey(ModelHash("m"), x.Hash), Upstream: "b", Seen: now})
+	}
+	tb.ImportChanges(changes) // a peer sent the whole prompt to b
+	longest, peers := tb.MatchPeers("m", b, ups, cached, nil)
+	if !peers || longest != cached[1] || cached[0] >= cached[1] {
+		t.Errorf("after a peer's longer route: longest %d (cached %v), peers %t; want b's claim, from peers", longest, cached, peers)
+	}
+	tb.Learn("m", b, "b")
+	if _, peers := tb.MatchPeers("m", b, ups, cached, nil); peers {
+		t.Errorf("learned here too: still reported as known only from peers")
+	}
+}

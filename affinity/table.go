@@ -367,6 +367,13 @@ func (t *Table) Match(model string, bounds []tokenize.Boundary, upstreams []stri
 // learned (unix nanoseconds; 0 when nothing matched): how old the claim is. seen must be nil or have at
 // least len(upstreams) elements. Same cost as Match.
 func (t *Table) MatchSeen(model string, bounds []tokenize.Boundary, upstreams []string, cached []int, seen []int64) (longest int) {
+	longest, _ = t.MatchPeers(model, bounds, upstreams, cached, seen)
+	return longest
+}
+
+// MatchPeers is MatchSeen that also reports whether the longest claim is known only from peers (a route
+// in the remote tier, ImportChanges): another instance sent that prefix and this one has not.
+func (t *Table) MatchPeers(model string, bounds []tokenize.Boundary, upstreams []string, cached []int, seen []int64) (longest int, peers bool) {
 	if seen != nil {
 		clear(seen[:len(upstreams)])
 	}
@@ -378,7 +385,7 @@ func (t *Table) MatchSeen(model string, bounds []tokenize.Boundary, upstreams []
 	out = out[:len(upstreams)]
 	clear(out)
 	if len(upstreams) == 0 || len(bounds) == 0 {
-		return 0
+		return 0, false
 	}
 	var idBuf [matchIDsOnStack]uint32
 	ids := idBuf[:0]
@@ -410,8 +417,10 @@ func (t *Table) MatchSeen(model string, bounds []tokenize.Boundary, upstreams []
 		}
 		key := RouteKey(mh, bounds[j].Hash)
 		r, ok := t.routes.Peek(key)
+		remote := false
 		if !ok && t.remote.Len() > 0 {
 			r, ok = t.remote.Peek(key)
+			remote = ok
 		}
 		if !ok {
 			continue
@@ -427,12 +436,15 @@ func (t *Table) MatchSeen(model string, bounds []tokenize.Boundary, upstreams []
 						seen[i] = r.seen[e]
 					}
 					unresolved--
+					if longest == 0 { // boundaries are walked longest first
+						peers = remote
+					}
 					longest = max(longest, a)
 				}
 			}
 		}
 	}
-	return longest
+	return longest, peers
 }
 
 // Forget drops every route entry and pin pointing at upstream (its pool membership ended); a later Learn
