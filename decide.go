@@ -356,15 +356,11 @@ func answeredThere(msgs []tokenize.Message, matched, blockSize int) int {
 	return matched
 }
 
-// prefixHash identifies the request's prefix for rendezvous hashing among near-equal candidates: the
-// longest prefix before its last message (the system prompt of a first turn, the history of a later
-// one), so that proxies agree on where a shared prefix goes while different conversations behind one
-// system prompt still spread once their histories differ.
-func prefixHash(req *tokenize.Request) uint64 {
-	return prefixBoundary(req).Hash
-}
-
-// prefixBoundary is the boundary that ends a request's prefix (prefixHash); zero when it has none.
+// prefixBoundary is the boundary that ends the request's prefix, the longest before its last message
+// (the system prompt of a first turn, the history of a later one); zero when it has none. Its hash is
+// the request's PrefixHash, for rendezvous hashing among near-equal candidates, so that proxies agree on
+// where a shared prefix goes while different conversations behind one system prompt still spread once
+// their histories differ, and the demand share's key.
 func prefixBoundary(req *tokenize.Request) tokenize.Boundary {
 	bounds := req.Boundaries
 	switch n := len(bounds); {

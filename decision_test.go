@@ -427,7 +427,7 @@ func TestPrefixHash(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		return prefixHash(req)
+		return prefixBoundary(req).Hash
 	}
 	long := func(s string) string { return strings.Repeat(s+" ", 4*tokenize.StepBytes/len(s)) }
 	system := long("You answer questions about the manual.")
