@@ -330,9 +330,10 @@ type upstreamView struct {
 	// requests there (see view).
 	overdue float64
 	// full is the running count at which the upstream is full now: its fresh scrape shows requests
-	// waiting, not for cache space, at the most it has been seen running, and so did every such scrape
-	// the service model has taken, two at least (a backend limited by the chunked-prefill token budget
-	// queues at varying batch sizes); 0 otherwise. See fullNow.
+	// waiting, not for cache space, at its likely slot count (selection.Service.LikelySlots: every such
+	// scrape the service model has taken was at the most it has been seen running, two at least; a
+	// backend limited by the chunked-prefill token budget queues at varying batch sizes); 0 otherwise.
+	// See fullNow.
 	full float64
 }
 
@@ -380,8 +381,7 @@ func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstrea
 		if c := float64(snap.BlockSize) * float64(snap.NumBlocks); c > 0 {
 			v.kvCapacity, v.kvUsed = c, max(snap.KVUsage*c+kvSince, float64(l.kv))
 		}
-		if selection.SlotBound(snap.Running, snap.Waiting, snap.KVUsage) && snap.Running >= v.service.Ceiling &&
-			v.service.AtCeiling >= 2 && v.service.BelowCeiling == 0 {
+		if l := v.service.LikelySlots; l > 0 && snap.Running >= l && selection.SlotBound(snap.Running, snap.Waiting, snap.KVUsage) {
 			v.full = snap.Running
 		}
 	}

@@ -24,9 +24,10 @@ type Service struct {
 	// Ceiling is the most requests the backend was seen running at once (its metrics); 0 when unknown.
 	// A slot count below it is disproved.
 	Ceiling float64
-	// AtCeiling and BelowCeiling count the backend's scrapes with requests waiting for a slot (not for
-	// cache space) at Ceiling and below it (see ObserveQueue).
-	AtCeiling, BelowCeiling int
+	// LikelySlots is Ceiling while the scrapes point to it as the slot count but too few to confirm it
+	// (Slots): two or more showed requests waiting, not for cache space, at Ceiling and none below it; 0
+	// otherwise (see ObserveQueue).
+	LikelySlots float64
 	// Samples is how many observations the estimate rests on (0: it is the prior).
 	Samples int
 	// FirstTokens is how many of them are observed first tokens (ObserveFirstToken), and BusyIntervals
@@ -292,12 +293,13 @@ func (m *ServiceModel) serviceLocked() Service {
 		TokenSeconds:           p.TokenSeconds * scale,
 		Slots:                  m.slots,
 		Ceiling:                m.ceiling,
-		AtCeiling:              m.atCeil,
-		BelowCeiling:           m.belowCeil,
 		MeanDuration:           max(m.meanDur, 1e-3),
 		Samples:                m.durN + m.ttftN + m.busyN,
 		BusyIntervals:          m.busyN,
 		FirstTokens:            m.ttftN,
+	}
+	if m.atCeil >= 2 && m.belowCeil == 0 {
+		s.LikelySlots = m.ceiling
 	}
 	// Keep estimates within a plausible band: no GPU is 50x faster or slower than the prior.
 	if m.ttftN >= minFirstTokens {
