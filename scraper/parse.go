@@ -96,8 +96,7 @@ const modelLabel = "model_name"
 // its cost and memory are linear in the size of the input (the whole text is decoded into
 // metric families first), so bound r.
 func Parse(r io.Reader, model string) (Snapshot, error) {
-	p := expfmt.NewTextParser(prommodel.UTF8Validation)
-	families, err := p.TextToMetricFamilies(r)
+	families, err := parseText(r)
 	if err != nil {
 		return Snapshot{}, fmt.Errorf("parsing metrics text: %w", err)
 	}
@@ -123,6 +122,19 @@ func Parse(r io.Reader, model string) (Snapshot, error) {
 		s.StartTime = start
 	}
 	return s, nil
+}
+
+// parseText decodes r with expfmt's text parser, which panics on some malformed input (prometheus/common
+// v0.71.0: a nil dereference in startLabelName for "#HELP x \n{}", found by FuzzParse; the input is in
+// testdata/fuzz). What a scrape target serves must never take the proxy down: a panic is a parse error.
+func parseText(r io.Reader) (families map[string]*dto.MetricFamily, err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			families, err = nil, fmt.Errorf("the text parser failed on malformed input: %v", v)
+		}
+	}()
+	p := expfmt.NewTextParser(prommodel.UTF8Validation)
+	return p.TextToMetricFamilies(r)
 }
 
 func extractVLLM(families map[string]*dto.MetricFamily, model string, s *Snapshot) bool {
