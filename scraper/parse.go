@@ -126,7 +126,7 @@ func Parse(r io.Reader, model string) (Snapshot, error) {
 
 // parseText decodes r with expfmt's text parser, which panics on some malformed input (prometheus/common
 // v0.71.0: a nil dereference in startLabelName for "#HELP x \n{}", found by FuzzParse; the input is in
-// testdata/fuzz). What a scrape target serves must never take the proxy down: a panic is a parse error.
+// testdata/fuzz). Parse is where a scrape target's text enters the library: a panic is a parse error.
 func parseText(r io.Reader) (families map[string]*dto.MetricFamily, err error) {
 	defer func() {
 		if v := recover(); v != nil {
