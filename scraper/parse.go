@@ -124,9 +124,10 @@ func Parse(r io.Reader, model string) (Snapshot, error) {
 	return s, nil
 }
 
-// parseText decodes r with expfmt's text parser, which panics on some malformed input (prometheus/common
-// v0.71.0: a nil dereference in startLabelName for "#HELP x \n{}", found by FuzzParse; the input is in
-// testdata/fuzz). Parse is where a scrape target's text enters the library: a panic is a parse error.
+// parseText decodes r with expfmt's text parser. Parse is where a scrape target's text enters the
+// library: a panic in the parser is a parse error. prometheus/common v0.71.0 panicked on "#HELP x \n{}"
+// (a nil dereference in startLabelName, found by FuzzParse, the input kept in testdata/fuzz); v0.73.1
+// returns an error for it, and the recover stays for the next such input.
 func parseText(r io.Reader) (families map[string]*dto.MetricFamily, err error) {
 	defer func() {
 		if v := recover(); v != nil {
