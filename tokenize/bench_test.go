@@ -3,9 +3,11 @@ package tokenize
 import (
 	"encoding/json"
 	"fmt"
+	"os"
 	"strings"
 	"testing"
 	"time"
+	"unicode/utf8"
 )
 
 // chatBody builds a chat request of n messages with about tokensPerMsg tokens each; salt makes
@@ -121,4 +123,101 @@ func BenchmarkParseHostile(b *testing.B) {
 			b.ReportMetric(float64(cpu)/float64(b.N), "cpu-ns/op")
 		})
 	}
+}
+
+// BenchmarkCount counts real text of three kinds (this repository's English docs, Go code and JSON
+// results; new text after other text of its kind has warmed the piece cache, as new messages meet a
+// cache warmed by earlier traffic) three ways: the tokenizer over whole chunks (what count did before
+// the piece cache), piece by piece from an empty cache, and piece by piece after the other text. It
+// reports the share of pieces found in the cache.
+func BenchmarkCount(b *testing.B) {
+	read := func(paths ...string) []byte {
+		var out []byte
+		for _, p := range paths {
+			data, err := os.ReadFile(p)
+			if err != nil {
+				b.Fatal(err)
+			}
+			out = append(out, data...)
+		}
+		return out
+	}
+	kinds := []struct {
+		name       string
+		warm, text []byte
+	}{
+		{"prose", read("../docs/bench/HISTORY.md"), read("../bench/README.md")},
+		{"code", read("../decide.go", "../accounting.go", "../module.go"), read("../selection/selection.go")},
+		{"json", read("../docs/bench/instances.json"), read("../docs/bench/faults.json")},
+	}
+	e, err := encoderFor("cl100k_base")
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, k := range kinds {
+		b.Run(k.name+"/tokenizer", func(b *testing.B) {
+			b.SetBytes(int64(len(k.text)))
+			for i := 0; i < b.N; i++ {
+				for text := k.text; len(text) > 0; {
+					n, _ := nextChunk(text, maxChunk, maxRun)
+					_ = e.tk.EncodeOrdinary(string(text[:n]))
+					text = text[n:]
+				}
+			}
+		})
+		for _, warmed := range []bool{false, true} {
+			name := k.name + "/pieces-cold"
+			if warmed {
+				name = k.name + "/pieces-after-other-text"
+			}
+			b.Run(name, func(b *testing.B) {
+				saved := e.pieces
+				defer func() { e.pieces = saved }()
+				start := new(pieceCache)
+				if warmed {
+					e.pieces = start
+					e.count(k.warm)
+				}
+				b.SetBytes(int64(len(k.text)))
+				var calls, pieces uint64
+				for i := 0; i < b.N; i++ {
+					b.StopTimer()
+					e.pieces = new(pieceCache)
+					for j := range start {
+						e.pieces[j].Store(start[j].Load())
+					}
+					_, _, before := CacheStats()
+					b.StartTimer()
+					e.count(k.text)
+					b.StopTimer()
+					_, _, after := CacheStats()
+					calls += after - before
+					pieces += uint64(e.countPiecesOnly(k.text))
+					b.StartTimer()
+				}
+				b.ReportMetric(1-float64(calls)/float64(pieces), "hit-rate")
+			})
+		}
+	}
+}
+
+// countPiecesOnly is how many pieces count splits text into.
+func (e *encoder) countPiecesOnly(text []byte) int {
+	n := 0
+	for len(text) > 0 {
+		k, _ := nextChunk(text, maxChunk, maxRun)
+		chunk := text[:k]
+		prev, size := utf8.DecodeRune(chunk)
+		n++
+		for i := size; i < len(chunk); i += size {
+			var r rune
+			r, size = utf8.DecodeRune(chunk[i:])
+			if isCut(prev, r) {
+				n++
+			}
+			prev = r
+		}
+		text = text[k:]
+	}
+	return n
 }

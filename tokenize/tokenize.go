@@ -41,6 +41,16 @@
 // (encoding, message hash); an entry costs about 132 bytes (measured), so the cache holds at most
 // about 9 MB. A multi-turn conversation therefore only tokenizes its newest message.
 //
+// # Piece cache
+//
+// A new message is counted piece by piece, a piece being the text between two of the cut points
+// above (about a word with its leading space), and each piece's count is kept in a direct-mapped,
+// lock-free table of 65,536 entries per encoding (512 KiB): a piece seen before is not tokenized
+// again. Since the cut points do not change the count, the sum is the whole text's exact count. On
+// this repository's own docs, Go code and JSON (BenchmarkCount: new text after other text of its
+// kind), 79-89% of pieces are found and counting runs 2-2.5x faster than the tokenizer alone; text
+// of pieces never seen before (random words) costs what the tokenizer costs.
+//
 // # Concurrency
 //
 // Every exported function is safe for concurrent use. Parse does not retain body.

@@ -144,6 +144,41 @@ func TestChunkingIsExact(t *testing.T) {
 	}
 }
 
+// TestPieceCountsMatchWhole checks that count, piece by piece through the piece cache, gives the
+// tokenizer's count of the whole text, on a cold cache and on a warm one, for both encodings.
+func TestPieceCountsMatchWhole(t *testing.T) {
+	rng := rand.New(rand.NewSource(2))
+	words := []string{"the", "Quick", "brown", "fox's", "don't", "3.14159", "12345678", "café", "naïve",
+		"数学", "研究。", "(x)", "{\"k\":", "\"v\"},", "\n", "\n\n", "\t", "  ", ".", "!!", "a-b", "🙂",
+		"e\u0301", "'s", "I'M", "http://x.y/z?q=1", "\r\n", "\u00a0", "\u3000", "—", "x=1;", "0x1F",
+		"func", "(ctx", "context.Context)", "err", "!=", "nil", "{", "}", "    ", "return"}
+	for _, encoding := range []string{"cl100k_base", "o200k_base"} {
+		e, err := encoderFor(encoding)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := 0; i < 400; i++ {
+			var b strings.Builder
+			for b.Len() < 40+rng.Intn(400) {
+				b.WriteString(words[rng.Intn(len(words))])
+				if rng.Intn(3) > 0 {
+					b.WriteByte(' ')
+				}
+			}
+			text := b.String()
+			if _, exact := nextChunk([]byte(text), maxChunk, maxRun); !exact {
+				continue
+			}
+			want := len(e.tk.EncodeOrdinary(text))
+			for pass := range 2 {
+				if got := e.count([]byte(text)); got != want {
+					t.Fatalf("%s, pass %d: count %d != whole count %d for %q", encoding, pass, got, want, text)
+				}
+			}
+		}
+	}
+}
+
 func TestNextChunkBounds(t *testing.T) {
 	tests := []struct {
 		name  string
@@ -529,9 +564,24 @@ func TestCacheSkipsTokenizer(t *testing.T) {
 		t.Errorf("cached result differs: %+v vs %+v", first, second)
 	}
 	_, _, calls = CacheStats()
-	mustParse(t, chatJSON(append(msgs, "a new turn")...), APIChat, Options{})
+	mustParse(t, chatJSON(append(msgs, "xyzzyturn")...), APIChat, Options{})
 	if _, _, after := CacheStats(); after != calls+1 {
-		t.Errorf("Parse with one new message made %d tokenizer calls, want 1", after-calls)
+		t.Errorf("Parse with one new message of one new piece made %d tokenizer calls, want 1", after-calls)
+	}
+	// A new message of pieces seen before ("xyzzyturn", " xyzzyturn" after the next Parse) is counted
+	// from the piece cache.
+	_, _, calls = CacheStats()
+	mustParse(t, chatJSON(append(msgs, "xyzzyturn xyzzyturn")...), APIChat, Options{})
+	if _, _, after := CacheStats(); after != calls+1 {
+		t.Errorf("Parse with one new message of one new piece and one seen made %d tokenizer calls, want 1", after-calls)
+	}
+	_, _, calls = CacheStats()
+	third := mustParse(t, chatJSON(append(msgs, "xyzzyturn xyzzyturn xyzzyturn")...), APIChat, Options{})
+	if _, _, after := CacheStats(); after != calls {
+		t.Errorf("Parse with one new message of seen pieces made %d tokenizer calls, want 0", after-calls)
+	}
+	if want := first.PromptTokens + 4 + ref(t, "cl100k_base", "xyzzyturn xyzzyturn xyzzyturn"); third.PromptTokens != want {
+		t.Errorf("counted from pieces: %d tokens, want %d", third.PromptTokens, want)
 	}
 	// o200k_base has its own entries.
 	_, _, calls = CacheStats()
