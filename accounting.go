@@ -314,6 +314,10 @@ type upstreamView struct {
 	service  selection.Service
 	requests float64 // this proxy's in flight, plus foreign ones its metrics show
 	queued   float64 // seconds of prefill queued ahead of a new request
+	// settled is queued with this proxy's requests sent since the scrape counted until their predicted
+	// first tokens instead of in full (the same as queued without a fresh scrape): the prediction, where
+	// queued is the spreading signal (see fromScrapeLocked). See continuesHome.
+	settled float64
 	// arrivals is the rate at which this proxy sends it requests, per second.
 	arrivals float64
 	// kvCapacity is its KV cache in tokens (0: unknown, no fresh scrape says) and kvUsed the tokens wanted:
@@ -374,9 +378,10 @@ func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstrea
 	foreign := 0.0
 	if snap == nil {
 		v.queued = max(float64(l.prefillUntil.Load()-now)/1e9, 0)
+		v.settled = v.queued
 	} else {
 		var kvSince float64
-		foreign, v.queued, kvSince = l.fromScrapeLocked(snap, now, v.service.PrefillSecondsPerToken)
+		foreign, v.queued, v.settled, kvSince = l.fromScrapeLocked(snap, now, v.service.PrefillSecondsPerToken)
 		v.requests += foreign
 		if c := float64(snap.BlockSize) * float64(snap.NumBlocks); c > 0 {
 			v.kvCapacity, v.kvUsed = c, max(snap.KVUsage*c+kvSince, float64(l.kv))
@@ -518,8 +523,10 @@ func (l *upstreamLoad) arrivalRateLocked(now int64) float64 {
 }
 
 // fromScrapeLocked returns the requests snap shows beyond this proxy's own at the time of the scrape, the
-// seconds of prefill queued there at now for an upstream that prefills a token in spt seconds, and the
-// KV cache tokens this proxy's requests since the scrape take (reservation.kv).
+// seconds of prefill queued there at now for an upstream that prefills a token in spt seconds (queued,
+// and settled: with this proxy's requests since the scrape each counted for what is left of its
+// predicted prefill instead of in full), and the KV cache tokens this proxy's requests since the scrape
+// take (reservation.kv).
 // The first call for a new snapshot also tells the service model the backend's queue and checks the
 // cache predictions. The caller holds l.mu.
 //
@@ -541,7 +548,7 @@ func (l *upstreamLoad) arrivalRateLocked(now int64) float64 {
 // not had their first token: no scrape has confirmed them yet. (Drained too, they left nothing that
 // spreads this proxy's own recent sends while the cost has no term for the batch they join: on
 // multi-turn, one backend took no request and TTFT p50 went from 96 to 121 ms.)
-func (l *upstreamLoad) fromScrapeLocked(snap *scraper.Snapshot, now int64, spt float64) (foreign, queued, kvSince float64) {
+func (l *upstreamLoad) fromScrapeLocked(snap *scraper.Snapshot, now int64, spt float64) (foreign, queued, settled, kvSince float64) {
 	at := snap.At.UnixNano()
 	if l.foreignAt != at {
 		l.scrapedLocked(snap, at)
@@ -566,18 +573,19 @@ func (l *upstreamLoad) fromScrapeLocked(snap *scraper.Snapshot, now int64, spt f
 			ahead = max(ahead, r.prefillDone-at)
 		}
 	}
-	since := 0
+	since, sinceLeft := 0, int64(0)
 	for _, r := range l.inflight {
 		if r.start > at {
 			kvSince += float64(r.kv)
 			if !r.firstToken {
 				since += r.uncached
+				sinceLeft += min(max(r.prefillDone-now, 0), seconds(r.prefill))
 			}
 		}
 	}
 	drained := float64(max(now-at-ahead, 0)) / 1e9 // the waiting ones start once the running ones are done
-	queued = float64(left)/1e9 + max(backlog*spt-drained, 0) + float64(since)*spt
-	return l.foreign, queued, kvSince
+	scraped := float64(left)/1e9 + max(backlog*spt-drained, 0)
+	return l.foreign, scraped + float64(since)*spt, scraped + float64(sinceLeft)/1e9, kvSince
 }
 
 // scrapedLocked reads a new snapshot taken at (unix nanoseconds): the requests beyond this proxy's own,

@@ -534,3 +534,29 @@ func TestFullNow(t *testing.T) {
 		}
 	}
 }
+
+// TestSettledQueue: a request sent since the last scrape counts in full in the queue until its first
+// token (no scrape has confirmed it), and in the settled queue only until its predicted first token.
+func TestSettledQueue(t *testing.T) {
+	lt := newTestLoads()
+	const dial = "10.0.0.1:8000"
+	at := time.Unix(1_700_000_000, 0)
+	snap := scraper.Snapshot{Running: 1, At: at}
+	lt.view(dial, at.UnixNano(), &snap)
+	sent := at.Add(100 * time.Millisecond)
+	lt.reserve(dial, work{uncached: 8000, output: 10}, sent.UnixNano()) // ~1 s of prefill at the prior's speed
+	spt := selection.Prior.PrefillSecondsPerToken
+	for _, tc := range []struct {
+		after           time.Duration
+		queued, settled float64
+	}{
+		{200 * time.Millisecond, 8000 * spt, 8000*spt + selection.Prior.Overhead - 0.2}, // mid-prefill
+		{2 * time.Second, 8000 * spt, 0},                                                // predicted done
+	} {
+		v := lt.view(dial, sent.Add(tc.after).UnixNano(), &snap)
+		if math.Abs(v.queued-tc.queued) > 1e-6 || math.Abs(v.settled-min(tc.settled, 8000*spt)) > 1e-6 {
+			t.Errorf("%v after sending: queued %.3f, settled %.3f; want %.3f, %.3f", tc.after, v.queued, v.settled,
+				tc.queued, min(tc.settled, 8000*spt))
+		}
+	}
+}

@@ -51,6 +51,9 @@ type query struct {
 	overdue []float64
 	// full is each candidate's running count at which its scrape shows it full (upstreamView.full).
 	full []float64
+	// settled is each candidate's queue as predicted (upstreamView.settled), in the same speed as its
+	// Queued.
+	settled []float64
 	// hot: the request's prefix is in more demand than half of one upstream can serve (prefixDemand),
 	// so it is to be replicated, not held home.
 	hot bool
@@ -64,7 +67,7 @@ type query struct {
 // reset readies q for a new request, keeping its scratch slices' storage (a decision makes none).
 func (q *query) reset(req *tokenize.Request, now int64) {
 	*q = query{req: req, now: now, cached: q.cached[:0], seen: q.seen[:0], cut: q.cut[:0], avail: q.avail[:0],
-		overdue: q.overdue[:0], full: q.full[:0]}
+		overdue: q.overdue[:0], full: q.full[:0], settled: q.settled[:0]}
 }
 
 // signal fills its part of each candidate; cands[i] is the upstream keys[i].
@@ -119,7 +122,13 @@ func (d *decider) choose(q *query, keys []string, cands []selection.Candidate, s
 		// A claim on the whole prefix that only peers have learned: another instance sent it (routes
 		// shared through `share`), which this instance's own count cannot know.
 		elsewhere := q.peerClaim > 0 && q.peerClaim+d.routes.BlockSize() > prefix.Tokens
-		req.Share = d.demand.share(req.PrefixHash, elsewhere)
+		var once bool
+		req.Share, once = d.demand.share(req.PrefixHash, elsewhere)
+		if once && d.routes != nil && continuesHome(cands, d.routes.BlockSize()) {
+			for i := range cands {
+				cands[i].Queued = q.settled[i]
+			}
+		}
 	}
 	q.hot = selection.Hot(req.Share, len(cands))
 	for i := range cands {
@@ -196,7 +205,7 @@ type loadSignal struct {
 
 func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 	var fleet selection.Fleet
-	q.overdue, q.full = q.overdue[:0], q.full[:0]
+	q.overdue, q.full, q.settled = q.overdue[:0], q.full[:0], q.settled[:0]
 	for i, key := range keys {
 		var snap *scraper.Snapshot
 		if s.scrapes != nil {
@@ -210,7 +219,7 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 		cands[i].Service, cands[i].Requests, cands[i].Queued = v.service, v.requests, v.queued
 		cands[i].KVCapacity, cands[i].KVUsed = v.kvCapacity, v.kvUsed
 		cands[i].Arrivals = v.arrivals
-		q.overdue, q.full = append(q.overdue, v.overdue), append(q.full, v.full)
+		q.overdue, q.full, q.settled = append(q.overdue, v.overdue), append(q.full, v.full), append(q.settled, v.settled)
 		fleet.Add(v.service)
 	}
 	// An upstream whose requests in flight overran their predicted durations by more than the others'
@@ -226,12 +235,39 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 		cands[i].Service = fleet.Blend(cands[i].Service)
 		if own > 0 { // the queued prefill, in the blended speed too
 			cands[i].Queued *= cands[i].Service.PrefillSecondsPerToken / own
+			q.settled[i] *= cands[i].Service.PrefillSecondsPerToken / own
 		}
 		if f := q.overdue[i] / ref; f > 1 {
 			cands[i].Service = cands[i].Service.Slower(f)
 			cands[i].Queued *= f
+			q.settled[i] *= f
 		}
 	}
+}
+
+// continuesHome reports whether one candidate holds more of the request's prompt than every other by
+// more than a block of blockSize tokens: the request continues what it sent there, as a conversation's
+// next turn continues the history its home holds, beyond the system prompt others may hold too. Such a
+// request, when its prefix has been seen once (a history is its conversation's alone), is priced on
+// the queues as predicted, each of this proxy's requests sent since the last scrape counted until its
+// predicted first token (settled), and not in full as for every other request. Counted in full, those
+// sends are a spreading signal that places new prefixes (new conversations behind one system prompt
+// went to the two upstreams that cached it first when they were drained), but no prediction: a
+// conversation's next turn moved off its home when that count exceeded the prefill its history saves
+// there, 5-12% of later turns, re-prefilling the history elsewhere (multi-turn-think: 98-117 ms against
+// 76-88 for the turns that stayed, traced). Where nothing is held, or what is held is held alike on
+// several, nothing changes.
+func continuesHome(cands []selection.Candidate, blockSize int) bool {
+	first, second := 0, 0
+	for i := range cands {
+		switch c := cands[i].CachedTokens; {
+		case c > first:
+			first, second = c, first
+		case c > second:
+			second = c
+		}
+	}
+	return first > second+blockSize
 }
 
 // fullNow returns s with full for its slot count when a request whose prefix is to be replicated (hot)
@@ -407,9 +443,9 @@ const (
 // prefix's requests: a shared-prefix group's five, over three instances sharing routes, were seen
 // about twice by each, too few for the share, and went by the cost at 94.7% of one instance's hit
 // rate.
-func (p *prefixDemand) share(h uint64, elsewhere bool) float64 {
+func (p *prefixDemand) share(h uint64, elsewhere bool) (share float64, once bool) {
 	if p == nil || h == 0 {
-		return 0
+		return 0, false
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -422,17 +458,18 @@ func (p *prefixDemand) share(h uint64, elsewhere bool) float64 {
 			// The slot holds a prefix still in demand: replaced by a one-off (a conversation's history),
 			// a hot prefix would restart from one request and look like one upstream's worth for the
 			// next few dozen. This one is not counted; it goes by the cost.
-			return 0
+			return 0, false
 		}
 		*e = demandEntry{hash: h}
 		count = 0
 	}
 	e.count = count + 1
 	e.n = p.n
-	if p.n < minDemand || e.count < 1.5 && !elsewhere {
-		return 0 // too few requests to tell, or a prefix of one request (a conversation's history)
+	once = e.count < 1.5 && !elsewhere
+	if p.n < minDemand || once {
+		return 0, once // too few requests to tell, or a prefix of one request (a conversation's history)
 	}
-	return e.count / p.total
+	return e.count / p.total, false
 }
 
 // minDemand is how many requests the shares need before they say anything.

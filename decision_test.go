@@ -322,44 +322,60 @@ func TestCachedPrefixFreeOnceItsTurnEnded(t *testing.T) {
 // said before minDemand requests.
 func TestPrefixDemandShares(t *testing.T) {
 	var p prefixDemand
-	if got := p.share(1, false); got != 0 {
+	if got := shareOnly(&p, 1, false); got != 0 {
 		t.Errorf("first request: share %v, want 0 (too few to tell)", got)
 	}
 	var hot float64
 	for i := range 1000 {
 		if i%5 != 0 {
-			hot = p.share(1, false)
+			hot = shareOnly(&p, 1, false)
 		} else {
-			p.share(uint64(1000+i), false) // a prefix seen once
+			shareOnly(&p, uint64(1000+i), false) // a prefix seen once
 		}
 	}
 	if math.Abs(hot-0.8) > 0.02 {
 		t.Errorf("a prefix in 4 of 5 requests: share %.3f, want about 0.8", hot)
 	}
 	// A one-off prefix in the hot one's slot neither replaces it nor is counted.
-	if got := p.share(1+demandSlots, false); got != 0 {
+	if got := shareOnly(&p, 1+demandSlots, false); got != 0 {
 		t.Errorf("a one-off colliding with a hot prefix: share %v, want 0 (not counted)", got)
 	}
-	if got := p.share(1, false); math.Abs(got-0.8) > 0.02 {
+	if got := shareOnly(&p, 1, false); math.Abs(got-0.8) > 0.02 {
 		t.Errorf("the hot prefix after a colliding one-off: share %.3f, want about 0.8", got)
 	}
-	if got := p.share(999_999, false); got > 0.01 {
+	if got := shareOnly(&p, 999_999, false); got > 0.01 {
 		t.Errorf("a new prefix: share %.3f, want about 1/%d", got, demandMemory)
 	}
 	// Traffic moves on: after demandMemory x 4 requests of other prefixes, the old hot one is forgotten.
 	for i := range 4 * demandMemory {
-		p.share(uint64(5000+i%7), false)
+		shareOnly(&p, uint64(5000+i%7), false)
 	}
-	if got := p.share(1, false); got > 0.05 {
+	if got := shareOnly(&p, 1, false); got > 0.05 {
 		t.Errorf("the old hot prefix after %d other requests: share %.3f, want small", 4*demandMemory, got)
 	}
-	if got := p.share(0, false); got != 0 {
+	if got := shareOnly(&p, 0, false); got != 0 {
 		t.Errorf("no prefix: share %v, want 0", got)
 	}
+	// A prefix is reported seen once on its first request, not on its second, nor when a peer sent it.
+	if _, once := p.share(2_000_001, false); !once {
+		t.Errorf("a new prefix: once false, want true")
+	}
+	if _, once := p.share(2_000_001, false); once {
+		t.Errorf("a prefix on its second request: once true, want false")
+	}
+	if _, once := p.share(2_000_002, true); once {
+		t.Errorf("a new prefix a peer sent: once true, want false")
+	}
 	var none *prefixDemand
-	if got := none.share(1, false); got != 0 {
+	if got := shareOnly(none, 1, false); got != 0 {
 		t.Errorf("no table: share %v, want 0", got)
 	}
+}
+
+// shareOnly is p.share's share.
+func shareOnly(p *prefixDemand, h uint64, elsewhere bool) float64 {
+	s, _ := p.share(h, elsewhere)
+	return s
 }
 
 // TestPrefixDemandKeepsAGroupHome: a queue at a prefix's home that makes a cold upstream's prefill a
@@ -522,5 +538,54 @@ func TestPeerSeenPrefixStaysHome(t *testing.T) {
 	lt.reserve(keys[1], work{uncached: 1500}, now.UnixNano())
 	if d := routeNow(dec, keys, parseChat(t, group, message{"user", "Review change 2."}), now); d.Index != 1 || d.Reason != selection.ReasonAffinity {
 		t.Errorf("the group's first request here: %+v, want its home 1 (reason affinity)", d)
+	}
+}
+
+// queueSignal sets each candidate's queue as two figures, counted in full (Queued) and as predicted
+// (query.settled), as the load signal does from a scrape with requests sent since it.
+type queueSignal struct{ queued, settled []float64 }
+
+func (s queueSignal) fill(q *query, keys []string, cands []selection.Candidate) {
+	for i := range cands {
+		cands[i].Queued, q.settled[i] = s.queued[i], s.settled[i]
+	}
+}
+
+// TestNextTurnPricedOnPredictedQueues: a conversation's next turn, whose history its home holds, is
+// priced on the queues as predicted, so requests sent there since the last scrape whose first tokens
+// are predicted past do not move it off its history; a new conversation behind a shared system prompt
+// still sees them in full and goes elsewhere.
+func TestNextTurnPricedOnPredictedQueues(t *testing.T) {
+	now := time.Unix(1_700_000_000, 0)
+	keys := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"}
+	type message = chatMessage
+	system := message{"system", "You are a helpful assistant. " + strings.Repeat("Answer briefly. ", 60)}
+	history := []message{system, {"user", "Tell me about " + strings.Repeat("the history of the harbour and its trade, ", 40)},
+		{"assistant", strings.Repeat("The harbour grew with the grain trade. ", 60)}}
+	for _, tc := range []struct {
+		name     string
+		settled  float64 // the home's queue as predicted
+		wantHome bool
+	}{
+		{"sends since the scrape predicted prefilled", 0, true},
+		{"a queue predicted to stay", 0.5, false},
+	} {
+		routes := affinity.New(affinity.Config{Capacity: 1000, TTL: 10 * time.Minute, BlockSize: 16, Now: func() time.Time { return now }})
+		lt := &loadTable{m: make(map[string]*upstreamLoad)}
+		dec := newDecider(selection.DefaultConfig(), routes, lt, 256, nil)
+		home := routeNow(dec, keys, parseChat(t, history[0], history[1]), now).Index
+
+		queued, settled := make([]float64, len(keys)), make([]float64, len(keys))
+		queued[home], settled[home] = 0.5, tc.settled // 0.5 s: more than the history's prefill saves
+		dec.signals = append(dec.signals, queueSignal{queued, settled})
+		next := parseChat(t, append(history, message{"user", "And today?"})...)
+		if d := routeNow(dec, keys, next, now); (d.Index == home) != tc.wantHome {
+			t.Errorf("%s: the next turn went to %d (reason %v), home %d; want home %v", tc.name, d.Index, d.Reason, home, tc.wantHome)
+		}
+		// A new conversation behind the same system prompt, held only at the home: the full count
+		// spreads it.
+		if d := routeNow(dec, keys, parseChat(t, system, message{"user", "Hello."}), now); d.Index == home {
+			t.Errorf("%s: a new conversation went to the queued home %d", tc.name, home)
+		}
 	}
 }
