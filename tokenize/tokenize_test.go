@@ -106,6 +106,19 @@ var cutWords = []string{"the", "Quick", "brown", "fox's", "don't", "3.14159", "1
 	"数学", "研究。", "(x)", "{\"k\":", "\"v\"},", "\n", "\n\n", "\t", "  ", ".", "!!", "a-b", "🙂",
 	"e\u0301", "'s", "I'M", "http://x.y/z?q=1", "\r\n", "\u00a0", "\u3000", "—", "x=1;", "0x1F"}
 
+// randomText joins words drawn by rng, each followed by a space two times in three, until it has at
+// least n bytes.
+func randomText(rng *rand.Rand, words []string, n int) string {
+	var b strings.Builder
+	for b.Len() < n {
+		b.WriteString(words[rng.Intn(len(words))])
+		if rng.Intn(3) > 0 {
+			b.WriteByte(' ')
+		}
+	}
+	return b.String()
+}
+
 // TestChunkingIsExact checks that cutting text at isCut points never changes the count, on prose,
 // code, JSON and CJK, for both encodings, by forcing tiny chunks.
 func TestChunkingIsExact(t *testing.T) {
@@ -118,14 +131,7 @@ func TestChunkingIsExact(t *testing.T) {
 			t.Fatal(err)
 		}
 		for i := 0; i < 300; i++ {
-			var b strings.Builder
-			for b.Len() < 300 {
-				b.WriteString(words[rng.Intn(len(words))])
-				if rng.Intn(3) > 0 {
-					b.WriteByte(' ')
-				}
-			}
-			text := b.String()
+			text := randomText(rng, words, 300)
 			want := len(e.tk.EncodeOrdinary(text))
 			got, allExact := 0, true
 			for s := []byte(text); len(s) > 0; {
@@ -159,14 +165,7 @@ func TestPieceCountsMatchWhole(t *testing.T) {
 			t.Fatal(err)
 		}
 		for i := 0; i < 400; i++ {
-			var b strings.Builder
-			for b.Len() < 40+rng.Intn(400) {
-				b.WriteString(words[rng.Intn(len(words))])
-				if rng.Intn(3) > 0 {
-					b.WriteByte(' ')
-				}
-			}
-			text := b.String()
+			text := randomText(rng, words, 40+rng.Intn(400))
 			if _, exact := nextChunk([]byte(text), maxChunk, maxRun); !exact {
 				continue
 			}
