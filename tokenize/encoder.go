@@ -111,43 +111,23 @@ func roleIndex(role []byte) int {
 	return -1
 }
 
-// Chunking bounds what one BPE call sees (see the package doc).
-const (
-	maxChunk = 1024 // bytes per tokenizer call
-	maxRun   = 64   // bytes between two exact cut points before a forced cut
-)
+// maxRun bounds what one BPE call sees (see the package doc): bytes between two exact cut points before a
+// forced cut.
+const maxRun = 64
 
-// count returns the number of tokens in text: the sum of its pieces' counts, a piece being the text
-// between two cut points (isCut: about one word with its leading space, or a run of punctuation), each
-// looked up in the encoder's piece cache and tokenized alone when it is not there. Cutting at those
-// points gives exactly the tokens of the whole text (TestChunkingIsExact, TestPieceCountsMatchWhole);
-// a run of more than maxRun bytes without one is cut at a rune boundary, as nextChunk does. Most
-// words recur, so most of a new message is counted without the tokenizer, whose call costs about
+// count returns the number of tokens in text: the sum of its pieces' counts (nextPiece), each looked
+// up in the encoder's piece cache and tokenized alone when it is not there. Cutting at the pieces' cut
+// points gives exactly the tokens of the whole text (TestChunkingIsExact, TestPieceCountsMatchWhole).
+// Most words recur, so most of a new message is counted without the tokenizer, whose call costs about
 // 1 us a piece (regexp2 pre-tokenizing, then BPE) against about 30 ns for a lookup.
 func (e *encoder) count(text []byte) int {
 	n := 0
 	for len(text) > 0 {
-		k, _ := nextChunk(text, maxChunk, maxRun)
-		n += e.countPieces(text[:k])
+		k, _ := nextPiece(text)
+		n += e.countPiece(text[:k])
 		text = text[k:]
 	}
 	return n
-}
-
-// countPieces counts a chunk (nextChunk's: no piece longer than about maxRun bytes) piece by piece.
-func (e *encoder) countPieces(chunk []byte) int {
-	n, start := 0, 0
-	prev, size := utf8.DecodeRune(chunk)
-	for i := size; i < len(chunk); i += size {
-		var r rune
-		r, size = utf8.DecodeRune(chunk[i:])
-		if isCut(prev, r) {
-			n += e.countPiece(chunk[start:i])
-			start = i
-		}
-		prev = r
-	}
-	return n + e.countPiece(chunk[start:])
 }
 
 // countPiece returns the number of tokens of one piece, from the cache when it was seen before.
@@ -184,37 +164,24 @@ func (c *pieceCache) put(h uint64, n int) {
 	}
 }
 
-// nextChunk returns the length of the next chunk of s to tokenize: all of s if it is short enough
-// and has no run longer than maxRun bytes without a cut point; else the last exact cut point within
-// maxChunk bytes; else (exact false) a rune boundary about maxRun or maxChunk bytes in.
-func nextChunk(s []byte, maxChunk, maxRun int) (n int, exact bool) {
-	limit := min(len(s), maxChunk)
-	lastCut, runStart := 0, 0
+// nextPiece returns the length of the first piece of s (not empty): s up to its first cut point (isCut),
+// about a word with its leading space or a run of punctuation; or, where a run goes on for maxRun bytes
+// without one, up to the rune boundary there (exact false: the cut may shift the count by about a
+// token).
+func nextPiece(s []byte) (n int, exact bool) {
 	prev, size := utf8.DecodeRune(s)
-	for i := size; i < limit; i += size {
+	for i := size; i < len(s); i += size {
 		var r rune
 		r, size = utf8.DecodeRune(s[i:])
 		if isCut(prev, r) {
-			lastCut, runStart = i, i
-		} else if i-runStart >= maxRun {
-			if lastCut > 0 {
-				return lastCut, true
-			}
+			return i, true
+		}
+		if i >= maxRun {
 			return i, false // a rune boundary
 		}
 		prev = r
 	}
-	if limit == len(s) {
-		return len(s), true
-	}
-	if lastCut > 0 {
-		return lastCut, true
-	}
-	i := limit
-	for i > 1 && !utf8.RuneStart(s[i]) {
-		i--
-	}
-	return i, false
+	return len(s), true
 }
 
 // isCut reports whether tokenizing the text before and after the point between runes prev and r

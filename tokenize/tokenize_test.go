@@ -120,7 +120,7 @@ func randomText(rng *rand.Rand, words []string, n int) string {
 }
 
 // TestChunkingIsExact checks that cutting text at isCut points never changes the count, on prose,
-// code, JSON and CJK, for both encodings, by forcing tiny chunks.
+// code, JSON and CJK, for both encodings, by tokenizing every piece alone.
 func TestChunkingIsExact(t *testing.T) {
 	rng := rand.New(rand.NewSource(1))
 	words := cutWords
@@ -135,7 +135,7 @@ func TestChunkingIsExact(t *testing.T) {
 			want := len(e.tk.EncodeOrdinary(text))
 			got, allExact := 0, true
 			for s := []byte(text); len(s) > 0; {
-				k, exact := nextChunk(s, 24, 1<<20) // tiny chunks
+				k, exact := nextPiece(s)
 				allExact = allExact && exact
 				got += len(e.tk.EncodeOrdinary(string(s[:k])))
 				s = s[k:]
@@ -144,7 +144,7 @@ func TestChunkingIsExact(t *testing.T) {
 			if allExact {
 				exactTexts++
 				if got != want {
-					t.Fatalf("%s: chunked count %d != whole count %d for %q", encoding, got, want, text)
+					t.Fatalf("%s: count by pieces %d != whole count %d for %q", encoding, got, want, text)
 				}
 			}
 		}
@@ -166,7 +166,7 @@ func TestPieceCountsMatchWhole(t *testing.T) {
 		}
 		for i := 0; i < 400; i++ {
 			text := randomText(rng, words, 40+rng.Intn(400))
-			if _, exact := nextChunk([]byte(text), maxChunk, maxRun); !exact {
+			if !cutExactly(text) {
 				continue
 			}
 			want := len(e.tk.EncodeOrdinary(text))
@@ -179,23 +179,37 @@ func TestPieceCountsMatchWhole(t *testing.T) {
 	}
 }
 
-func TestNextChunkBounds(t *testing.T) {
+// cutExactly reports whether every cut between text's pieces is exact (no run of maxRun bytes without
+// a cut point).
+func cutExactly(text string) bool {
+	for s := []byte(text); len(s) > 0; {
+		k, exact := nextPiece(s)
+		if !exact {
+			return false
+		}
+		s = s[k:]
+	}
+	return true
+}
+
+func TestNextPieceBounds(t *testing.T) {
 	tests := []struct {
 		name  string
 		text  string
 		want  int
 		exact bool
 	}{
-		{"short", "hello world", 11, true},
+		{"a word before a space", "hello world", 5, true},
+		{"no cut point: all of it", "hello", 5, true},
 		{"long run is forced at maxRun", strings.Repeat("a", 3000), maxRun, false},
 		{"long run of spaces", strings.Repeat(" ", 3000), maxRun, false},
 		{"cut before the run", "ab " + strings.Repeat("a", 3000), 2, true},
-		{"prose is cut at the last word within maxChunk", strings.Repeat("word ", 1000), 1019, true},
+		{"a word with its leading space", strings.Repeat(" word", 1000), 5, true},
 		{"multi-byte run is cut at a rune boundary", strings.Repeat("é", 3000), maxRun, false},
 	}
 	for _, tt := range tests {
-		if got, exact := nextChunk([]byte(tt.text), maxChunk, maxRun); got != tt.want || exact != tt.exact {
-			t.Errorf("%s: nextChunk = %d, %v, want %d, %v", tt.name, got, exact, tt.want, tt.exact)
+		if got, exact := nextPiece([]byte(tt.text)); got != tt.want || exact != tt.exact {
+			t.Errorf("%s: nextPiece = %d, %v, want %d, %v", tt.name, got, exact, tt.want, tt.exact)
 		}
 	}
 }
