@@ -282,8 +282,7 @@ func (r *reservation) release(now int64, completed bool) {
 	l.kv -= int64(r.kv)
 	r.index = -1
 	if r.prefillDone > now {
-		remaining := min(r.prefillDone-now, seconds(r.prefill))
-		l.prefillUntil.Store(max(l.prefillUntil.Load()-remaining, now))
+		l.prefillUntil.Store(max(l.prefillUntil.Load()-r.prefillLeft(now), now))
 	}
 	l.ended[l.endNext], l.endedAt[l.endNext], l.endedLearned[l.endNext] = r.start, now, r.learned
 	l.endNext = (l.endNext + 1) % endRing
@@ -308,6 +307,12 @@ func (r *reservation) release(now int64, completed bool) {
 }
 
 func seconds(s float64) int64 { return int64(s * 1e9) }
+
+// prefillLeft is what is left at now of r's predicted prefill (nanoseconds): up to its own prefill
+// before the predicted end, nothing after it.
+func (r *reservation) prefillLeft(now int64) int64 {
+	return min(max(r.prefillDone-now, 0), seconds(r.prefill))
+}
 
 // upstreamView is what the decision reads of one upstream at one moment.
 type upstreamView struct {
@@ -579,7 +584,7 @@ func (l *upstreamLoad) fromScrapeLocked(snap *scraper.Snapshot, now int64, spt f
 			kvSince += float64(r.kv)
 			if !r.firstToken {
 				since += r.uncached
-				sinceLeft += min(max(r.prefillDone-now, 0), seconds(r.prefill))
+				sinceLeft += r.prefillLeft(now)
 			}
 		}
 	}

@@ -119,12 +119,16 @@ func (d *decider) choose(q *query, keys []string, cands []selection.Candidate, s
 	}
 	req.AvailabilityHash = req.PrefixHash
 	if !q.retry { // a retry is counted once, and goes by the cost (its home may be what failed)
+		bs := 0 // no routes (least_tokens): no claims either
+		if d.routes != nil {
+			bs = d.routes.BlockSize()
+		}
 		// A claim on the whole prefix that only peers have learned: another instance sent it (routes
 		// shared through `share`), which this instance's own count cannot know.
-		elsewhere := q.peerClaim > 0 && q.peerClaim+d.routes.BlockSize() > prefix.Tokens
+		elsewhere := q.peerClaim > 0 && q.peerClaim+bs > prefix.Tokens
 		var once bool
 		req.Share, once = d.demand.share(req.PrefixHash, elsewhere)
-		if once && d.routes != nil && continuesHome(cands, d.routes.BlockSize()) {
+		if once && continuesHome(cands, bs) {
 			for i := range cands {
 				cands[i].Queued = q.settled[i]
 			}
@@ -233,15 +237,16 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 		// takes every request (or none) until they are measured too.
 		own := cands[i].Service.PrefillSecondsPerToken
 		cands[i].Service = fleet.Blend(cands[i].Service)
-		if own > 0 { // the queued prefill, in the blended speed too
-			cands[i].Queued *= cands[i].Service.PrefillSecondsPerToken / own
-			q.settled[i] *= cands[i].Service.PrefillSecondsPerToken / own
+		scale := 1.0 // of the queued prefill (both figures), to the speed priced
+		if own > 0 {
+			scale = cands[i].Service.PrefillSecondsPerToken / own
 		}
 		if f := q.overdue[i] / ref; f > 1 {
 			cands[i].Service = cands[i].Service.Slower(f)
-			cands[i].Queued *= f
-			q.settled[i] *= f
+			scale *= f
 		}
+		cands[i].Queued *= scale
+		q.settled[i] *= scale
 	}
 }
 
