@@ -1,0 +1,132 @@
+package selection
+
+import (
+	"errors"
+	"fmt"
+	"math"
+)
+
+// ModelState is what a ServiceModel has learned, in a form that survives the process: the caller stores
+// it (JSON) and gives it back to Restore after a restart, so the model starts from what it knew instead
+// of from the prior. Its fields are the model's own, not a summary, so a restored model goes on learning
+// exactly as the saved one would have.
+type ModelState struct {
+	// Prior is the prior the state was learned from; Restore refuses a state learned from another (a
+	// changed capacity hint forgets what was learned, as SetPrior does).
+	Prior StatePrior `json:"prior"`
+
+	TTFT      RLSState `json:"ttft"`
+	FirstToks int      `json:"first_tokens"`
+	Busy      RLSState `json:"busy"`
+	BusyN     int      `json:"busy_intervals"`
+	LogScale  float64  `json:"log_scale"`
+	Durations int      `json:"durations"`
+	MeanDur   float64  `json:"mean_duration"`
+	Slots     float64  `json:"slots"`
+	Ceiling   float64  `json:"ceiling"`
+	AtCeil    int      `json:"at_ceiling"`
+	BelowCeil int      `json:"below_ceiling"`
+}
+
+// StatePrior is the part of a Service a prior sets.
+type StatePrior struct {
+	Overhead               float64 `json:"overhead"`
+	PrefillSecondsPerToken float64 `json:"prefill_seconds_per_token"`
+	TokenSeconds           float64 `json:"token_seconds"`
+	MeanDuration           float64 `json:"mean_duration"`
+}
+
+func priorOf(s Service) StatePrior {
+	return StatePrior{s.Overhead, s.PrefillSecondsPerToken, s.TokenSeconds, s.MeanDuration}
+}
+
+// RLSState is one recursive least-squares fit: its parameters and their covariance.
+type RLSState struct {
+	Theta [2]float64    `json:"theta"`
+	P     [2][2]float64 `json:"p"`
+}
+
+// ErrOtherPrior is Restore's answer to a state learned from another prior than the model's.
+var ErrOtherPrior = errors.New("learned from another prior (a capacity hint changed)")
+
+// maxStateCount bounds the observation counts Restore accepts: more than any process would count before
+// the counts stop mattering (every threshold that reads them is below 100).
+const maxStateCount = 1 << 30
+
+// State returns what the model has learned.
+func (m *ServiceModel) State() ModelState {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return ModelState{
+		Prior:     priorOf(m.prior),
+		TTFT:      RLSState{m.ttft.theta, m.ttft.p},
+		FirstToks: m.ttftN,
+		Busy:      RLSState{m.busy.theta, m.busy.p},
+		BusyN:     m.busyN,
+		LogScale:  m.logScale,
+		Durations: m.durN,
+		MeanDur:   m.meanDur,
+		Slots:     m.slots,
+		Ceiling:   m.ceiling,
+		AtCeil:    m.atCeil,
+		BelowCeil: m.belowCeil,
+	}
+}
+
+// Restore replaces what the model has learned with st, unless st was learned from another prior
+// (ErrOtherPrior) or is not a state a model can be in (a number not finite, a count or covariance out of
+// range, a scale beyond the model's bounds): then the model is left as it was. A stored state may be old
+// or come from a damaged file; what Restore accepts, the model's own clamps keep plausible, and new
+// observations move it as they would have moved the saved model.
+func (m *ServiceModel) Restore(st ModelState) error {
+	if err := st.check(); err != nil {
+		return err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if st.Prior != priorOf(m.prior) {
+		return ErrOtherPrior
+	}
+	m.ttft, m.ttftN = rls2{theta: st.TTFT.Theta, p: st.TTFT.P}, st.FirstToks
+	m.busy, m.busyN = rls2{theta: st.Busy.Theta, p: st.Busy.P}, st.BusyN
+	m.logScale, m.durN, m.meanDur = st.LogScale, st.Durations, st.MeanDur
+	m.slots, m.ceiling, m.atCeil, m.belowCeil = st.Slots, st.Ceiling, st.AtCeil, st.BelowCeil
+	return nil
+}
+
+func (st ModelState) check() error {
+	finite := []float64{st.Prior.Overhead, st.Prior.PrefillSecondsPerToken, st.Prior.TokenSeconds, st.Prior.MeanDuration,
+		st.LogScale, st.MeanDur, st.Slots, st.Ceiling}
+	for _, r := range []RLSState{st.TTFT, st.Busy} {
+		finite = append(finite, r.Theta[0], r.Theta[1], r.P[0][0], r.P[0][1], r.P[1][0], r.P[1][1])
+	}
+	for _, v := range finite {
+		if math.IsNaN(v) || math.IsInf(v, 0) {
+			return fmt.Errorf("a figure is not finite: %v", v)
+		}
+	}
+	for _, n := range []int{st.FirstToks, st.BusyN, st.Durations, st.AtCeil, st.BelowCeil} {
+		if n < 0 || n > maxStateCount {
+			return fmt.Errorf("count %d out of range", n)
+		}
+	}
+	for _, r := range []RLSState{st.TTFT, st.Busy} {
+		for i := range 2 {
+			for j := range 2 {
+				if math.Abs(r.P[i][j]) > maxCovariance {
+					return fmt.Errorf("covariance %v out of range", r.P[i][j])
+				}
+			}
+			if r.P[i][i] < 0 {
+				return fmt.Errorf("negative variance %v", r.P[i][i])
+			}
+		}
+	}
+	switch {
+	case math.Abs(st.LogScale) > math.Log(maxScale)+1e-9:
+		return fmt.Errorf("speed scale %v out of range", math.Exp(st.LogScale))
+	case st.MeanDur < 0 || st.Slots < 0 || st.Ceiling < 0 || st.Slots > st.Ceiling:
+		return fmt.Errorf("durations or slots out of range (mean duration %v, slots %v, ceiling %v)", st.MeanDur, st.Slots, st.Ceiling)
+	}
+	return nil
+}

@@ -1,0 +1,94 @@
+package selection
+
+import (
+	"encoding/json"
+	"errors"
+	"math"
+	"math/rand/v2"
+	"testing"
+)
+
+// learned returns a model that has seen every kind of observation from a backend 3x slower than the
+// prior, with 12 slots.
+func learned(prior Service) *ServiceModel {
+	rng := rand.New(rand.NewPCG(7, 7))
+	b := backend{overhead: 0.09, perToken: 3 / 8000.0, tokenSeconds: 0.09}
+	m := NewServiceModel(prior)
+	for i := range 30 {
+		uncached, output := 100+rng.IntN(4000), 32+rng.IntN(200)
+		m.ObserveEnd(uncached, output, 0, b.duration(uncached, output, rng))
+		m.ObserveBusy(64*b.tokenSeconds+float64(uncached)*b.perToken, float64(uncached), 64)
+		if i%3 == 0 {
+			m.ObserveFirstToken(uncached, 0, b.ttft(uncached, rng))
+		}
+		m.ObserveQueue(12, 3, 0.4)
+	}
+	return m
+}
+
+// TestServiceModelStateRoundTrip: a model restored from a saved state (through JSON, as persist stores
+// it) predicts what the saved one predicts, and goes on learning exactly as it does.
+func TestServiceModelStateRoundTrip(t *testing.T) {
+	saved := learned(Prior)
+	js, err := json.Marshal(saved.State())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var st ModelState
+	if err := json.Unmarshal(js, &st); err != nil {
+		t.Fatal(err)
+	}
+	restored := NewServiceModel(Prior)
+	fresh := restored.Service()
+	if err := restored.Restore(st); err != nil {
+		t.Fatalf("Restore: %v", err)
+	}
+	if got, want := restored.Service(), saved.Service(); got != want {
+		t.Fatalf("restored service %+v, want %+v", got, want)
+	}
+	if got := restored.Service(); got.Slots != 12 || got.PrefillSecondsPerToken < 2*fresh.PrefillSecondsPerToken {
+		t.Fatalf("restored service %+v: want 12 slots and about 3x the prior's prefill time", got)
+	}
+	for _, m := range []*ServiceModel{saved, restored} {
+		m.ObserveEnd(2000, 100, 0.1, 12)
+		m.ObserveFirstToken(500, 0, 0.3)
+		m.ObserveBusy(3, 9000, 70)
+		m.ObserveQueue(13, 1, 0.2)
+	}
+	if got, want := restored.Service(), saved.Service(); got != want {
+		t.Errorf("after the same observations: restored %+v, saved %+v", got, want)
+	}
+}
+
+// TestServiceModelRestoreRefuses: a state learned from another prior (a changed capacity hint), or one no
+// model can be in (a damaged or edited file), leaves the model as it was.
+func TestServiceModelRestoreRefuses(t *testing.T) {
+	good := learned(Prior).State()
+	other := learned(Prior.Slower(2))
+	m := NewServiceModel(Prior)
+	before := m.Service()
+	if err := m.Restore(other.State()); !errors.Is(err, ErrOtherPrior) {
+		t.Errorf("state of another prior: err %v, want ErrOtherPrior", err)
+	}
+	bad := map[string]func(*ModelState){
+		"NaN theta":          func(s *ModelState) { s.TTFT.Theta[1] = math.NaN() },
+		"infinite variance":  func(s *ModelState) { s.Busy.P[0][0] = math.Inf(1) },
+		"negative variance":  func(s *ModelState) { s.Busy.P[1][1] = -1 },
+		"huge covariance":    func(s *ModelState) { s.TTFT.P[0][1] = 1e12 },
+		"negative count":     func(s *ModelState) { s.FirstToks = -1 },
+		"scale out of range": func(s *ModelState) { s.LogScale = 10 },
+		"slots above ceil":   func(s *ModelState) { s.Slots, s.Ceiling = 64, 8 },
+		"negative duration":  func(s *ModelState) { s.MeanDur = -2 },
+		"NaN prior":          func(s *ModelState) { s.Prior.Overhead = math.NaN() },
+	}
+	for name, damage := range bad {
+		st := good
+		damage(&st)
+		if err := m.Restore(st); err == nil || errors.Is(err, ErrOtherPrior) {
+			t.Errorf("%s: err %v, want a refusal", name, err)
+		}
+	}
+	if got := m.Service(); got != before {
+		t.Errorf("after refused restores the service is %+v, want the untouched %+v", got, before)
+	}
+}
