@@ -2,14 +2,19 @@ package caddyllm
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io/fs"
+	"maps"
 	"net/http"
 	"runtime/debug"
+	"slices"
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/cespare/xxhash/v2"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -17,6 +22,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/tokenrouter/caddy-llm/affinity"
+	"github.com/tokenrouter/caddy-llm/selection"
 	"github.com/tokenrouter/caddy-llm/share"
 )
 
@@ -41,7 +47,8 @@ const (
 // leaves them out changes nothing, and they stop (with a last snapshot) when the last config using the
 // table is unloaded.
 type stateConfig struct {
-	// Persist, when set, snapshots the learned routes and conversation pins to Caddy's configured storage
+	// Persist, when set, snapshots the learned routes and conversation pins, and every upstream's learned
+	// service model (beside them, as <key>.models.json), to Caddy's configured storage
 	// (files under Caddy's data directory by default) periodically and at shutdown, and restores them
 	// before the first request. Off by default.
 	Persist *PersistConfig `json:"persist,omitempty"`
@@ -225,6 +232,7 @@ func (st *tableState) stop() {
 // persister snapshots a table to storage every interval (when it changed) and once more when stopped.
 type persister struct {
 	table    *affinity.Table
+	loads    *loadTable // whose service models it keeps (the process's)
 	key      string
 	interval time.Duration
 	logger   *zap.Logger
@@ -235,30 +243,36 @@ type persister struct {
 	storage certmagic.Storage
 	status  persistStatus
 
-	saveMu  sync.Mutex // serializes saves (the loop's and the last one)
-	changes uint64     // table's Stats().Changes at the last save or restore; under saveMu
+	saveMu     sync.Mutex // serializes saves (the loop's and the last one)
+	changes    uint64     // table's Stats().Changes at the last save or restore; under saveMu
+	modelsMark uint64     // hash of the service models at the last save or restore; under saveMu
 }
 
 // persistStatus is what /llm/state reports about snapshots.
 type persistStatus struct {
-	Key             string    `json:"key"`
-	Interval        string    `json:"interval"`
-	LastSnapshot    time.Time `json:"last_snapshot,omitzero"`
-	LastBytes       int       `json:"last_snapshot_bytes"`
-	LastDurationMS  float64   `json:"last_snapshot_ms"`
-	Snapshots       uint64    `json:"snapshots"`
-	Failures        uint64    `json:"failures"`
-	LastError       string    `json:"last_error,omitempty"`
-	RestoredRoutes  int       `json:"restored_routes"`
-	RestoredPins    int       `json:"restored_pins"`
-	RestoredFrom    time.Time `json:"restored_from,omitzero"`
-	RestoreProblem  string    `json:"restore_problem,omitempty"`
+	Key            string    `json:"key"`
+	Interval       string    `json:"interval"`
+	LastSnapshot   time.Time `json:"last_snapshot,omitzero"`
+	LastBytes      int       `json:"last_snapshot_bytes"`
+	LastDurationMS float64   `json:"last_snapshot_ms"`
+	Snapshots      uint64    `json:"snapshots"`
+	Failures       uint64    `json:"failures"`
+	LastError      string    `json:"last_error,omitempty"`
+	RestoredRoutes int       `json:"restored_routes"`
+	RestoredPins   int       `json:"restored_pins"`
+	RestoredFrom   time.Time `json:"restored_from,omitzero"`
+	RestoreProblem string    `json:"restore_problem,omitempty"`
+	// LastModels is how many upstreams' service models the last save wrote, RestoredModels how many were
+	// restored at the start, and ModelsProblem why some or all of those stored were not.
+	LastModels      int    `json:"last_models"`
+	RestoredModels  int    `json:"restored_models"`
+	ModelsProblem   string `json:"models_problem,omitempty"`
 	failingReported bool
 }
 
 func newPersister(table *affinity.Table, storage certmagic.Storage, key string, interval time.Duration, logger *zap.Logger) *persister {
 	return &persister{
-		table: table, storage: storage, key: key, interval: interval, logger: logger,
+		table: table, loads: loads, storage: storage, key: key, interval: interval, logger: logger,
 		status: persistStatus{Key: key, Interval: interval.String()},
 	}
 }
@@ -285,11 +299,21 @@ func (p *persister) restore() {
 	if err == nil {
 		routes, pins, err = p.table.Restore(data)
 	}
+	restoredModels, modelsProblem := p.restoreModels(ctx)
 	p.saveMu.Lock()
 	p.changes = p.table.Stats().Changes
+	_, p.modelsMark = encodeModels(p.loads.learnedModels())
 	p.saveMu.Unlock()
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	p.status.RestoredModels, p.status.ModelsProblem = restoredModels, modelsProblem
+	if restoredModels > 0 {
+		p.logger.Info("persist: restored service models", zap.String("key", p.modelsKey()), zap.Int("upstreams", restoredModels))
+	}
+	if modelsProblem != "" {
+		p.logger.Warn("persist: some stored service models not restored; those upstreams start from the prior",
+			zap.String("key", p.modelsKey()), zap.Int("restored", restoredModels), zap.String("problem", modelsProblem))
+	}
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
 		p.logger.Info("persist: no snapshot to restore, starting empty", zap.String("key", p.key))
@@ -349,14 +373,23 @@ func (p *persister) save(ctx context.Context) {
 	p.saveMu.Lock()
 	defer p.saveMu.Unlock()
 	changes := p.table.Stats().Changes
-	if changes == p.changes {
+	models := p.loads.learnedModels()
+	modelsJSON, mark := encodeModels(models)
+	if changes == p.changes && mark == p.modelsMark {
 		return
 	}
 	start := time.Now()
-	data := p.table.AppendSnapshot(make([]byte, 0, 64<<10))
 	ctx, cancel := context.WithTimeout(ctx, persistStorageTimeout)
 	defer cancel()
-	err := p.currentStorage().Store(ctx, p.key, data)
+	var data []byte
+	var err error
+	if changes != p.changes {
+		data = p.table.AppendSnapshot(make([]byte, 0, 64<<10))
+		err = p.currentStorage().Store(ctx, p.key, data)
+	}
+	if err == nil && mark != p.modelsMark {
+		err = p.currentStorage().Store(ctx, p.modelsKey(), modelsJSON)
+	}
 	elapsed := time.Since(start)
 
 	p.mu.Lock()
@@ -370,7 +403,7 @@ func (p *persister) save(ctx context.Context) {
 		}
 		return
 	}
-	p.changes = changes
+	p.changes, p.modelsMark = changes, mark
 	if p.status.failingReported {
 		p.status.failingReported = false
 		p.logger.Info("persist: saving snapshots again", zap.String("key", p.key))
@@ -378,9 +411,12 @@ func (p *persister) save(ctx context.Context) {
 	p.status.LastError = ""
 	p.status.Snapshots++
 	p.status.LastSnapshot = start
-	p.status.LastBytes = len(data)
 	p.status.LastDurationMS = float64(elapsed.Microseconds()) / 1000
-	snapshotBytes.Set(float64(len(data)))
+	p.status.LastModels = len(models)
+	if data != nil {
+		p.status.LastBytes = len(data)
+		snapshotBytes.Set(float64(len(data)))
+	}
 }
 
 func (p *persister) report() persistStatus {
@@ -479,3 +515,92 @@ func serveState(w http.ResponseWriter, r *http.Request) error {
 
 // Interface guards
 var _ caddy.AdminRouter = (*stateAdmin)(nil)
+
+// The upstreams' learned service models (how fast each prefills and decodes, its slots: see
+// selection.ServiceModel) are kept beside the route snapshot, as JSON under <key>.models.json, so that a
+// restarted Caddy prices every upstream at the speed it had learned instead of the prior: in a pool with
+// a slower backend, a fresh process sends that backend its fair share of requests until the first of them
+// end, seconds later. They are process-wide (one model per upstream address, shared by every policy), so
+// each persisting route table writes and restores them all; restoring never replaces a model this
+// process has already learned from.
+
+// modelsFile is the stored form of the models.
+type modelsFile struct {
+	Version   int                             `json:"version"`
+	Taken     time.Time                       `json:"taken"`
+	Upstreams map[string]selection.ModelState `json:"upstreams"`
+}
+
+const (
+	modelsVersion = 1
+	// maxStoredModels bounds how many models a restore accepts: the load table sweeps idle upstreams
+	// beyond sweepAbove, so a file with far more is not one this package wrote.
+	maxStoredModels = 4 * sweepAbove
+)
+
+func (p *persister) modelsKey() string {
+	return strings.TrimSuffix(p.key, ".snapshot") + ".models.json"
+}
+
+// learnedModels returns the model of every upstream that has learned something (an observation, or a
+// running count from its metrics).
+func (t *loadTable) learnedModels() map[string]selection.ModelState {
+	t.mu.RLock()
+	ls := make(map[string]*upstreamLoad, len(t.m))
+	maps.Copy(ls, t.m)
+	t.mu.RUnlock()
+	out := make(map[string]selection.ModelState)
+	for dial, l := range ls {
+		if st := l.model.State(); st.FirstToks+st.BusyN+st.Durations > 0 || st.Ceiling > 0 {
+			out[dial] = st
+		}
+	}
+	return out
+}
+
+// encodeModels returns the file to store for models and a hash of the models alone (not the time
+// taken), to tell whether they changed since the last save.
+func encodeModels(models map[string]selection.ModelState) (file []byte, mark uint64) {
+	ups, err := json.Marshal(models) // maps marshal in key order
+	if err != nil {
+		return nil, 0 // not reached: a ModelState is plain numbers
+	}
+	file, _ = json.Marshal(modelsFile{Version: modelsVersion, Taken: time.Now().UTC(), Upstreams: models})
+	return file, xxhash.Sum64(ups)
+}
+
+// restoreModels gives each upstream in the stored file its saved model, unless this process has already
+// learned one. It returns how many were restored and, when some or all were not, why (a missing file is
+// no problem: a first start, or a snapshot of a version before models were kept).
+func (p *persister) restoreModels(ctx context.Context) (restored int, problem string) {
+	data, err := p.currentStorage().Load(ctx, p.modelsKey())
+	if errors.Is(err, fs.ErrNotExist) {
+		return 0, ""
+	}
+	if err != nil {
+		return 0, err.Error()
+	}
+	var f modelsFile
+	switch err := json.Unmarshal(data, &f); {
+	case err != nil:
+		return 0, "not a models file: " + err.Error()
+	case f.Version != modelsVersion:
+		return 0, fmt.Sprintf("models file version %d, want %d", f.Version, modelsVersion)
+	case len(f.Upstreams) > maxStoredModels:
+		return 0, fmt.Sprintf("%d models, more than the %d kept", len(f.Upstreams), maxStoredModels)
+	}
+	var problems []string
+	now := time.Now().UnixNano()
+	for _, dial := range slices.Sorted(maps.Keys(f.Upstreams)) {
+		l := p.loads.entry(dial, now)
+		if s := l.model.Service(); s.Samples > 0 || s.Ceiling > 0 {
+			continue // learned here already (a reload that changed the persist key): newer than the file
+		}
+		if err := l.model.Restore(f.Upstreams[dial]); err != nil {
+			problems = append(problems, dial+": "+err.Error())
+			continue
+		}
+		restored++
+	}
+	return restored, strings.Join(problems, "; ")
+}

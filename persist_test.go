@@ -6,11 +6,14 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"reflect"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -23,6 +26,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/tokenrouter/caddy-llm/affinity"
+	"github.com/tokenrouter/caddy-llm/selection"
 	"github.com/tokenrouter/caddy-llm/tokenize"
 )
 
@@ -37,6 +41,7 @@ func TestPersisterRestore(t *testing.T) {
 	src.Learn("m", testBounds, "10.0.0.1:8000")
 	src.Pin("m", "conv", "10.0.0.2:8000")
 	p := newPersister(src, storage, key, time.Hour, zap.NewNop())
+	p.loads = &loadTable{m: make(map[string]*upstreamLoad)} // no models: this process's could change between saves
 	p.save(context.Background())
 	if st := p.report(); st.Snapshots != 1 || st.LastBytes == 0 {
 		t.Fatalf("report() after save = %+v, want one snapshot", st)
@@ -81,6 +86,96 @@ func TestPersisterRestore(t *testing.T) {
 				t.Errorf("logs = %v, want exactly %q", all, tc.wantLog)
 			}
 		})
+	}
+}
+
+// TestPersisterModels: the upstreams' learned service models are saved beside the routes and restored
+// into a fresh process's loads; an upstream already learned there keeps its own, one learned from
+// another prior (a changed capacity hint) starts from its prior, and a damaged file restores none, with
+// one warning, while the routes still restore.
+func TestPersisterModels(t *testing.T) {
+	storage := &certmagic.FileStorage{Path: t.TempDir()}
+	const key = "caddy-llm/models-test.snapshot"
+	newLoads := func() *loadTable { return &loadTable{m: make(map[string]*upstreamLoad)} }
+	teach := func(lt *loadTable, dial string, seconds float64) {
+		m := lt.entry(dial, 1).model
+		for range 20 {
+			m.ObserveEnd(1000, 100, 0, seconds)
+		}
+	}
+	src := affinity.New(affinity.Config{})
+	src.Learn("m", testBounds, "10.0.0.1:8000")
+	srcLoads := newLoads()
+	teach(srcLoads, "10.0.0.1:8000", 12) // slow
+	teach(srcLoads, "10.0.0.2:8000", 1)  // fast
+	srcLoads.entry("10.0.0.3:8000", 1)   // never learned: not saved
+	p := newPersister(src, storage, key, time.Hour, zap.NewNop())
+	p.loads = srcLoads
+	p.save(context.Background())
+	if st := p.report(); st.Snapshots != 1 || st.LastModels != 2 {
+		t.Fatalf("report() after save = %+v, want one snapshot of 2 models", st)
+	}
+	// Models alone changed: saved again (a restart must not go back to an older speed).
+	teach(srcLoads, "10.0.0.2:8000", 2)
+	p.save(context.Background())
+	if st := p.report(); st.Snapshots != 2 {
+		t.Errorf("report() after the models changed = %+v, want a second save", st)
+	}
+	want := srcLoads.learnedModels()
+
+	restore := func(dst *loadTable) (persistStatus, *observer.ObservedLogs) {
+		core, logs := observer.New(zap.DebugLevel)
+		q := newPersister(affinity.New(affinity.Config{}), storage, key, time.Hour, zap.New(core))
+		q.loads = dst
+		q.restore()
+		return q.report(), logs
+	}
+
+	dst := newLoads()
+	dst.entry("10.0.0.2:8000", 1).model.SetPrior(selection.Prior.Slower(2)) // its capacity hint changed
+	st, logs := restore(dst)
+	if st.RestoredModels != 1 || !strings.Contains(st.ModelsProblem, "10.0.0.2:8000") || st.RestoredRoutes != 3 {
+		t.Errorf("restore = %+v, want the slow upstream's model and the routes restored, the other's refused", st)
+	}
+	if got := dst.lookup("10.0.0.1:8000").model.State(); !reflect.DeepEqual(got, want["10.0.0.1:8000"]) {
+		t.Errorf("restored model %+v, want %+v", got, want["10.0.0.1:8000"])
+	}
+	if got := dst.lookup("10.0.0.2:8000").model.Service(); got.Samples != 0 {
+		t.Errorf("model learned from another prior restored: %+v", got)
+	}
+	if n := logs.FilterMessageSnippet("service models not restored").Len(); n != 1 {
+		t.Errorf("warnings about refused models = %d, want 1: %v", n, logs.All())
+	}
+
+	dst = newLoads()
+	teach(dst, "10.0.0.1:8000", 3) // learned here before the restore (a reload changed the key)
+	own := dst.lookup("10.0.0.1:8000").model.State()
+	if st, _ := restore(dst); st.RestoredModels != 1 {
+		t.Errorf("restore = %+v, want only the upstream this process had not learned", st)
+	}
+	if got := dst.lookup("10.0.0.1:8000").model.State(); !reflect.DeepEqual(got, own) {
+		t.Errorf("restore replaced a model this process learned: %+v, want %+v", got, own)
+	}
+
+	for name, data := range map[string]string{
+		"not JSON":       "LLMR garbage",
+		"future version": `{"version":99,"upstreams":{}}`,
+		"damaged model":  `{"version":1,"upstreams":{"10.0.0.1:8000":{"prior":{},"log_scale":1e300}}}`,
+	} {
+		if err := storage.Store(context.Background(), strings.TrimSuffix(key, ".snapshot")+".models.json", []byte(data)); err != nil {
+			t.Fatal(err)
+		}
+		dst := newLoads()
+		st, logs := restore(dst)
+		if st.RestoredModels != 0 || st.ModelsProblem == "" || st.RestoredRoutes != 3 {
+			t.Errorf("%s: restore = %+v, want no model, the problem, and the routes", name, st)
+		}
+		if n := logs.FilterMessageSnippet("service models not restored").Len(); n != 1 {
+			t.Errorf("%s: warnings = %d, want 1: %v", name, n, logs.All())
+		}
+		if len(dst.learnedModels()) != 0 {
+			t.Errorf("%s: models learned from a damaged file", name)
+		}
 	}
 }
 
@@ -427,11 +522,28 @@ func TestPersistProcessRestart(t *testing.T) {
 		turn++
 	}
 	send(false)
+	// What each upstream that answered has learned of its speed (its requests' durations): the restarted
+	// process must start from it, not from the prior.
+	learned := make(map[string]serviceModel)
+	for up, u := range adminUpstreamsAt(t, p.Admin) {
+		if slices.Contains(slices.Collect(maps.Values(where)), up) {
+			learned[up] = *u.Model
+		}
+	}
 
 	p.stop(syscall.SIGINT) // graceful: Cleanup writes the last snapshot
 	p.start()
-	if s := adminState(t, p.Admin); s.Tables[0].Persist.RestoredPins != conversations {
-		t.Fatalf("after a graceful stop: /llm/state = %+v, want %d pins restored\n%s", s, conversations, p.Logs())
+	if s := adminState(t, p.Admin); s.Tables[0].Persist.RestoredPins != conversations || s.Tables[0].Persist.RestoredModels != len(learned) {
+		t.Fatalf("after a graceful stop: /llm/state = %+v, want %d pins and %d service models restored\n%s", s, conversations, len(learned), p.Logs())
+	}
+	restarted := adminUpstreamsAt(t, p.Admin)
+	for up, m := range learned {
+		if got := restarted[up].Model; got == nil || *got != m {
+			t.Errorf("service model of %s after the restart = %+v, want the learned %+v", up, got, m)
+		}
+		if m.MeanDurationSeconds >= selection.Prior.MeanDuration {
+			t.Errorf("service model of %s before the restart = %+v: learned nothing (the test shows nothing)", up, m)
+		}
 	}
 	send(true)
 

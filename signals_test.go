@@ -34,10 +34,16 @@ func simBackend(t *testing.T, cfg vllmsim.Config) (*vllmsim.Server, string) {
 	return sim, strings.TrimPrefix(srv.URL, "http://")
 }
 
-// adminUpstreams reads GET /llm/upstreams.
+// adminUpstreams reads GET /llm/upstreams of the in-process Caddy.
 func adminUpstreams(t *testing.T) map[string]upstreamStatus {
 	t.Helper()
-	res, err := http.Get(adminURL + "/llm/upstreams")
+	return adminUpstreamsAt(t, adminURL)
+}
+
+// adminUpstreamsAt reads GET /llm/upstreams from the admin API at admin.
+func adminUpstreamsAt(t *testing.T, admin string) map[string]upstreamStatus {
+	t.Helper()
+	res, err := http.Get(admin + "/llm/upstreams")
 	if err != nil {
 		t.Fatal(err)
 	}
