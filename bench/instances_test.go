@@ -50,7 +50,11 @@ func TestParseInstancesOptions(t *testing.T) {
 	if got := o.shareFlushInterval(); got != 20*time.Millisecond {
 		t.Errorf("share flush at time scale 5 = %s, want 20ms (100ms simulated)", got)
 	}
+	if o, err = parseOptions([]string{"-restart", "-regimes", "hetero"}); err != nil || len(o.regimes) != 1 || o.regimes[0].Name != "hetero" {
+		t.Errorf("-restart -regimes hetero: regimes %v, err %v; want hetero alone", o.regimes, err)
+	}
 	for _, bad := range [][]string{
+		{"-restart", "-regimes", "hetero,default"},
 		{"-instances", "1"},
 		{"-instances", "3", "-matrix"},
 		{"-restart", "-overhead"},

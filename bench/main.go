@@ -136,7 +136,7 @@ func parseOptions(args []string) (options, error) {
 	fs.BoolVar(&o.matrix, "matrix", false, "run backend regimes x workloads with round_robin, least_conn, header, llm and oracle, and judge llm per cell")
 	fs.BoolVar(&o.goodput, "goodput", false, "step the load on shared-prefix and report the highest at which TTFT p99 stays under 2 s, least_conn vs llm")
 	fs.BoolVar(&o.faults, "faults", false, "one backend drops 10% of its streams mid-way and fails 3% of requests: complete streams, goodput and TTFT p99 of least_conn + lb_retries, llm, and llm + llm_resume")
-	fs.StringVar(&regimeList, "regimes", "all", "with -matrix or -goodput: comma-separated regimes: "+strings.Join(regimeNames(), ","))
+	fs.StringVar(&regimeList, "regimes", "all", "with -matrix or -goodput: comma-separated regimes (with -restart: one): "+strings.Join(regimeNames(), ","))
 	fs.IntVar(&o.seeds, "seeds", 3, "with -matrix, -goodput or -faults: seeds per cell (medians over them; -faults pools them); 1 with -quick, -goodput or -faults unless set")
 	fs.IntVar(&o.backends, "backends", 4, "number of simulated backends")
 	fs.Float64Var(&o.load, "load", 0.75, "offered load as a fraction of the estimated cluster capacity")
@@ -282,6 +282,9 @@ func parseOptions(args []string) (options, error) {
 		o.regimes = []regime{mustRegime("small-batch"), mustRegime("default")}
 	default:
 		o.regimes = regimes
+	}
+	if o.restart && regimeList != "all" && len(o.regimes) != 1 {
+		return o, fmt.Errorf("-restart runs one regime, not %d", len(o.regimes))
 	}
 	return o, nil
 }

@@ -176,6 +176,7 @@ type tableState struct {
 	Persist      *struct {
 		RestoredRoutes int `json:"restored_routes"`
 		RestoredPins   int `json:"restored_pins"`
+		RestoredModels int `json:"restored_models"`
 		LastBytes      int `json:"last_snapshot_bytes"`
 	} `json:"persist,omitempty"`
 	Share *struct {

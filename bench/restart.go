@@ -33,10 +33,13 @@ type RestartPoint struct {
 	// before the stop). The interval that holds the restart is left out.
 	T       float64 `json:"t_s"`
 	HitRate float64 `json:"hit_rate"`
+	// TTFTP99 is the TTFT p99 (simulated ms) of the requests sent in the interval; 0 when none was.
+	TTFTP99 float64 `json:"ttft_p99_ms"`
 }
 
 // RestartRun is one restart, with or without persist.
 type RestartRun struct {
+	Regime   string  `json:"regime"`
 	Workload string  `json:"workload"`
 	Persist  bool    `json:"persist"`
 	RateRPS  float64 `json:"rate_rps"`
@@ -59,6 +62,7 @@ type RestartRun struct {
 	PinsAtStop     int            `json:"pins_at_stop"`
 	RestoredRoutes int            `json:"restored_routes"`
 	RestoredPins   int            `json:"restored_pins"`
+	RestoredModels int            `json:"restored_models"`
 	SnapshotBytes  int            `json:"snapshot_bytes"`
 	Series         []RestartPoint `json:"series"`
 	Notes          []string       `json:"notes,omitempty"`
@@ -91,7 +95,10 @@ func runRestartMode(ctx context.Context, o options, args []string, started time.
 	}
 	res := RestartResults{Command: "go run ./bench " + strings.Join(args, " "), Started: started.UTC().Format(time.RFC3339),
 		Machine: machine(), Seed: o.seed, Backends: o.backends, Load: o.load, Sim: o.sim}
-	sims := uniformCluster(o.backends, o.sim)
+	sims, regimeName := uniformCluster(o.backends, o.sim), "default"
+	if len(o.regimes) == 1 { // -regimes named one (parseOptions refuses more with -restart)
+		sims, regimeName = o.regimes[0].build(o.backends, o.sim), o.regimes[0].Name
+	}
 	for _, name := range o.workloads {
 		for _, persist := range []bool{true, false} {
 			fmt.Fprintf(os.Stderr, "%s, persist %v: %.0f s of wall time ...\n", name, persist, 3.2*restartWindow.Seconds()/o.sim.TimeScale)
@@ -99,6 +106,7 @@ func runRestartMode(ctx context.Context, o options, args []string, started time.
 			if err != nil {
 				return fmt.Errorf("%s restart (persist %v): %w", name, persist, err)
 			}
+			run.Regime = regimeName
 			fmt.Fprintf(os.Stderr, "  hit rate %.1f%% before, %.1f%% after\n", 100*run.HitBefore, 100*run.HitAfter)
 			res.Runs = append(res.Runs, run)
 		}
@@ -249,7 +257,7 @@ func runRestart(ctx context.Context, o options, sims []simSettings, name string,
 		return run, err
 	}
 	if st.Persist != nil {
-		run.RestoredRoutes, run.RestoredPins = st.Persist.RestoredRoutes, st.Persist.RestoredPins
+		run.RestoredRoutes, run.RestoredPins, run.RestoredModels = st.Persist.RestoredRoutes, st.Persist.RestoredPins, st.Persist.RestoredModels
 	}
 	sleep(window) // the minute after
 	a1 := read()
@@ -292,9 +300,16 @@ func runRestart(ctx context.Context, o options, sims []simSettings, name string,
 		if readings[i].at.After(stopAt) && readings[i-1].at.Before(a0.at) {
 			continue // the interval of the restart
 		}
+		var sent []requestResult
+		for _, r := range results {
+			if !r.Sent.Before(readings[i-1].at) && r.Sent.Before(readings[i].at) {
+				sent = append(sent, r)
+			}
+		}
 		run.Series = append(run.Series, RestartPoint{
 			T:       round3(readings[i].at.Sub(a0.at).Seconds() * o.sim.TimeScale),
 			HitRate: hitRate(readings[i-1].states, readings[i].states),
+			TTFTP99: summarize("interval", sent, o.sim.TimeScale).TTFTP99,
 		})
 	}
 	mu.Unlock()
@@ -303,25 +318,25 @@ func runRestart(ctx context.Context, o options, sims []simSettings, name string,
 
 // restartRows is the table of every restart run.
 func restartRows(res RestartResults) [][]string {
-	rows := [][]string{{"workload", "persist", "hit before", "hit after", "after/before", "hit first <=6 s", "TTFT p50 before", "after", "TTFT p99 before", "after", "downtime s", "routes at stop", "restored", "failed"}}
+	rows := [][]string{{"regime", "workload", "persist", "hit before", "hit after", "after/before", "hit first <=6 s", "TTFT p50 before", "after", "TTFT p99 before", "after", "first <=6 s", "downtime s", "routes at stop", "restored", "failed"}}
 	for _, r := range res.Runs {
 		rel := "-"
 		if r.HitBefore > 0 {
 			rel = fmt.Sprintf("%.0f%%", 100*r.HitAfter/r.HitBefore)
 		}
-		first := "-"
+		first, firstP99 := "-", "-"
 		for _, p := range r.Series {
 			if p.T > 0 {
-				first = fmt.Sprintf("%.1f%%", 100*p.HitRate)
+				first, firstP99 = fmt.Sprintf("%.1f%%", 100*p.HitRate), f0(p.TTFTP99)
 				break
 			}
 		}
 		restored := "-"
 		if r.Persist {
-			restored = fmt.Sprintf("%d routes, %d pins", r.RestoredRoutes, r.RestoredPins)
+			restored = fmt.Sprintf("%d routes, %d pins, %d models", r.RestoredRoutes, r.RestoredPins, r.RestoredModels)
 		}
-		rows = append(rows, []string{r.Workload, fmt.Sprint(r.Persist), fmt.Sprintf("%.1f%%", 100*r.HitBefore), fmt.Sprintf("%.1f%%", 100*r.HitAfter), rel, first,
-			f0(r.TTFTP50Before), f0(r.TTFTP50After), f0(r.TTFTP99Before), f0(r.TTFTP99After), f1(r.DowntimeS),
+		rows = append(rows, []string{r.Regime, r.Workload, fmt.Sprint(r.Persist), fmt.Sprintf("%.1f%%", 100*r.HitBefore), fmt.Sprintf("%.1f%%", 100*r.HitAfter), rel, first,
+			f0(r.TTFTP50Before), f0(r.TTFTP50After), f0(r.TTFTP99Before), f0(r.TTFTP99After), firstP99, f1(r.DowntimeS),
 			fmt.Sprintf("%d routes, %d pins", r.RoutesAtStop, r.PinsAtStop), restored, fmt.Sprint(r.Failed)})
 	}
 	return rows
@@ -353,13 +368,13 @@ func writeRestartMarkdown(md *strings.Builder, res RestartResults) {
 		"simulated ms.\n\n",
 		res.Backends, res.Sim.describe(), res.Load, res.Seed, restartWindow.Seconds()/res.Sim.TimeScale, res.Sim.TimeScale)
 	writeMarkdownTable(md, restartRows(res))
-	fmt.Fprintf(md, "\nHit rate per 6 simulated seconds, the first interval after the restart from the moment it answered (t = 0) to the next reading:\n\n")
+	fmt.Fprintf(md, "\nHit rate and TTFT p99 (simulated ms) per 6 simulated seconds, the first interval after the restart from the moment it answered (t = 0) to the next reading:\n\n")
 	for _, r := range res.Runs {
 		var pts []string
 		for _, p := range r.Series {
-			pts = append(pts, fmt.Sprintf("%.0fs %.0f%%", p.T, 100*p.HitRate))
+			pts = append(pts, fmt.Sprintf("%.0fs %.0f%% %.0f", p.T, 100*p.HitRate, p.TTFTP99))
 		}
-		fmt.Fprintf(md, "- %s, persist %v: %s\n", r.Workload, r.Persist, strings.Join(pts, ", "))
+		fmt.Fprintf(md, "- %s %s, persist %v: %s\n", r.Regime, r.Workload, r.Persist, strings.Join(pts, ", "))
 		for _, n := range r.Notes {
 			fmt.Fprintf(md, "  - %s\n", n)
 		}
