@@ -569,9 +569,8 @@ func encodeModels(models map[string]selection.ModelState) (file []byte, mark uin
 	return file, xxhash.Sum64(ups)
 }
 
-// restoreModels gives each upstream in the stored file its saved model, unless this process has already
-// learned one. It returns how many were restored and, when some or all were not, why (a missing file is
-// no problem: a first start, or a snapshot of a version before models were kept).
+// restoreModels gives each upstream in the stored file its saved model (restoreModels of the loads). A
+// missing file is no problem: a first start, or a snapshot of a version before models were kept.
 func (p *persister) restoreModels(ctx context.Context) (restored int, problem string) {
 	data, err := p.currentStorage().Load(ctx, p.modelsKey())
 	if errors.Is(err, fs.ErrNotExist) {
@@ -580,6 +579,13 @@ func (p *persister) restoreModels(ctx context.Context) (restored int, problem st
 	if err != nil {
 		return 0, err.Error()
 	}
+	return p.loads.restoreModels(data)
+}
+
+// restoreModels gives each upstream in a models file (persist's, or another instance's through share)
+// its model, unless this process has already learned one. It returns how many were restored and, when
+// some or all were not, why.
+func (t *loadTable) restoreModels(data []byte) (restored int, problem string) {
 	var f modelsFile
 	switch err := json.Unmarshal(data, &f); {
 	case err != nil:
@@ -592,9 +598,9 @@ func (p *persister) restoreModels(ctx context.Context) (restored int, problem st
 	var problems []string
 	now := time.Now().UnixNano()
 	for _, dial := range slices.Sorted(maps.Keys(f.Upstreams)) {
-		l := p.loads.entry(dial, now)
+		l := t.entry(dial, now)
 		if s := l.model.Service(); s.Samples > 0 || s.Ceiling > 0 {
-			continue // learned here already (a reload that changed the persist key): newer than the file
+			continue // learned here already (or restored from a newer file): newer than this one
 		}
 		if err := l.model.Restore(f.Upstreams[dial]); err != nil {
 			problems = append(problems, dial+": "+err.Error())

@@ -284,6 +284,7 @@ type stateResponse struct {
 			Connected       bool   `json:"connected"`
 			ImportedChanges uint64 `json:"imported_changes"`
 			WarmedUp        bool   `json:"warmed_up"`
+			PeerModels      int    `json:"peer_models"`
 		} `json:"share"`
 	} `json:"tables"`
 }

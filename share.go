@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -19,8 +20,9 @@ import (
 // this much at start and never fails it.
 const shareWarmWait = 2 * time.Second
 
-// ShareConfig configures sharing learned routes and pins between instances through Redis (see package
-// share for the design, the bytes on the wire and the behaviour when Redis is down).
+// ShareConfig configures sharing learned routes and pins between instances through Redis, and handing a
+// starting instance the others' learned service models (see package share for the design, the bytes on
+// the wire and the behaviour when Redis is down).
 type ShareConfig struct {
 	// URL of the Redis server: redis://[user:pass@]host:port/db, or rediss:// for TLS. Placeholders such
 	// as {env.REDIS_URL} are replaced. Required.
@@ -82,6 +84,8 @@ func (st *tableState) configureShareLocked(sc *ShareConfig) {
 				shareConnected.Set(0)
 			}
 		},
+		Models:     func() []byte { return loads.sharedModels() },
+		PeerModels: func(blobs [][]byte) { loads.restorePeerModels(blobs, st.logger) },
 	})
 	if err != nil { // unreachable: provision parsed the URL
 		st.logger.Error("share: not started", zap.Error(err))
@@ -162,4 +166,36 @@ func registerStateMetrics(ctx caddy.Context) error {
 		}
 	}
 	return nil
+}
+
+// sharedModels is what this instance publishes beside its routes: its upstreams' learned service models,
+// as persist stores them; nil while none has learned anything.
+func (t *loadTable) sharedModels() []byte {
+	models := t.learnedModels()
+	if len(models) == 0 {
+		return nil
+	}
+	file, _ := encodeModels(models)
+	return file
+}
+
+// restorePeerModels gives the upstreams this instance has not learned anything about yet the models other
+// instances published (newest first: the newest instance's model of an upstream wins), so that a new
+// instance beside running ones prices every upstream at its known speed from its first request.
+func (t *loadTable) restorePeerModels(newestFirst [][]byte, logger *zap.Logger) {
+	restored := 0
+	var problems []string
+	for _, blob := range newestFirst {
+		n, problem := t.restoreModels(blob)
+		restored += n
+		if problem != "" {
+			problems = append(problems, problem)
+		}
+	}
+	if restored > 0 {
+		logger.Info("share: restored service models from other instances", zap.Int("upstreams", restored), zap.Int("instances", len(newestFirst)))
+	}
+	if len(problems) > 0 {
+		logger.Warn("share: some service models of other instances not restored", zap.String("problem", strings.Join(problems, "; ")))
+	}
 }

@@ -1,15 +1,20 @@
 package caddyllm
 
 import (
+	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
 
+	"github.com/tokenrouter/caddy-llm/selection"
 	"github.com/tokenrouter/caddy-llm/share/redistest"
 )
 
@@ -109,6 +114,29 @@ func TestShareProcesses(t *testing.T) {
 			t.Errorf("/llm/state = %+v, want remote routes", s)
 		}
 	}
+	// A third instance started now prices the upstreams at the speeds the others learned (their service
+	// models, published beside the routes) before it has relayed a single request.
+	late := startCaddyProcess(t, t.TempDir(), cfg)
+	waitState(t, late, "connected", func(s stateResponse) bool { return s.Tables[0].Share.Connected })
+	if n := adminState(t, late.Admin).Tables[0].Share.PeerModels; n != 2 {
+		t.Errorf("late instance: peer_models = %d, want the 2 others' (%s)", n, late.Logs())
+	}
+	// (The others publish every 10 s, the first time as soon as they have learned anything: the summaries
+	// cover at least the first upstream each learned.)
+	learned := 0
+	for up, u := range adminUpstreamsAt(t, late.Admin) {
+		switch {
+		case u.InflightRequests > 0 || u.Model == nil:
+		case u.Model.MeanDurationSeconds >= selection.Prior.MeanDuration:
+			t.Errorf("late instance: %s has the prior %+v, want the others' learned model", up, *u.Model)
+		default:
+			learned++
+		}
+	}
+	if learned == 0 {
+		t.Errorf("late instance: no upstream has a learned model, want the others' (%s)", late.Logs())
+	}
+	late.kill()
 
 	srv.Kill()
 	converse(6, 12, 4, false) // no request may fail while Redis is down
@@ -154,4 +182,54 @@ func metricsText(t *testing.T, admin string) string {
 	defer res.Body.Close()
 	b, _ := io.ReadAll(res.Body)
 	return string(b)
+}
+
+// TestRestorePeerModels: a new instance takes the service models other instances published, the newest
+// instance's model of an upstream first; an upstream it has learned itself keeps its own, and a summary
+// it cannot read is one warning, not a failure.
+func TestRestorePeerModels(t *testing.T) {
+	publisher := func(seconds float64, dials ...string) []byte {
+		lt := &loadTable{m: make(map[string]*upstreamLoad)}
+		for _, d := range dials {
+			for range 20 {
+				lt.entry(d, 1).model.ObserveEnd(1000, 100, 0, seconds)
+			}
+		}
+		return lt.sharedModels()
+	}
+	if empty := (&loadTable{m: make(map[string]*upstreamLoad)}).sharedModels(); empty != nil {
+		t.Errorf("sharedModels() of nothing learned = %q, want nil (nothing published)", empty)
+	}
+	newer := publisher(9, "10.0.0.1:8000")
+	older := publisher(2, "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000")
+	want := func(blob []byte, dial string) selection.ModelState {
+		var f modelsFile
+		if err := json.Unmarshal(blob, &f); err != nil {
+			t.Fatal(err)
+		}
+		return f.Upstreams[dial]
+	}
+
+	lt := &loadTable{m: make(map[string]*upstreamLoad)}
+	for range 3 {
+		lt.entry("10.0.0.3:8000", 1).model.ObserveEnd(500, 10, 0, 0.5) // learned here
+	}
+	own := lt.lookup("10.0.0.3:8000").model.State()
+	core, logs := observer.New(zap.InfoLevel)
+	lt.restorePeerModels([][]byte{newer, []byte("not a summary"), older}, zap.New(core))
+	if got := lt.lookup("10.0.0.1:8000").model.State(); !reflect.DeepEqual(got, want(newer, "10.0.0.1:8000")) {
+		t.Errorf("10.0.0.1 took %+v, want the newest instance's model", got)
+	}
+	if got := lt.lookup("10.0.0.2:8000").model.State(); !reflect.DeepEqual(got, want(older, "10.0.0.2:8000")) {
+		t.Errorf("10.0.0.2 took %+v, want the older instance's model (the newest has none)", got)
+	}
+	if got := lt.lookup("10.0.0.3:8000").model.State(); !reflect.DeepEqual(got, own) {
+		t.Errorf("10.0.0.3 took %+v, want its own model kept", got)
+	}
+	if n := logs.FilterMessage("share: restored service models from other instances").Len(); n != 1 {
+		t.Errorf("restore log lines = %d, want 1: %v", n, logs.All())
+	}
+	if n := logs.FilterMessageSnippet("not restored").Len(); n != 1 {
+		t.Errorf("warnings = %d, want 1 for the unreadable summary: %v", n, logs.All())
+	}
 }

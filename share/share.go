@@ -30,6 +30,14 @@
 // a reader goroutine retries with exponential backoff (100ms to 5s), logging the loss and the recovery
 // once each and reporting them through Config.OnConnected.
 //
+// # Beside the routes
+//
+// An instance can also publish an opaque summary of what it has learned besides routes (caddy-llm: each
+// upstream's service model) with Config.Models: every ModelsInterval it is written as the instance's
+// field of one Redis hash, <prefix>models, stamped with the time. A starting instance reads the hash
+// in its warm-up and hands the other instances' summaries of the last Window, newest first, to
+// Config.PeerModels; fields older than that are deleted.
+//
 // A Sharer is safe for concurrent use. It holds no more than one batch in memory besides the table's feed.
 package share
 
@@ -60,6 +68,8 @@ const (
 	DefaultStreamLength  = 10_000
 	DefaultWindow        = 30 * time.Minute
 	DefaultTimeout       = time.Second
+	// DefaultModelsInterval is how often Config.Models is published.
+	DefaultModelsInterval = 10 * time.Second
 
 	minBackoff = 100 * time.Millisecond
 	maxBackoff = 5 * time.Second
@@ -88,6 +98,14 @@ type Config struct {
 	Logger *zap.Logger
 	// OnConnected, when set, is called with each change of the connection state.
 	OnConnected func(connected bool)
+	// Models, when set, returns what this instance publishes beside its routes every ModelsInterval (see
+	// the package doc); nil or empty publishes nothing. It runs on the publishing goroutine.
+	Models func() []byte
+	// PeerModels, when set, is called once, at the warm-up, with the other instances' published summaries
+	// of the last Window, newest first (none: not called).
+	PeerModels func(newestFirst [][]byte)
+	// ModelsInterval is how often Models is published. Default 10s.
+	ModelsInterval time.Duration
 }
 
 func (c *Config) withDefaults() {
@@ -115,6 +133,9 @@ func (c *Config) withDefaults() {
 	if c.OnConnected == nil {
 		c.OnConnected = func(bool) {}
 	}
+	if c.ModelsInterval <= 0 {
+		c.ModelsInterval = DefaultModelsInterval
+	}
 }
 
 // Status is a Sharer's state, as reported by /llm/state.
@@ -134,6 +155,10 @@ type Status struct {
 	LastError         string    `json:"last_error,omitempty"`
 	LastErrorAt       time.Time `json:"last_error_at,omitzero"`
 	ReconnectAttempts uint64    `json:"reconnect_attempts"`
+	// PublishedModels counts the publications of Config.Models; PeerModels is how many other instances'
+	// summaries the warm-up found.
+	PublishedModels uint64 `json:"published_models"`
+	PeerModels      int    `json:"peer_models"`
 }
 
 // Sharer publishes a table's changes to Redis and imports other instances' changes into it.
@@ -142,6 +167,7 @@ type Sharer struct {
 	table    *affinity.Table
 	client   *redis.Client
 	stream   string
+	models   string // the hash of the instances' Models
 	instance uint64
 	cancel   context.CancelFunc
 	wg       sync.WaitGroup
@@ -151,13 +177,17 @@ type Sharer struct {
 	published, publishedChanges, publishedBytes atomic.Uint64
 	imported, importedChanges, dropped          atomic.Uint64
 	undecoded, attempts                         atomic.Uint64
+	publishedModels                             atomic.Uint64
 
-	mu       sync.Mutex // guards the fields below
-	since    time.Time
-	lastErr  string
-	errAt    time.Time
-	warmedUp bool
-	known    bool // the connection state has been reported once
+	mu         sync.Mutex // guards the fields below
+	since      time.Time
+	lastErr    string
+	errAt      time.Time
+	warmedUp   bool
+	peerModels int
+
+	peerModelsRead bool // only the read loop touches it
+	known          bool // the connection state has been reported once
 }
 
 // ParseURL checks a Redis URL as Start will use it.
@@ -197,6 +227,7 @@ func Start(table *affinity.Table, cfg Config) (*Sharer, error) {
 		table:    table,
 		client:   redis.NewClient(opts),
 		stream:   cfg.Prefix + "changes",
+		models:   cfg.Prefix + "models",
 		instance: rand.Uint64() | 1,
 		warm:     make(chan struct{}),
 		since:    time.Now(),
@@ -239,7 +270,7 @@ func (s *Sharer) Status() Status {
 		PublishedBytes: s.publishedBytes.Load(), ImportedBatches: s.imported.Load(),
 		ImportedChanges: s.importedChanges.Load(), DroppedChanges: s.dropped.Load(),
 		UndecodedBatches: s.undecoded.Load(), LastError: s.lastErr, LastErrorAt: s.errAt,
-		ReconnectAttempts: s.attempts.Load(),
+		ReconnectAttempts: s.attempts.Load(), PublishedModels: s.publishedModels.Load(), PeerModels: s.peerModels,
 	}
 }
 
@@ -288,11 +319,20 @@ func (s *Sharer) publishLoop(ctx context.Context) {
 	defer ticker.Stop()
 	var changes []affinity.Change
 	var buf []byte
+	var modelsAt time.Time
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-ticker.C:
+		}
+		if s.cfg.Models != nil && s.connected.Load() && time.Since(modelsAt) >= s.cfg.ModelsInterval {
+			switch published, err := s.publishModels(ctx); {
+			case err != nil && ctx.Err() == nil:
+				s.setConnected(false, fmt.Errorf("publishing models: %w", err))
+			case published:
+				modelsAt = time.Now() // until then, tried every flush: the first summary goes out as soon as there is one
+			}
 		}
 		var fullDrops uint64
 		changes, fullDrops = s.table.DrainFeed(changes[:0])
@@ -374,6 +414,9 @@ func (s *Sharer) warmUp(ctx context.Context) (string, error) {
 		return "", fmt.Errorf("warming up: %w", err)
 	}
 	s.setConnected(true, nil)
+	if err := s.readPeerModels(ctx, now); err != nil {
+		return "", fmt.Errorf("warming up: %w", err)
+	}
 	from := strconv.FormatInt(now.Add(-s.cfg.Window).UnixMilli(), 10) + "-0"
 	last := from
 	for {

@@ -2,9 +2,11 @@ package share
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"slices"
+	"strconv"
 	"testing"
 	"time"
 
@@ -175,5 +177,90 @@ func TestUnreachable(t *testing.T) {
 	tb.Learn("m", bounds(1, 2), "10.0.0.1:8000")
 	if _, err := Start(tb, Config{URL: "http://nope"}); err == nil {
 		t.Error("Start(http URL) succeeded, want an error")
+	}
+}
+
+// TestShareModels: what instances publish beside their routes reaches an instance started later, newest
+// first, without its own and without what is older than the window (deleted from the hash).
+func TestShareModels(t *testing.T) {
+	srv := redistest.Start(t)
+	prefix := t.Name() + ":"
+	start := func(models string, peers func([][]byte)) *Sharer {
+		t.Helper()
+		cfg := Config{URL: srv.URL(), Prefix: prefix, FlushInterval: 10 * time.Millisecond, ModelsInterval: 20 * time.Millisecond,
+			Timeout: 300 * time.Millisecond, PeerModels: peers}
+		if models != "" {
+			cfg.Models = func() []byte { return []byte(models) }
+		}
+		s, err := Start(affinity.New(affinity.Config{}), cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(s.Close)
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		s.WaitWarm(ctx)
+		return s
+	}
+	// A field older than the window, as a crashed instance of long ago left it, and one not written by
+	// this package.
+	rc := srv.Client()
+	defer rc.Close()
+	old := binary.BigEndian.AppendUint64(nil, uint64(time.Now().Add(-DefaultWindow-time.Minute).UnixMilli()))
+	if err := rc.HSet(context.Background(), prefix+"models", "dead", append(old, "stale"...), "junk", "x").Err(); err != nil {
+		t.Fatal(err)
+	}
+
+	a := start("from a", nil)
+	waitFor(t, "a to publish", func() bool { return a.Status().PublishedModels > 0 })
+	time.Sleep(5 * time.Millisecond) // b's publication is stamped later than a's
+	b := start("from b", nil)
+	waitFor(t, "b to publish", func() bool { return b.Status().PublishedModels > 0 })
+
+	var got []string
+	c := start("from c", func(blobs [][]byte) {
+		for _, b := range blobs {
+			got = append(got, string(b))
+		}
+	})
+	// a and b republish every 20ms: whichever published last is first.
+	if len(got) != 2 || !slices.Contains(got, "from a") || !slices.Contains(got, "from b") {
+		t.Fatalf("peer models = %q, want a's and b's", got)
+	}
+	if st := c.Status(); st.PeerModels != 2 {
+		t.Errorf("Status().PeerModels = %d, want 2", st.PeerModels)
+	}
+	fields, err := rc.HKeys(context.Background(), prefix+"models").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if slices.Contains(fields, "dead") || slices.Contains(fields, "junk") {
+		t.Errorf("hash fields after a warm-up = %q, want the stale ones deleted", fields)
+	}
+	if ttl := rc.PTTL(context.Background(), prefix+"models").Val(); ttl <= 0 || ttl > DefaultWindow {
+		t.Errorf("hash TTL = %s, want at most the window", ttl)
+	}
+
+	// Newest first: a and b stopped, two publications of known ages, and c still publishing (the newest).
+	a.Close()
+	b.Close()
+	now := time.Now()
+	for field, age := range map[string]time.Duration{"older": 2 * time.Minute, "newer": time.Minute} {
+		stamp := binary.BigEndian.AppendUint64(nil, uint64(now.Add(-age).UnixMilli()))
+		if err := rc.HSet(context.Background(), prefix+"models", field, append(stamp, field...)).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := rc.HDel(context.Background(), prefix+"models", strconv.FormatUint(a.instance, 16), strconv.FormatUint(b.instance, 16)).Err(); err != nil {
+		t.Fatal(err)
+	}
+	var order []string
+	start("", func(blobs [][]byte) {
+		for _, b := range blobs {
+			order = append(order, string(b))
+		}
+	})
+	if want := []string{"from c", "newer", "older"}; !slices.Equal(order, want) {
+		t.Errorf("peer models = %q, want newest first %q", order, want)
 	}
 }
