@@ -86,7 +86,13 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 
 func startSharer(t *testing.T, tb *affinity.Table, url string) *Sharer {
 	t.Helper()
-	s, err := Start(tb, Config{URL: url, Prefix: t.Name() + ":", FlushInterval: 20 * time.Millisecond, Timeout: 300 * time.Millisecond})
+	return startSharerWith(t, tb, Config{URL: url, Prefix: t.Name() + ":", FlushInterval: 20 * time.Millisecond, Timeout: 300 * time.Millisecond})
+}
+
+// startSharerWith starts a sharer of tb with cfg, stopped at the test's end, and waits for its warm-up.
+func startSharerWith(t *testing.T, tb *affinity.Table, cfg Config) *Sharer {
+	t.Helper()
+	s, err := Start(tb, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -192,15 +198,7 @@ func TestShareModels(t *testing.T) {
 		if models != "" {
 			cfg.Models = func() []byte { return []byte(models) }
 		}
-		s, err := Start(affinity.New(affinity.Config{}), cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(s.Close)
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		s.WaitWarm(ctx)
-		return s
+		return startSharerWith(t, affinity.New(affinity.Config{}), cfg)
 	}
 	// A field older than the window, as a crashed instance of long ago left it, and one not written by
 	// this package.
