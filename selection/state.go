@@ -53,6 +53,11 @@ var ErrOtherPrior = errors.New("learned from another prior (a capacity hint chan
 // the counts stop mattering (every threshold that reads them is below 100).
 const maxStateCount = 1 << 30
 
+// maxTheta bounds the fitted parameters Restore accepts: seconds (an overhead or an engine step) and
+// seconds per 1000 tokens, none of which is near 10,000 on any backend; one far larger would overflow the
+// next update's arithmetic and leave the fit not a number for good.
+const maxTheta = 1e4
+
 // State returns what the model has learned.
 func (m *ServiceModel) State() ModelState {
 	m.mu.Lock()
@@ -112,6 +117,9 @@ func (st ModelState) check() error {
 	}
 	for _, r := range []RLSState{st.TTFT, st.Busy} {
 		for i := range 2 {
+			if math.Abs(r.Theta[i]) > maxTheta {
+				return fmt.Errorf("parameter %v out of range", r.Theta[i])
+			}
 			for j := range 2 {
 				if math.Abs(r.P[i][j]) > maxCovariance {
 					return fmt.Errorf("covariance %v out of range", r.P[i][j])

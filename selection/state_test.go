@@ -75,6 +75,7 @@ func TestServiceModelRestoreRefuses(t *testing.T) {
 		"infinite variance":  func(s *ModelState) { s.Busy.P[0][0] = math.Inf(1) },
 		"negative variance":  func(s *ModelState) { s.Busy.P[1][1] = -1 },
 		"huge covariance":    func(s *ModelState) { s.TTFT.P[0][1] = 1e12 },
+		"huge parameter":     func(s *ModelState) { s.Busy.Theta[0] = 1.7e308 },
 		"negative count":     func(s *ModelState) { s.FirstToks = -1 },
 		"scale out of range": func(s *ModelState) { s.LogScale = 10 },
 		"slots above ceil":   func(s *ModelState) { s.Slots, s.Ceiling = 64, 8 },
@@ -91,4 +92,45 @@ func TestServiceModelRestoreRefuses(t *testing.T) {
 	if got := m.Service(); got != before {
 		t.Errorf("after refused restores the service is %+v, want the untouched %+v", got, before)
 	}
+}
+
+// FuzzRestore: no stored state, however damaged, makes Restore panic, and a state it accepts gives a
+// service whose figures are finite and non-negative, before and after more observations (after which the
+// model's own state is still one Restore accepts): what a decision reads from a restored model is a
+// number, and stays one.
+func FuzzRestore(f *testing.F) {
+	good, err := json.Marshal(learned(Prior).State())
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Add(good)
+	f.Add([]byte(`{"prior":{"overhead":0.03,"prefill_seconds_per_token":0.000125,"token_seconds":0.03,"mean_duration":2},"busy":{"theta":[1.7e308,0],"p":[[0,0],[0,0]]},"busy_intervals":5}`))
+	f.Add([]byte(`{"prior":{"overhead":0.03,"prefill_seconds_per_token":0.000125,"token_seconds":0.03,"mean_duration":2},"busy":{"theta":[1e300,-1e300],"p":[[1e6,-1e6],[-1e6,1e6]]},"busy_intervals":5}`))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		var st ModelState
+		if json.Unmarshal(data, &st) != nil {
+			return
+		}
+		m := NewServiceModel(Prior)
+		if m.Restore(st) != nil {
+			return
+		}
+		check := func(when string) {
+			s := m.Service()
+			for _, v := range []float64{s.Overhead, s.PrefillSecondsPerToken, s.TokenSeconds, s.MeanDuration, s.Slots, s.Ceiling} {
+				if math.IsNaN(v) || math.IsInf(v, 0) || v < 0 {
+					t.Fatalf("%s: service %+v from state %+v", when, s, st)
+				}
+			}
+			if err := m.State().check(); err != nil {
+				t.Fatalf("%s: the model's own state is refused (%v): %+v, from %+v", when, err, m.State(), st)
+			}
+		}
+		check("restored")
+		m.ObserveEnd(2000, 100, 0.1, 3)
+		m.ObserveFirstToken(500, 0, 0.2)
+		m.ObserveBusy(2, 4000, 70)
+		m.ObserveQueue(8, 2, 0.3)
+		check("after observations")
+	})
 }
