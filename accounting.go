@@ -740,6 +740,7 @@ func (l *upstreamLoad) checkRestartLocked(snap *scraper.Snapshot) bool {
 	}
 	if restarted {
 		l.trust, l.horizon = 1, 0
+		l.model.ForgetSlots() // restarted, perhaps with another max_num_seqs; its speed is kept
 	}
 	return restarted
 }

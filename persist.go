@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io/fs"
 	"maps"
+	"math"
 	"net/http"
 	"runtime/debug"
 	"slices"
@@ -526,9 +527,18 @@ var _ caddy.AdminRouter = (*stateAdmin)(nil)
 
 // modelsFile is the stored form of the models.
 type modelsFile struct {
-	Version   int                             `json:"version"`
-	Taken     time.Time                       `json:"taken"`
-	Upstreams map[string]selection.ModelState `json:"upstreams"`
+	Version   int                    `json:"version"`
+	Taken     time.Time              `json:"taken"`
+	Upstreams map[string]storedModel `json:"upstreams"`
+}
+
+// storedModel is one upstream's model, with the backend's process start time (its metrics'
+// process_start_time_seconds; 0: unknown) when it was stored: a backend that restarted since (its first
+// scrape shows another start time) forgets the slots it was learned to have, as one restarting under a
+// running Caddy does (checkRestartLocked).
+type storedModel struct {
+	Model     selection.ModelState `json:"model"`
+	StartTime float64              `json:"backend_start_time,omitempty"`
 }
 
 const (
@@ -544,15 +554,17 @@ func (p *persister) modelsKey() string {
 
 // learnedModels returns the model of every upstream that has learned something (an observation, or a
 // running count from its metrics).
-func (t *loadTable) learnedModels() map[string]selection.ModelState {
+func (t *loadTable) learnedModels() map[string]storedModel {
 	t.mu.RLock()
 	ls := make(map[string]*upstreamLoad, len(t.m))
 	maps.Copy(ls, t.m)
 	t.mu.RUnlock()
-	out := make(map[string]selection.ModelState)
+	out := make(map[string]storedModel)
 	for dial, l := range ls {
 		if st := l.model.State(); st.FirstToks+st.BusyN+st.Durations > 0 || st.Ceiling > 0 {
-			out[dial] = st
+			l.mu.Lock()
+			out[dial] = storedModel{Model: st, StartTime: l.startTime}
+			l.mu.Unlock()
 		}
 	}
 	return out
@@ -560,7 +572,7 @@ func (t *loadTable) learnedModels() map[string]selection.ModelState {
 
 // encodeModels returns the file to store for models and a hash of the models alone (not the time
 // taken), to tell whether they changed since the last save.
-func encodeModels(models map[string]selection.ModelState) (file []byte, mark uint64) {
+func encodeModels(models map[string]storedModel) (file []byte, mark uint64) {
 	ups, err := json.Marshal(models) // maps marshal in key order
 	if err != nil {
 		return nil, 0 // not reached: a ModelState is plain numbers
@@ -602,9 +614,21 @@ func (t *loadTable) restoreModels(data []byte) (restored int, problem string) {
 		if s := l.model.Service(); s.Samples > 0 || s.Ceiling > 0 {
 			continue // learned here already (or restored from a newer file): newer than this one
 		}
-		if err := l.model.Restore(f.Upstreams[dial]); err != nil {
+		stored := f.Upstreams[dial]
+		if err := l.model.Restore(stored.Model); err != nil {
 			problems = append(problems, dial+": "+err.Error())
 			continue
+		}
+		if stored.StartTime > 0 && !math.IsInf(stored.StartTime, 0) {
+			l.mu.Lock()
+			switch l.startTime {
+			case 0:
+				l.startTime = stored.StartTime // the next scrape tells whether the backend restarted since
+			case stored.StartTime:
+			default:
+				l.model.ForgetSlots() // a scrape already showed it restarted since
+			}
+			l.mu.Unlock()
 		}
 		restored++
 	}

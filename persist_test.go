@@ -26,6 +26,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/tokenrouter/caddy-llm/affinity"
+	"github.com/tokenrouter/caddy-llm/scraper"
 	"github.com/tokenrouter/caddy-llm/selection"
 	"github.com/tokenrouter/caddy-llm/tokenize"
 )
@@ -137,8 +138,8 @@ func TestPersisterModels(t *testing.T) {
 	if st.RestoredModels != 1 || !strings.Contains(st.ModelsProblem, "10.0.0.2:8000") || st.RestoredRoutes != 3 {
 		t.Errorf("restore = %+v, want the slow upstream's model and the routes restored, the other's refused", st)
 	}
-	if got := dst.lookup("10.0.0.1:8000").model.State(); !reflect.DeepEqual(got, want["10.0.0.1:8000"]) {
-		t.Errorf("restored model %+v, want %+v", got, want["10.0.0.1:8000"])
+	if got := dst.lookup("10.0.0.1:8000").model.State(); !reflect.DeepEqual(got, want["10.0.0.1:8000"].Model) {
+		t.Errorf("restored model %+v, want %+v", got, want["10.0.0.1:8000"].Model)
 	}
 	if got := dst.lookup("10.0.0.2:8000").model.Service(); got.Samples != 0 {
 		t.Errorf("model learned from another prior restored: %+v", got)
@@ -160,7 +161,7 @@ func TestPersisterModels(t *testing.T) {
 	for name, data := range map[string]string{
 		"not JSON":       "LLMR garbage",
 		"future version": `{"version":99,"upstreams":{}}`,
-		"damaged model":  `{"version":1,"upstreams":{"10.0.0.1:8000":{"prior":{},"log_scale":1e300}}}`,
+		"damaged model":  `{"version":1,"upstreams":{"10.0.0.1:8000":{"model":{"prior":{},"log_scale":1e300}}}}`,
 	} {
 		if err := storage.Store(context.Background(), strings.TrimSuffix(key, ".snapshot")+".models.json", []byte(data)); err != nil {
 			t.Fatal(err)
@@ -175,6 +176,67 @@ func TestPersisterModels(t *testing.T) {
 		}
 		if len(dst.learnedModels()) != 0 {
 			t.Errorf("%s: models learned from a damaged file", name)
+		}
+	}
+}
+
+// TestRestartedBackendForgetsSlots: a backend that restarts (its metrics' start time changes) may run
+// with another max_num_seqs: the slots learned for it are forgotten, its speed kept. A stored model
+// carries the start time it was learned at, so a restart while Caddy was down counts too, whether the
+// first scrape comes after the restore or before it.
+func TestRestartedBackendForgetsSlots(t *testing.T) {
+	const dial = "10.0.0.1:8000"
+	now := time.Now()
+	scrape := func(lt *loadTable, start float64) {
+		now = now.Add(time.Second)
+		lt.noteScrape(dial, &scraper.Snapshot{At: now, StartTime: start, Running: 1}, now.UnixNano())
+	}
+	learn := func() *loadTable {
+		lt := &loadTable{m: make(map[string]*upstreamLoad)}
+		m := lt.entry(dial, 1).model
+		for range 5 {
+			m.ObserveQueue(16, 4, 0.2)
+			m.ObserveEnd(1000, 100, 0, 9)
+		}
+		scrape(lt, 100)
+		return lt
+	}
+	lt := learn()
+	speed := lt.lookup(dial).model.Service().TokenSeconds
+	if s := lt.lookup(dial).model.Service(); s.Slots != 16 {
+		t.Fatalf("learned slots %v, want 16", s.Slots)
+	}
+	scrape(lt, 100)
+	if s := lt.lookup(dial).model.Service(); s.Slots != 16 {
+		t.Errorf("slots after a scrape of the same process = %v, want 16 kept", s.Slots)
+	}
+	scrape(lt, 200)
+	if s := lt.lookup(dial).model.Service(); s.Slots != 0 || s.Ceiling != 0 || s.TokenSeconds != speed {
+		t.Errorf("after the backend restarted: %+v, want slots and ceiling forgotten, %v s/token kept", s, speed)
+	}
+
+	file, _ := encodeModels(learn().learnedModels())
+	for _, c := range []struct {
+		name      string
+		before    float64 // start time a scrape showed before the restore (0: none)
+		after     float64 // and after it
+		wantSlots float64
+	}{
+		{"same process", 0, 100, 16},
+		{"restarted, scraped after the restore", 0, 200, 0},
+		{"restarted, scraped before the restore", 200, 200, 0},
+		{"same process, scraped before the restore", 100, 100, 16},
+	} {
+		dst := &loadTable{m: make(map[string]*upstreamLoad)}
+		if c.before != 0 {
+			scrape(dst, c.before)
+		}
+		if n, problem := dst.restoreModels(file); n != 1 || problem != "" {
+			t.Fatalf("%s: restoreModels = %d, %q", c.name, n, problem)
+		}
+		scrape(dst, c.after)
+		if s := dst.lookup(dial).model.Service(); s.Slots != c.wantSlots {
+			t.Errorf("%s: slots %v, want %v", c.name, s.Slots, c.wantSlots)
 		}
 	}
 }

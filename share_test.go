@@ -207,7 +207,7 @@ func TestRestorePeerModels(t *testing.T) {
 		if err := json.Unmarshal(blob, &f); err != nil {
 			t.Fatal(err)
 		}
-		return f.Upstreams[dial]
+		return f.Upstreams[dial].Model
 	}
 
 	lt := &loadTable{m: make(map[string]*upstreamLoad)}

@@ -255,6 +255,14 @@ func (m *ServiceModel) ObserveQueue(running, waiting, kvUsage float64) {
 	}
 }
 
+// ForgetSlots forgets what the model learned of the backend's slots (its running ceiling and the scrapes
+// at it), keeping its speed: a backend that restarted may run with another max_num_seqs.
+func (m *ServiceModel) ForgetSlots() {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.slots, m.ceiling, m.atCeil, m.belowCeil = 0, 0, 0, 0
+}
+
 // SlotBound reports whether a backend's own counts, running and waiting requests at KV-cache usage
 // kvUsage (0-1; 0 when unknown), show requests waiting for something other than cache space: a slot, or
 // with chunked prefill the step's token budget.
