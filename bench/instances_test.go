@@ -6,6 +6,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -50,11 +51,16 @@ func TestParseInstancesOptions(t *testing.T) {
 	if got := o.shareFlushInterval(); got != 20*time.Millisecond {
 		t.Errorf("share flush at time scale 5 = %s, want 20ms (100ms simulated)", got)
 	}
-	if o, err = parseOptions([]string{"-restart", "-regimes", "hetero"}); err != nil || len(o.regimes) != 1 || o.regimes[0].Name != "hetero" {
-		t.Errorf("-restart -regimes hetero: regimes %v, err %v; want hetero alone", o.regimes, err)
+	if o, err = parseOptions([]string{"-restart", "-regimes", "hetero"}); err != nil || len(o.regimes) != 1 || o.regimes[0].Name != "hetero" ||
+		!slices.Equal(o.restartKeep, []string{"persist", "none"}) {
+		t.Errorf("-restart -regimes hetero: regimes %v, keep %v, err %v; want hetero alone, persist and none", o.regimes, o.restartKeep, err)
+	}
+	if o, err = parseOptions([]string{"-restart", "-restart-keep", "share"}); err != nil || !slices.Equal(o.restartKeep, []string{"share"}) {
+		t.Errorf("-restart-keep share: keep %v, err %v", o.restartKeep, err)
 	}
 	for _, bad := range [][]string{
 		{"-restart", "-regimes", "hetero,default"},
+		{"-restart", "-restart-keep", "persist,redis"},
 		{"-instances", "1"},
 		{"-instances", "3", "-matrix"},
 		{"-restart", "-overhead"},

@@ -78,10 +78,12 @@ type options struct {
 	// instances (-instances N) compares N Caddy processes, shared and unshared, with one
 	// (instances.go); restart (-restart) restarts Caddy under load, with and without persist
 	// (restart.go). shareFlush overrides the shared instances' flush interval (wall time).
-	instances  int
-	restart    bool
-	shareFlush time.Duration
-	setups     []string // of -instances: one, shared, unshared
+	instances int
+	restart   bool
+	// restartKeep lists -restart's runs by what carries the state over (restartKeeps).
+	restartKeep []string
+	shareFlush  time.Duration
+	setups      []string // of -instances: one, shared, unshared
 	// rejudge (-rejudge FILE) judges the runs of an earlier -matrix results.json again and writes its
 	// report into out, running nothing (matrix.go).
 	rejudge string
@@ -129,7 +131,7 @@ func main() {
 func parseOptions(args []string) (options, error) {
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	o := options{sim: defaultSim}
-	var workloads, policies, regimeList string
+	var workloads, policies, regimeList, restartKeep string
 	fs.BoolVar(&o.quick, "quick", false, "small run of every workload and policy (for CI, ~2 minutes on 2 cores)")
 	fs.StringVar(&workloads, "workloads", "all", "comma-separated workloads: "+strings.Join(knownWorkloads, ",")+" (all: "+strings.Join(workloadNames, ",")+"; with -matrix "+strings.Join(matrixWorkloads, ",")+")")
 	fs.StringVar(&policies, "policies", "all", "comma-separated policies: "+strings.Join(policyNames(), ","))
@@ -149,6 +151,7 @@ func parseOptions(args []string) (options, error) {
 	fs.IntVar(&o.maxReruns, "reruns", 2, "run a policy again up to this many times when the load generator's scheduling lag shows the machine was busy")
 	fs.IntVar(&o.instances, "instances", 0, "run N Caddy processes behind a random splitter: one instance vs N sharing through redis-server vs N unshared")
 	fs.BoolVar(&o.restart, "restart", false, "restart Caddy under load: hit rate in the first simulated minute after the restart vs the minute before, with and without persist")
+	fs.StringVar(&restartKeep, "restart-keep", "persist,none", "with -restart: what carries the learned state over the restart, comma-separated runs: "+strings.Join(restartKeeps, ",")+" (share: the restarted process warms up from a redis-server the benchmark starts, as a new instance would)")
 	fs.DurationVar(&o.shareFlush, "share-flush", 0, "with -instances: the shared instances' flush_interval in wall time (default 100ms simulated: 100ms / time scale)")
 	var setups string
 	fs.StringVar(&setups, "setups", "one,shared,unshared", "with -instances: which setups to run")
@@ -282,6 +285,12 @@ func parseOptions(args []string) (options, error) {
 		o.regimes = []regime{mustRegime("small-batch"), mustRegime("default")}
 	default:
 		o.regimes = regimes
+	}
+	for _, k := range strings.Split(restartKeep, ",") {
+		if !slices.Contains(restartKeeps, k) {
+			return o, fmt.Errorf("-restart-keep %q: want a comma-separated list of %s", restartKeep, strings.Join(restartKeeps, ","))
+		}
+		o.restartKeep = append(o.restartKeep, k)
 	}
 	if o.restart && regimeList != "all" && len(o.regimes) != 1 {
 		return o, fmt.Errorf("-restart runs one regime, not %d", len(o.regimes))

@@ -186,6 +186,7 @@ type tableState struct {
 		PublishedBytes   uint64 `json:"published_bytes"`
 		ImportedChanges  uint64 `json:"imported_changes"`
 		DroppedChanges   uint64 `json:"dropped_changes"`
+		PeerModels       int    `json:"peer_models"`
 	} `json:"share,omitempty"`
 }
 

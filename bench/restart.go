@@ -9,6 +9,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"text/tabwriter"
@@ -39,9 +40,12 @@ type RestartPoint struct {
 
 // RestartRun is one restart, with or without persist.
 type RestartRun struct {
-	Regime   string  `json:"regime"`
-	Workload string  `json:"workload"`
-	Persist  bool    `json:"persist"`
+	Regime   string `json:"regime"`
+	Workload string `json:"workload"`
+	Persist  bool   `json:"persist"`
+	// Keep is what carries the learned state over the restart: "persist" (storage), "share" (the
+	// restarted process warms up from Redis, as a new instance joining would) or "none".
+	Keep     string  `json:"keep"`
 	RateRPS  float64 `json:"rate_rps"`
 	Sessions int     `json:"sessions"`
 	// HitBefore is the hit rate of the simulated minute before the stop, HitAfter of the first minute
@@ -54,18 +58,24 @@ type RestartRun struct {
 	TTFTP99Before float64 `json:"ttft_p99_before_ms"`
 	TTFTP50After  float64 `json:"ttft_p50_after_ms"`
 	TTFTP99After  float64 `json:"ttft_p99_after_ms"`
+	// TTFTP99First6 is the TTFT p99 of the requests sent in the first 6 simulated seconds after the
+	// restarted Caddy answered, those held during the restart included (a fixed window: the series'
+	// first interval ends at the next reading, anywhere from 0 to 6 s later).
+	TTFTP99First6 float64 `json:"ttft_p99_first_6s_ms"`
 	// DowntimeS is from the stop signal to the restarted Caddy answering, in simulated seconds; requests
 	// were held meanwhile. Failed counts failed requests of the whole run but those its end cut short.
-	DowntimeS      float64        `json:"downtime_s"`
-	Failed         int            `json:"failed"`
-	RoutesAtStop   int            `json:"routes_at_stop"`
-	PinsAtStop     int            `json:"pins_at_stop"`
-	RestoredRoutes int            `json:"restored_routes"`
-	RestoredPins   int            `json:"restored_pins"`
-	RestoredModels int            `json:"restored_models"`
-	SnapshotBytes  int            `json:"snapshot_bytes"`
-	Series         []RestartPoint `json:"series"`
-	Notes          []string       `json:"notes,omitempty"`
+	DowntimeS      float64 `json:"downtime_s"`
+	Failed         int     `json:"failed"`
+	RoutesAtStop   int     `json:"routes_at_stop"`
+	PinsAtStop     int     `json:"pins_at_stop"`
+	RestoredRoutes int     `json:"restored_routes"`
+	RestoredPins   int     `json:"restored_pins"`
+	RestoredModels int     `json:"restored_models"`
+	// PeerModels is, with share, how many instances' service models the restarted process found.
+	PeerModels    int            `json:"peer_models,omitempty"`
+	SnapshotBytes int            `json:"snapshot_bytes"`
+	Series        []RestartPoint `json:"series"`
+	Notes         []string       `json:"notes,omitempty"`
 }
 
 // RestartResults is the content of restart.json.
@@ -99,12 +109,25 @@ func runRestartMode(ctx context.Context, o options, args []string, started time.
 	if len(o.regimes) == 1 { // -regimes named one (parseOptions refuses more with -restart)
 		sims, regimeName = o.regimes[0].build(o.backends, o.sim), o.regimes[0].Name
 	}
+	redisURL := ""
+	if slices.Contains(o.restartKeep, "share") {
+		rds, err := startRedis(tmp)
+		if err != nil {
+			return err
+		}
+		defer rds.stop()
+		redisURL = "redis://" + rds.addr + "/0"
+	}
 	for _, name := range o.workloads {
-		for _, persist := range []bool{true, false} {
-			fmt.Fprintf(os.Stderr, "%s, persist %v: %.0f s of wall time ...\n", name, persist, 3.2*restartWindow.Seconds()/o.sim.TimeScale)
-			run, err := runRestart(ctx, o, sims, name, persist, bin, tmp)
+		for i, keep := range o.restartKeep {
+			fmt.Fprintf(os.Stderr, "%s, keep %s: %.0f s of wall time ...\n", name, keep, 3.2*restartWindow.Seconds()/o.sim.TimeScale)
+			share := ""
+			if keep == "share" {
+				share = fmt.Sprintf("%s,restart-%s-%d-", redisURL, name, i)
+			}
+			run, err := runRestart(ctx, o, sims, name, keep, share, bin, tmp)
 			if err != nil {
-				return fmt.Errorf("%s restart (persist %v): %w", name, persist, err)
+				return fmt.Errorf("%s restart (keep %s): %w", name, keep, err)
 			}
 			run.Regime = regimeName
 			fmt.Fprintf(os.Stderr, "  hit rate %.1f%% before, %.1f%% after\n", 100*run.HitBefore, 100*run.HitAfter)
@@ -142,8 +165,10 @@ func restartWorkload(name string, seed int64, sessions int) (Workload, error) {
 }
 
 // runRestart runs one restart of one workload.
-func runRestart(ctx context.Context, o options, sims []simSettings, name string, persist bool, bin, tmp string) (RestartRun, error) {
-	run := RestartRun{Workload: name, Persist: persist}
+// keep is one of restartKeeps; with "share", share is the Redis URL and the key prefix, comma-separated.
+func runRestart(ctx context.Context, o options, sims []simSettings, name, keep, share, bin, tmp string) (RestartRun, error) {
+	persist := keep == "persist"
+	run := RestartRun{Workload: name, Persist: persist, Keep: keep}
 	shape, err := generateWorkload(name, o.seed, workloadSize{})
 	if err != nil {
 		return run, err
@@ -168,8 +193,12 @@ func runRestart(ctx context.Context, o options, sims []simSettings, name string,
 	}
 	defer c.close()
 	p := scalePrior(scaleScrapes(o.policies[0], o.sim.TimeScale), o.sim.TimeScale, c.dials)
-	if persist {
+	switch keep {
+	case "persist":
 		p = withOption(p, "persist", map[string]any{})
+	case "share":
+		url, prefix, _ := strings.Cut(share, ",")
+		p = withOption(p, "share", map[string]any{"url": url, "prefix": prefix, "flush_interval": o.shareFlushInterval().String()})
 	}
 	dir, err := os.MkdirTemp(tmp, "caddy-")
 	if err != nil {
@@ -259,6 +288,9 @@ func runRestart(ctx context.Context, o options, sims []simSettings, name string,
 	if st.Persist != nil {
 		run.RestoredRoutes, run.RestoredPins, run.RestoredModels = st.Persist.RestoredRoutes, st.Persist.RestoredPins, st.Persist.RestoredModels
 	}
+	if st.Share != nil {
+		run.PeerModels = st.Share.PeerModels
+	}
 	sleep(window) // the minute after
 	a1 := read()
 	select {
@@ -278,13 +310,17 @@ func runRestart(ctx context.Context, o options, sims []simSettings, name string,
 	}
 
 	run.HitBefore, run.HitAfter = hitRate(b0.states, b1.states), hitRate(a0.states, a1.states)
-	var before, after []requestResult
+	var before, after, first6 []requestResult
+	first6End := a0.at.Add(time.Duration(float64(6*time.Second) / o.sim.TimeScale))
 	for _, r := range results {
 		switch {
 		case r.Sent.After(b0.at) && r.Sent.Before(b1.at):
 			before = append(before, r)
 		case r.Sent.After(stopAt) && r.Sent.Before(a1.at):
 			after = append(after, r)
+			if r.Sent.Before(first6End) {
+				first6 = append(first6, r)
+			}
 		}
 		if r.Failed && r.End.Before(cancelAt) {
 			run.Failed++ // not those the end of the run cut
@@ -292,6 +328,7 @@ func runRestart(ctx context.Context, o options, sims []simSettings, name string,
 	}
 	sb, sa := summarize("before", before, o.sim.TimeScale), summarize("after", after, o.sim.TimeScale)
 	run.TTFTP50Before, run.TTFTP99Before, run.TTFTP50After, run.TTFTP99After = sb.TTFTP50, sb.TTFTP99, sa.TTFTP50, sa.TTFTP99
+	run.TTFTP99First6 = summarize("first 6 s", first6, o.sim.TimeScale).TTFTP99
 	mu.Lock()
 	for i := 1; i < len(readings); i++ {
 		if readings[i].at.After(a1.at) {
@@ -318,25 +355,28 @@ func runRestart(ctx context.Context, o options, sims []simSettings, name string,
 
 // restartRows is the table of every restart run.
 func restartRows(res RestartResults) [][]string {
-	rows := [][]string{{"regime", "workload", "persist", "hit before", "hit after", "after/before", "hit first <=6 s", "TTFT p50 before", "after", "TTFT p99 before", "after", "first <=6 s", "downtime s", "routes at stop", "restored", "failed"}}
+	rows := [][]string{{"regime", "workload", "keep", "hit before", "hit after", "after/before", "hit first <=6 s", "TTFT p50 before", "after", "TTFT p99 before", "after", "first <=6 s", "downtime s", "routes at stop", "restored", "failed"}}
 	for _, r := range res.Runs {
 		rel := "-"
 		if r.HitBefore > 0 {
 			rel = fmt.Sprintf("%.0f%%", 100*r.HitAfter/r.HitBefore)
 		}
-		first, firstP99 := "-", "-"
+		first := "-"
 		for _, p := range r.Series {
 			if p.T > 0 {
-				first, firstP99 = fmt.Sprintf("%.1f%%", 100*p.HitRate), f0(p.TTFTP99)
+				first = fmt.Sprintf("%.1f%%", 100*p.HitRate)
 				break
 			}
 		}
 		restored := "-"
-		if r.Persist {
+		switch r.keep() {
+		case "persist":
 			restored = fmt.Sprintf("%d routes, %d pins, %d models", r.RestoredRoutes, r.RestoredPins, r.RestoredModels)
+		case "share":
+			restored = fmt.Sprintf("models of %d instances", r.PeerModels)
 		}
-		rows = append(rows, []string{r.Regime, r.Workload, fmt.Sprint(r.Persist), fmt.Sprintf("%.1f%%", 100*r.HitBefore), fmt.Sprintf("%.1f%%", 100*r.HitAfter), rel, first,
-			f0(r.TTFTP50Before), f0(r.TTFTP50After), f0(r.TTFTP99Before), f0(r.TTFTP99After), firstP99, f1(r.DowntimeS),
+		rows = append(rows, []string{r.Regime, r.Workload, r.keep(), fmt.Sprintf("%.1f%%", 100*r.HitBefore), fmt.Sprintf("%.1f%%", 100*r.HitAfter), rel, first,
+			f0(r.TTFTP50Before), f0(r.TTFTP50After), f0(r.TTFTP99Before), f0(r.TTFTP99After), f0(r.TTFTP99First6), f1(r.DowntimeS),
 			fmt.Sprintf("%d routes, %d pins", r.RoutesAtStop, r.PinsAtStop), restored, fmt.Sprint(r.Failed)})
 	}
 	return rows
@@ -351,7 +391,7 @@ func writeRestartTable(out io.Writer, res RestartResults) {
 	tw.Flush()
 	for _, r := range res.Runs {
 		for _, n := range r.Notes {
-			fmt.Fprintf(out, "  note (%s, persist %v): %s\n", r.Workload, r.Persist, n)
+			fmt.Fprintf(out, "  note (%s, keep %s): %s\n", r.Workload, r.keep(), n)
 		}
 	}
 }
@@ -374,9 +414,23 @@ func writeRestartMarkdown(md *strings.Builder, res RestartResults) {
 		for _, p := range r.Series {
 			pts = append(pts, fmt.Sprintf("%.0fs %.0f%% %.0f", p.T, 100*p.HitRate, p.TTFTP99))
 		}
-		fmt.Fprintf(md, "- %s %s, persist %v: %s\n", r.Regime, r.Workload, r.Persist, strings.Join(pts, ", "))
+		fmt.Fprintf(md, "- %s %s, keep %s: %s\n", r.Regime, r.Workload, r.keep(), strings.Join(pts, ", "))
 		for _, n := range r.Notes {
 			fmt.Fprintf(md, "  - %s\n", n)
 		}
 	}
+}
+
+// restartKeeps are the ways -restart-keep can carry learned state over a restart.
+var restartKeeps = []string{"persist", "share", "none"}
+
+// keep is the run's Keep, or what Persist said in results written before Keep existed.
+func (r RestartRun) keep() string {
+	switch {
+	case r.Keep != "":
+		return r.Keep
+	case r.Persist:
+		return "persist"
+	}
+	return "none"
 }
