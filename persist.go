@@ -561,7 +561,7 @@ func (t *loadTable) learnedModels() map[string]storedModel {
 	t.mu.RUnlock()
 	out := make(map[string]storedModel)
 	for dial, l := range ls {
-		if st := l.model.State(); st.FirstToks+st.BusyN+st.Durations > 0 || st.Ceiling > 0 {
+		if st := l.model.State(); st.Learned() {
 			l.mu.Lock()
 			out[dial] = storedModel{Model: st, StartTime: l.startTime}
 			l.mu.Unlock()
@@ -611,7 +611,7 @@ func (t *loadTable) restoreModels(data []byte) (restored int, problem string) {
 	now := time.Now().UnixNano()
 	for _, dial := range slices.Sorted(maps.Keys(f.Upstreams)) {
 		l := t.entry(dial, now)
-		if s := l.model.Service(); s.Samples > 0 || s.Ceiling > 0 {
+		if l.model.State().Learned() {
 			continue // learned here already (or restored from a newer file): newer than this one
 		}
 		stored := f.Upstreams[dial]

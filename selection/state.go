@@ -78,6 +78,12 @@ func (m *ServiceModel) State() ModelState {
 	}
 }
 
+// Learned reports whether the state holds anything beyond the prior: an observation, or a running count
+// from the backend's metrics.
+func (st ModelState) Learned() bool {
+	return st.FirstToks+st.BusyN+st.Durations > 0 || st.Ceiling > 0
+}
+
 // Restore replaces what the model has learned with st, unless st was learned from another prior
 // (ErrOtherPrior) or is not a state a model can be in (a number not finite, a count or covariance out of
 // range, a scale beyond the model's bounds): then the model is left as it was. A stored state may be old
