@@ -61,6 +61,7 @@ func TestParseInstancesOptions(t *testing.T) {
 	for _, bad := range [][]string{
 		{"-restart", "-regimes", "hetero,default"},
 		{"-restart", "-restart-keep", "persist,redis"},
+		{"-restart", "-restart-keep", "share,share"},
 		{"-instances", "1"},
 		{"-instances", "3", "-matrix"},
 		{"-restart", "-overhead"},

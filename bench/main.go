@@ -287,8 +287,8 @@ func parseOptions(args []string) (options, error) {
 		o.regimes = regimes
 	}
 	for _, k := range strings.Split(restartKeep, ",") {
-		if !slices.Contains(restartKeeps, k) {
-			return o, fmt.Errorf("-restart-keep %q: want a comma-separated list of %s", restartKeep, strings.Join(restartKeeps, ","))
+		if !slices.Contains(restartKeeps, k) || slices.Contains(o.restartKeep, k) {
+			return o, fmt.Errorf("-restart-keep %q: want a comma-separated list of distinct %s", restartKeep, strings.Join(restartKeeps, ","))
 		}
 		o.restartKeep = append(o.restartKeep, k)
 	}

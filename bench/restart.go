@@ -119,13 +119,9 @@ func runRestartMode(ctx context.Context, o options, args []string, started time.
 		redisURL = "redis://" + rds.addr + "/0"
 	}
 	for _, name := range o.workloads {
-		for i, keep := range o.restartKeep {
+		for _, keep := range o.restartKeep {
 			fmt.Fprintf(os.Stderr, "%s, keep %s: %.0f s of wall time ...\n", name, keep, 3.2*restartWindow.Seconds()/o.sim.TimeScale)
-			share := ""
-			if keep == "share" {
-				share = fmt.Sprintf("%s,restart-%s-%d-", redisURL, name, i)
-			}
-			run, err := runRestart(ctx, o, sims, name, keep, share, bin, tmp)
+			run, err := runRestart(ctx, o, sims, name, keep, redisURL, bin, tmp)
 			if err != nil {
 				return fmt.Errorf("%s restart (keep %s): %w", name, keep, err)
 			}
@@ -165,8 +161,9 @@ func restartWorkload(name string, seed int64, sessions int) (Workload, error) {
 }
 
 // runRestart runs one restart of one workload.
-// keep is one of restartKeeps; with "share", share is the Redis URL and the key prefix, comma-separated.
-func runRestart(ctx context.Context, o options, sims []simSettings, name, keep, share, bin, tmp string) (RestartRun, error) {
+// keep is one of restartKeeps; with "share", the process shares through the Redis at redisURL under a
+// key prefix of the workload's own (each workload runs share once: parseOptions refuses a repeated keep).
+func runRestart(ctx context.Context, o options, sims []simSettings, name, keep, redisURL, bin, tmp string) (RestartRun, error) {
 	persist := keep == "persist"
 	run := RestartRun{Workload: name, Persist: persist, Keep: keep}
 	shape, err := generateWorkload(name, o.seed, workloadSize{})
@@ -197,8 +194,7 @@ func runRestart(ctx context.Context, o options, sims []simSettings, name, keep, 
 	case "persist":
 		p = withOption(p, "persist", map[string]any{})
 	case "share":
-		url, prefix, _ := strings.Cut(share, ",")
-		p = withOption(p, "share", map[string]any{"url": url, "prefix": prefix, "flush_interval": o.shareFlushInterval().String()})
+		p = withOption(p, "share", map[string]any{"url": redisURL, "prefix": "restart-" + name + "-", "flush_interval": o.shareFlushInterval().String()})
 	}
 	dir, err := os.MkdirTemp(tmp, "caddy-")
 	if err != nil {
