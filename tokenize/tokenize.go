@@ -24,7 +24,8 @@
 // letter costs 0.6 s whole). Text is therefore tokenized in pieces, cut where the cut provably does
 // not change the count (between a non-space and a following space, or between a letter or digit and
 // following punctuation), and never with more than 64 bytes between two such cut points: a longer
-// run is cut at a rune boundary, which may shift the count by about one token per cut. A message whose text exceeds Options.MaxMessageBytes, and every message once
+// run is cut at a rune boundary, which may shift the count by about one token per cut. A message
+// whose text exceeds Options.MaxMessageBytes, and every message once
 // Options.MaxTotalBytes have been tokenized in one request, is counted with Estimate instead
 // (Request.Estimated says so; estimated counts are not cached). Each tokenizer call is charged at
 // least 256 bytes against that budget, so 100k tiny messages cannot make 100k calls. A request
