@@ -84,7 +84,7 @@ func (st *tableState) configureShareLocked(sc *ShareConfig) {
 				shareConnected.Set(0)
 			}
 		},
-		Models:     func() []byte { return loads.sharedModels() },
+		Models:     loads.sharedModels,
 		PeerModels: func(blobs [][]byte) { loads.restorePeerModels(blobs, st.logger) },
 	})
 	if err != nil { // unreachable: provision parsed the URL
