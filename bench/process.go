@@ -68,13 +68,6 @@ func newCaddyProcess(bin, dir string, upstreams []string, p policy) (*caddyProce
 	m["admin"] = map[string]any{"listen": fmt.Sprintf("127.0.0.1:%d", adminPort), "config": map[string]any{"persist": false}}
 	m["logging"] = map[string]any{"logs": map[string]any{"default": map[string]any{"level": "WARN"}}}
 	m["apps"].(map[string]any)["http"].(map[string]any)["grace_period"] = "10s"
-	// Name the backend that answered, so the report can count the backends each conversation reached.
-	for _, route := range m["apps"].(map[string]any)["http"].(map[string]any)["servers"].(map[string]any)["bench"].(map[string]any)["routes"].([]any) {
-		for _, h := range route.(map[string]any)["handle"].([]any) {
-			h.(map[string]any)["headers"] = map[string]any{"response": map[string]any{"set": map[string]any{
-				"X-Upstream": []string{"{http.reverse_proxy.upstream.hostport}"}}}}
-		}
-	}
 	if cfg, err = json.Marshal(m); err != nil {
 		return nil, err
 	}
