@@ -302,19 +302,20 @@ type repeatReader struct{ chunk []byte }
 func (r *repeatReader) Read(p []byte) (int, error) { return copy(p, r.chunk), nil }
 
 // TestEvictedClaimsAreNotCredited: a claim is credited while what this proxy sent its upstream since
-// fits in the cache beside it (least recently used blocks go first), and not once it does not; an
-// upstream whose cache size is unknown is credited as before.
+// fits in the cache beside it (least recently used blocks go first); beyond that, only the head of the
+// prefix that is left (a request's blocks are freed last first, so its end goes first), and nothing once
+// all of it went; an upstream whose cache size is unknown is credited as before.
 func TestEvictedClaimsAreNotCredited(t *testing.T) {
 	now := time.Unix(1_700_000_000, 0)
 	clock := now
 	routes := affinity.New(affinity.Config{Now: func() time.Time { return clock }})
 	bounds := []tokenize.Boundary{{Tokens: 1024, Hash: 1}, {Tokens: 2048, Hash: 2}}
-	keys := []string{"a:1", "b:1"}
+	keys := []string{"a:1", "b:1", "c:1"}
 	for _, k := range keys {
 		routes.Learn("m", bounds, k)
 	}
 	lt := newTestLoads()
-	// Since the claim, a:1 was sent 3,000 new tokens (prompt and output) and b:1 7,000.
+	// Since the claim, a:1 was sent 1,500 new tokens (prompt and output), b:1 7,500 and c:1 13,500.
 	for i, k := range keys {
 		for j := range 1 + 4*i {
 			clock = now.Add(time.Duration(j+1) * time.Second)
@@ -323,23 +324,29 @@ func TestEvictedClaimsAreNotCredited(t *testing.T) {
 	}
 	for _, capacity := range []float64{0, 8192} {
 		q := &query{req: &tokenize.Request{Model: "m", PromptTokens: 2200, Boundaries: bounds}, bounds: bounds, now: clock.UnixNano()}
-		cands := make([]selection.Candidate, 2)
+		cands := make([]selection.Candidate, len(keys))
 		for i := range cands {
 			cands[i].KVCapacity = capacity
 		}
 		cacheSignal{routes: routes, loads: lt}.fill(q, keys, cands)
-		want := []int{2048, 2048} // the route table's claim
+		want := []int{2048, 2048, 2048} // the route table's claim
 		if capacity > 0 {
-			want[1] = 0 // 7,500 tokens sent since, 8,192 - 2,048 beside the claim
+			// 8,192 - 2,048 beside the claim: b:1's last 1,356 tokens went, its head is left (in whole
+			// blocks); c:1's went whole.
+			want[1], want[2] = 688, 0
 		}
-		if cands[0].CachedTokens != want[0] || cands[1].CachedTokens != want[1] {
-			t.Errorf("capacity %.0f: credited %d and %d cached tokens, want %v", capacity, cands[0].CachedTokens, cands[1].CachedTokens, want)
+		for i := range keys {
+			if cands[i].CachedTokens != want[i] {
+				t.Errorf("capacity %.0f: credited %s %d cached tokens, want %d", capacity, keys[i], cands[i].CachedTokens, want[i])
+			}
 		}
-		if got, want := lt.lookup(keys[1]).cacheFigures().Evicted, int64(min(capacity, 1)); got != want {
-			t.Errorf("capacity %.0f: %d claims counted evicted on b:1, want %d", capacity, got, want)
+		for i, k := range keys {
+			if got, want := lt.lookup(k).cacheFigures().Evicted, int64(min(capacity, 1))*int64(i/2); got != want {
+				t.Errorf("capacity %.0f: %d claims counted evicted on %s, want %d", capacity, got, k, want)
+			}
 		}
-		if q.cut[1] != 0 {
-			t.Errorf("capacity %.0f: an evicted claim recorded as cut by the horizon (%d): a report confirming it would start a horizon", capacity, q.cut[1])
+		if q.cut[1] != 0 || q.cut[2] != 0 {
+			t.Errorf("capacity %.0f: an evicted claim recorded as cut by the horizon (%v): a report confirming it would start a horizon", capacity, q.cut)
 		}
 	}
 }
@@ -414,6 +421,41 @@ func TestEvictedSinceCountsFromRelease(t *testing.T) {
 	}
 	if got := l.allocatedSince(t0); got != 10_000 {
 		t.Errorf("allocatedSince(claim) = %d, want 10000", got)
+	}
+}
+
+// TestEvictedSinceCountsReuse: the backend's queue is least recently used first, so a cached prefix that
+// was sent there before the claim's and is reused after it has moved behind the claim: it counts against
+// the claim like an allocation of its size, once (its later reuses were last sent after the claim), and
+// a prefix last sent after the claim, or the claim's own prefix, does not count.
+func TestEvictedSinceCountsReuse(t *testing.T) {
+	lt := newTestLoads()
+	sec := int64(time.Second)
+	t0 := time.Unix(1_700_000_000, 0).UnixNano()
+	hit := func(at, lastSent int64, cached int) work {
+		return work{prompt: cached + 100, matched: cached, uncached: 100, output: 50, prediction: prediction{claimAge: at - lastSent}}
+	}
+	// Group A's prefix, sent at t0-10 s and t0-5 s; the claim: group C's, sent at t0.
+	for _, at := range []int64{t0 - 10*sec, t0 - 5*sec} {
+		lt.reserve("a:1", work{prompt: 1500, uncached: 1500, output: 50}, at).release(at, true)
+	}
+	lt.reserve("a:1", work{prompt: 1500, uncached: 1500, output: 50}, t0).release(t0, true)
+	l := lt.lookup("a:1")
+	base := l.evictedSince(t0, t0+sec)
+	if base != 0 {
+		t.Fatalf("evictedSince with nothing sent since = %d", base)
+	}
+	lt.reserve("a:1", hit(t0+2*sec, t0-5*sec, 1400), t0+2*sec).release(t0+2*sec, true) // A reused: moves past C
+	lt.reserve("a:1", hit(t0+3*sec, t0+2*sec, 1400), t0+3*sec).release(t0+3*sec, true) // A again: already behind
+	lt.reserve("a:1", hit(t0+4*sec, t0, 1400), t0+4*sec).release(t0+4*sec, true)       // C itself (a shorter part)
+	lt.reserve("a:1", work{prompt: 800, uncached: 800, output: 50}, t0+5*sec).release(t0+5*sec, true)
+	got := l.evictedSince(t0, t0+6*sec)
+	want := int64(3*150 + 850 + 1400) // three hits' new tokens, one miss, A's prefix once
+	if got != want {
+		t.Errorf("evictedSince(claim) = %d, want %d: allocations plus group A's reused prefix, once", got, want)
+	}
+	if got := l.allocatedSince(t0); got != 3*150+850 {
+		t.Errorf("allocatedSince(claim) = %d, want %d: reuse is not an allocation", got, 3*150+850)
 	}
 }
 
