@@ -12,6 +12,7 @@ import (
 
 	"github.com/tokenrouter/caddy-llm/scraper"
 	"github.com/tokenrouter/caddy-llm/selection"
+	"github.com/tokenrouter/caddy-llm/tokenize"
 )
 
 // upstreamLoad is the work this process has in flight to one upstream, split by phase, and the service
@@ -60,9 +61,12 @@ type upstreamLoad struct {
 	// reused moves to the back of the backend's LRU queue, past every prefix freed since (evictedSince).
 	allocReused  [allocRing]int32
 	allocClaimed [allocRing]int64
-	allocNext    int
-	allocN       int
-	allocTotal   int64
+	// allocHead is the hash of each one's first message (its system prompt; 0: none), which other
+	// requests there share (evictedSince).
+	allocHead  [allocRing]uint64
+	allocNext  int
+	allocN     int
+	allocTotal int64
 	// held is how long this proxy's requests there lately took, sent to ended (seconds, EWMA): a prefix
 	// sent with a request is referenced, so not evictable, until about then (evictedSince).
 	held     float64
@@ -159,6 +163,7 @@ type work struct {
 	kv               int     // KV-cache space it takes (reservation.kv); 0: uncached + output
 	learned          int64   // reservation.learned
 	prompt, matched  int     // its prompt tokens and those predicted cached there
+	head             uint64  // the hash of its first message's boundary (headBoundary); 0: none
 	waited           float64 // predicted seconds before its prefill can start (from the decision)
 	prediction       prediction
 }
@@ -225,7 +230,7 @@ func (l *upstreamLoad) add(dial string, w work, now int64) *reservation {
 	l.kv += int64(r.kv)
 	l.allocTotal += int64(w.uncached + w.output)
 	l.allocAt[l.allocNext], l.allocCum[l.allocNext] = now, l.allocTotal
-	l.allocReused[l.allocNext], l.allocClaimed[l.allocNext] = 0, 0
+	l.allocReused[l.allocNext], l.allocClaimed[l.allocNext], l.allocHead[l.allocNext] = 0, 0, w.head
 	if w.matched > 0 && w.prediction.claimAge > 0 {
 		l.allocReused[l.allocNext], l.allocClaimed[l.allocNext] = int32(min(w.matched, math.MaxInt32)), now-w.prediction.claimAge
 	}
@@ -481,13 +486,16 @@ func (l *upstreamLoad) sentSinceLocked(at int64) (allocated int64, first int) {
 // are, plus the cached prefixes reused since that had been sent there before it: the queue is least
 // recently *used* first, so a prefix freed ahead of this one and reused since has moved behind it, and
 // what is ahead of it shrinks by as much as by an allocation. Each such prefix counts once, at its
-// first reuse since (a later one's previous send is after seen). Counting allocations alone, a prefix
+// first reuse since (a later one's previous send is after seen), less the first message it shares with
+// the claim (head: a system prompt both begin with is the claim's own blocks, not ahead of it; counted,
+// every other conversation behind the same system prompt took it off the claim again). Counting
+// allocations alone, a prefix
 // was predicted cached as long as the new tokens sent since fit beside it, while the reuse of the
 // other groups' prefixes had already pushed it out: hetero shared-prefix, 64 groups over four 32k-token
 // caches, one predicted hit in ten came back a miss, the group last sent there a median 13 simulated
 // seconds before (the hits: 2.7 s).
 // 0 while the prefix is still in use.
-func (l *upstreamLoad) evictedSince(seen, now int64) int64 {
+func (l *upstreamLoad) evictedSince(seen, now int64, head tokenize.Boundary) int64 {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	freed := l.freedLocked(seen)
@@ -498,7 +506,11 @@ func (l *upstreamLoad) evictedSince(seen, now int64) int64 {
 	oldest := l.allocNext - l.allocN + allocRing
 	for i := first; i < l.allocN; i++ {
 		if k := (oldest + i) % allocRing; l.allocClaimed[k] > 0 && l.allocClaimed[k] < seen {
-			n += int64(l.allocReused[k])
+			reused := int64(l.allocReused[k])
+			if head.Hash != 0 && l.allocHead[k] == head.Hash {
+				reused = max(reused-int64(head.Tokens), 0)
+			}
+			n += reused
 		}
 	}
 	// Requests already running when it was freed and running still hold their blocks: what is free

@@ -57,6 +57,9 @@ type query struct {
 	// hot: the request's prefix is in more demand than half of one upstream can serve (prefixDemand),
 	// so it is to be replicated, not held home.
 	hot bool
+	// head is the boundary at the end of the request's first message (headBoundary), set by the cache
+	// signal.
+	head tokenize.Boundary
 	// peerClaim is the longest cache claim's length in tokens when it is known only from peers (routes
 	// shared by other instances, affinity.Table.MatchPeers); 0 otherwise.
 	peerClaim int
@@ -187,6 +190,7 @@ func (d *decider) commit(q *query, dial string, dec selection.Decision) *reserva
 		output:     d.outputEstimate(q.req.MaxTokens),
 		waited:     dec.Wait,
 		prediction: pred,
+		head:       q.head.Hash,
 	}, q.now)
 }
 
@@ -333,6 +337,7 @@ func (s cacheSignal) fill(q *query, keys []string, cands []selection.Candidate) 
 		q.peerClaim = longest
 	}
 	bs := s.routes.BlockSize()
+	q.head = headBoundary(q.req)
 	clear(q.cut)
 	for i := range cands {
 		cached[i] = answeredThere(q.req.Messages, cached[i], bs)
@@ -353,7 +358,7 @@ func (s cacheSignal) fill(q *query, keys []string, cands []selection.Candidate) 
 			// are freed last first, so what goes first is the prefix's end: what is left is its head (a
 			// long history's shared system prompt and first turns). Not a cut claim: that is one older
 			// than the horizon, and a report confirming it would lengthen (or, with none, start) it.
-			if over := float64(l.evictedSince(q.seen[i], q.now)) - room; over > 0 {
+			if over := float64(l.evictedSince(q.seen[i], q.now, q.head)) - room; over > 0 {
 				left := (cached[i] - int(math.Ceil(over))) / max(bs, 1) * max(bs, 1)
 				if left <= 0 {
 					cached[i], cands[i].CachedTokens = 0, 0
@@ -403,6 +408,19 @@ func answeredThere(msgs []tokenize.Message, matched, blockSize int) int {
 		return max(matched, next.End/blockSize*blockSize)
 	}
 	return matched
+}
+
+// headBoundary is the boundary at the end of the request's first message (a system prompt, which
+// conversations share); zero for a request without messages.
+func headBoundary(req *tokenize.Request) tokenize.Boundary {
+	if len(req.Messages) == 0 {
+		return tokenize.Boundary{}
+	}
+	end := req.Messages[0].End
+	if i, ok := slices.BinarySearchFunc(req.Boundaries, end, func(b tokenize.Boundary, t int) int { return cmp.Compare(b.Tokens, t) }); ok {
+		return req.Boundaries[i]
+	}
+	return tokenize.Boundary{}
 }
 
 // prefixBoundary is the boundary that ends the request's prefix, the longest before its last message

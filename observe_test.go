@@ -415,7 +415,7 @@ func TestEvictedSinceCountsFromRelease(t *testing.T) {
 				r.release(t0+7*sec, false) // cancels: they teach nothing about how long requests take
 			}
 		}
-		if got := l.evictedSince(t0, tt.now); got != tt.want {
+		if got := l.evictedSince(t0, tt.now, tokenize.Boundary{}); got != tt.want {
 			t.Errorf("%s: evictedSince(claim) = %d, want %d", tt.name, got, tt.want)
 		}
 	}
@@ -426,36 +426,60 @@ func TestEvictedSinceCountsFromRelease(t *testing.T) {
 
 // TestEvictedSinceCountsReuse: the backend's queue is least recently used first, so a cached prefix that
 // was sent there before the claim's and is reused after it has moved behind the claim: it counts against
-// the claim like an allocation of its size, once (its later reuses were last sent after the claim), and
-// a prefix last sent after the claim, or the claim's own prefix, does not count.
+// the claim like an allocation of its size, once (its later reuses were last sent after the claim), less
+// the first message it shares with the claim (the claim's own blocks); a prefix last sent after the
+// claim, or the claim's own prefix, does not count.
 func TestEvictedSinceCountsReuse(t *testing.T) {
 	lt := newTestLoads()
 	sec := int64(time.Second)
 	t0 := time.Unix(1_700_000_000, 0).UnixNano()
-	hit := func(at, lastSent int64, cached int) work {
-		return work{prompt: cached + 100, matched: cached, uncached: 100, output: 50, prediction: prediction{claimAge: at - lastSent}}
+	system := tokenize.Boundary{Tokens: 500, Hash: 77} // the system prompt every conversation starts with
+	hit := func(at, lastSent int64, cached int, head uint64) work {
+		return work{prompt: cached + 100, matched: cached, uncached: 100, output: 50, head: head, prediction: prediction{claimAge: at - lastSent}}
 	}
-	// Group A's prefix, sent at t0-10 s and t0-5 s; the claim: group C's, sent at t0.
+	// Group A's prefix, sent at t0-10 s and t0-5 s; conversation B (behind the system prompt) at t0-4 s;
+	// the claim: conversation C's history, behind the same system prompt, sent at t0.
 	for _, at := range []int64{t0 - 10*sec, t0 - 5*sec} {
 		lt.reserve("a:1", work{prompt: 1500, uncached: 1500, output: 50}, at).release(at, true)
 	}
-	lt.reserve("a:1", work{prompt: 1500, uncached: 1500, output: 50}, t0).release(t0, true)
+	lt.reserve("a:1", work{prompt: 3000, uncached: 3000, output: 50, head: system.Hash}, t0-4*sec).release(t0-4*sec, true)
+	lt.reserve("a:1", work{prompt: 1500, uncached: 1500, output: 50, head: system.Hash}, t0).release(t0, true)
 	l := lt.lookup("a:1")
-	base := l.evictedSince(t0, t0+sec)
-	if base != 0 {
-		t.Fatalf("evictedSince with nothing sent since = %d", base)
+	if got := l.evictedSince(t0, t0+sec, system); got != 0 {
+		t.Fatalf("evictedSince with nothing sent since = %d", got)
 	}
-	lt.reserve("a:1", hit(t0+2*sec, t0-5*sec, 1400), t0+2*sec).release(t0+2*sec, true) // A reused: moves past C
-	lt.reserve("a:1", hit(t0+3*sec, t0+2*sec, 1400), t0+3*sec).release(t0+3*sec, true) // A again: already behind
-	lt.reserve("a:1", hit(t0+4*sec, t0, 1400), t0+4*sec).release(t0+4*sec, true)       // C itself (a shorter part)
-	lt.reserve("a:1", work{prompt: 800, uncached: 800, output: 50}, t0+5*sec).release(t0+5*sec, true)
-	got := l.evictedSince(t0, t0+6*sec)
-	want := int64(3*150 + 850 + 1400) // three hits' new tokens, one miss, A's prefix once
+	lt.reserve("a:1", hit(t0+2*sec, t0-5*sec, 1400, 0), t0+2*sec).release(t0+2*sec, true)           // A reused: moves past C
+	lt.reserve("a:1", hit(t0+3*sec, t0+2*sec, 1400, 0), t0+3*sec).release(t0+3*sec, true)           // A again: already behind
+	lt.reserve("a:1", hit(t0+4*sec, t0, 1400, system.Hash), t0+4*sec).release(t0+4*sec, true)       // C itself (a shorter part)
+	lt.reserve("a:1", hit(t0+5*sec, t0-4*sec, 3000, system.Hash), t0+5*sec).release(t0+5*sec, true) // B: its history past the system prompt
+	lt.reserve("a:1", work{prompt: 800, uncached: 800, output: 50}, t0+6*sec).release(t0+6*sec, true)
+	got := l.evictedSince(t0, t0+7*sec, system)
+	want := int64(4*150 + 850 + 1400 + 2500) // four hits' new tokens, one miss, A's prefix once, B's history past the system prompt
 	if got != want {
-		t.Errorf("evictedSince(claim) = %d, want %d: allocations plus group A's reused prefix, once", got, want)
+		t.Errorf("evictedSince(claim) = %d, want %d: allocations plus the prefixes reused since, once each, without the shared system prompt", got, want)
 	}
-	if got := l.allocatedSince(t0); got != 3*150+850 {
-		t.Errorf("allocatedSince(claim) = %d, want %d: reuse is not an allocation", got, 3*150+850)
+	if got, want := l.evictedSince(t0, t0+7*sec, tokenize.Boundary{}), want+500; got != want {
+		t.Errorf("evictedSince(claim without a first message) = %d, want %d: B's whole prefix", got, want)
+	}
+	if got := l.allocatedSince(t0); got != 4*150+850 {
+		t.Errorf("allocatedSince(claim) = %d, want %d: reuse is not an allocation", got, 4*150+850)
+	}
+}
+
+// TestHeadBoundary: the boundary at the end of the first message, which the route table and the
+// allocation ring both know it by; none for a prompt without messages.
+func TestHeadBoundary(t *testing.T) {
+	req := parseChat(t, chatMessage{"system", strings.Repeat("You answer briefly. ", 40)}, chatMessage{"user", "Hello."})
+	head := headBoundary(req)
+	if head.Tokens != req.Messages[0].End || head.Hash == 0 {
+		t.Fatalf("headBoundary = %+v, want the boundary at the first message's end (%d)", head, req.Messages[0].End)
+	}
+	other := parseChat(t, chatMessage{"system", strings.Repeat("You answer briefly. ", 40)}, chatMessage{"user", "Something else entirely."})
+	if headBoundary(other) != head {
+		t.Errorf("two requests behind one system prompt have heads %+v and %+v", head, headBoundary(other))
+	}
+	if got := headBoundary(&tokenize.Request{PromptTokens: 10, Boundaries: []tokenize.Boundary{{Tokens: 10, Hash: 1}}}); got != (tokenize.Boundary{}) {
+		t.Errorf("headBoundary(no messages) = %+v, want none", got)
 	}
 }
 
@@ -479,7 +503,7 @@ func TestEvictedSinceConcurrent(t *testing.T) {
 			defer wg.Done()
 			for i := range each {
 				if l := lt.lookup("a:1"); l != nil {
-					if got := l.evictedSince(t0, t0+int64(i)*int64(time.Second)); got < 0 {
+					if got := l.evictedSince(t0, t0+int64(i)*int64(time.Second), tokenize.Boundary{}); got < 0 {
 						t.Errorf("evictedSince = %d", got)
 					}
 				}
