@@ -3,7 +3,6 @@ package caddyllm
 import (
 	"cmp"
 	"context"
-	"math"
 	"slices"
 	"sort"
 	"sync"
@@ -12,7 +11,6 @@ import (
 
 	"github.com/tokenrouter/caddy-llm/scraper"
 	"github.com/tokenrouter/caddy-llm/selection"
-	"github.com/tokenrouter/caddy-llm/tokenize"
 )
 
 // upstreamLoad is the work this process has in flight to one upstream, split by phase, and the service
@@ -54,16 +52,8 @@ type upstreamLoad struct {
 	// allocAt and allocCum are a ring of this proxy's recent requests there: when each was sent and the
 	// KV-cache tokens (uncached prompt + expected output) sent there up to and including it; allocNext
 	// is the next slot, allocN the slots filled, allocTotal the running sum (allocatedSince).
-	allocAt  [allocRing]int64
-	allocCum [allocRing]int64
-	// allocReused and allocClaimed are, for the same requests, the prompt tokens each was predicted to
-	// find cached there and when that prefix was last sent there before it (0: no claim): a cached prefix
-	// reused moves to the back of the backend's LRU queue, past every prefix freed since (evictedSince).
-	allocReused  [allocRing]int32
-	allocClaimed [allocRing]int64
-	// allocHead is the hash of each one's first message (its system prompt; 0: none), which other
-	// requests there share (evictedSince).
-	allocHead  [allocRing]uint64
+	allocAt    [allocRing]int64
+	allocCum   [allocRing]int64
 	allocNext  int
 	allocN     int
 	allocTotal int64
@@ -163,7 +153,6 @@ type work struct {
 	kv               int     // KV-cache space it takes (reservation.kv); 0: uncached + output
 	learned          int64   // reservation.learned
 	prompt, matched  int     // its prompt tokens and those predicted cached there
-	head             uint64  // the hash of its first message's boundary (headBoundary); 0: none
 	waited           float64 // predicted seconds before its prefill can start (from the decision)
 	prediction       prediction
 }
@@ -230,10 +219,6 @@ func (l *upstreamLoad) add(dial string, w work, now int64) *reservation {
 	l.kv += int64(r.kv)
 	l.allocTotal += int64(w.uncached + w.output)
 	l.allocAt[l.allocNext], l.allocCum[l.allocNext] = now, l.allocTotal
-	l.allocReused[l.allocNext], l.allocClaimed[l.allocNext], l.allocHead[l.allocNext] = 0, 0, w.head
-	if w.matched > 0 && w.prediction.claimAge > 0 {
-		l.allocReused[l.allocNext], l.allocClaimed[l.allocNext] = int32(min(w.matched, math.MaxInt32)), now-w.prediction.claimAge
-	}
 	l.allocNext = (l.allocNext + 1) % allocRing
 	l.allocN = min(l.allocN+1, allocRing)
 	if l.meanUncached == 0 {
@@ -458,24 +443,17 @@ func (l *upstreamLoad) allocatedSince(at int64) int64 {
 }
 
 func (l *upstreamLoad) allocatedSinceLocked(at int64) int64 {
-	n, _ := l.sentSinceLocked(at)
-	return n
-}
-
-// sentSinceLocked returns allocatedSince's figure and the position (in time order, from the oldest
-// remembered) of the first remembered request sent after at. The caller holds l.mu.
-func (l *upstreamLoad) sentSinceLocked(at int64) (allocated int64, first int) {
 	oldest := (l.allocNext - l.allocN + allocRing) % allocRing
 	// The last remembered request sent at or before at (times are in sending order, within the
 	// decisions' jitter): binary search over the ring in time order.
 	k := sort.Search(l.allocN, func(i int) bool { return l.allocAt[(oldest+i)%allocRing] > at })
 	switch {
 	case k > 0:
-		return l.allocTotal - l.allocCum[(oldest+k-1)%allocRing], k
+		return l.allocTotal - l.allocCum[(oldest+k-1)%allocRing]
 	case l.allocN < allocRing:
-		return l.allocTotal, 0 // nothing was sent there before at
+		return l.allocTotal // nothing was sent there before at
 	}
-	return l.allocTotal - l.allocCum[oldest], 0
+	return l.allocTotal - l.allocCum[oldest]
 }
 
 // evictedSince returns (at least) the KV-cache tokens of this proxy's requests that stand between a
@@ -483,36 +461,15 @@ func (l *upstreamLoad) sentSinceLocked(at int64) (allocated int64, first int) {
 // allocated since the prefix became evictable, when the request that sent it ended (about held after
 // seen; vLLM frees a request's blocks to the tail of its least-recently-used queue when it ends, and
 // blocks in use are never evicted), plus those still held by requests that were running then and still
-// are, plus the cached prefixes reused since that had been sent there before it: the queue is least
-// recently *used* first, so a prefix freed ahead of this one and reused since has moved behind it, and
-// what is ahead of it shrinks by as much as by an allocation. Each such prefix counts once, at its
-// first reuse since (a later one's previous send is after seen), less the first message it shares with
-// the claim (head: a system prompt both begin with is the claim's own blocks, not ahead of it; counted,
-// every other conversation behind the same system prompt took it off the claim again). Counting
-// allocations alone, a prefix
-// was predicted cached as long as the new tokens sent since fit beside it, while the reuse of the
-// other groups' prefixes had already pushed it out: hetero shared-prefix, 64 groups over four 32k-token
-// caches, one predicted hit in ten came back a miss, the group last sent there a median 13 simulated
-// seconds before (the hits: 2.7 s).
-// 0 while the prefix is still in use.
-func (l *upstreamLoad) evictedSince(seen, now int64, head tokenize.Boundary) int64 {
+// are. 0 while the prefix is still in use.
+func (l *upstreamLoad) evictedSince(seen, now int64) int64 {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	freed := l.freedLocked(seen)
 	if freed >= now {
 		return 0 // still in use
 	}
-	n, first := l.sentSinceLocked(freed)
-	oldest := l.allocNext - l.allocN + allocRing
-	for i := first; i < l.allocN; i++ {
-		if k := (oldest + i) % allocRing; l.allocClaimed[k] > 0 && l.allocClaimed[k] < seen {
-			reused := int64(l.allocReused[k])
-			if head.Hash != 0 && l.allocHead[k] == head.Hash {
-				reused = max(reused-int64(head.Tokens), 0)
-			}
-			n += reused
-		}
-	}
+	n := l.allocatedSinceLocked(freed)
 	// Requests already running when it was freed and running still hold their blocks: what is free
 	// ahead of the prefix in the queue is that much less.
 	for _, r := range l.inflight {

@@ -57,9 +57,6 @@ type query struct {
 	// hot: the request's prefix is in more demand than half of one upstream can serve (prefixDemand),
 	// so it is to be replicated, not held home.
 	hot bool
-	// head is the boundary at the end of the request's first message (headBoundary), set by the cache
-	// signal.
-	head tokenize.Boundary
 	// peerClaim is the longest cache claim's length in tokens when it is known only from peers (routes
 	// shared by other instances, affinity.Table.MatchPeers); 0 otherwise.
 	peerClaim int
@@ -190,7 +187,6 @@ func (d *decider) commit(q *query, dial string, dec selection.Decision) *reserva
 		output:     d.outputEstimate(q.req.MaxTokens),
 		waited:     dec.Wait,
 		prediction: pred,
-		head:       q.head.Hash,
 	}, q.now)
 }
 
@@ -337,7 +333,6 @@ func (s cacheSignal) fill(q *query, keys []string, cands []selection.Candidate) 
 		q.peerClaim = longest
 	}
 	bs := s.routes.BlockSize()
-	q.head = headBoundary(q.req)
 	clear(q.cut)
 	for i := range cands {
 		cached[i] = answeredThere(q.req.Messages, cached[i], bs)
@@ -351,22 +346,14 @@ func (s cacheSignal) fill(q *query, keys []string, cands []selection.Candidate) 
 			q.cut[i], cached[i], cands[i].CachedTokens = cached[i], 0, 0
 			continue
 		}
-		if room := cands[i].KVCapacity - float64(cached[i]); cands[i].KVCapacity > 0 && q.seen[i] > 0 {
-			// Evicted, in part or whole: since the prefix was last in use there, this proxy alone sent it
-			// (or reused there) more than its KV cache holds beside it, and vLLM reuses the least recently
-			// used free blocks first (the cache capacity is scraped; see loadSignal). A request's blocks
-			// are freed last first, so what goes first is the prefix's end: what is left is its head (a
-			// long history's shared system prompt and first turns). Not a cut claim: that is one older
-			// than the horizon, and a report confirming it would lengthen (or, with none, start) it.
-			if over := float64(l.evictedSince(q.seen[i], q.now, q.head)) - room; over > 0 {
-				left := (cached[i] - int(math.Ceil(over))) / max(bs, 1) * max(bs, 1)
-				if left <= 0 {
-					cached[i], cands[i].CachedTokens = 0, 0
-					l.observed.evicted.Add(1)
-					continue
-				}
-				cached[i] = left
-			}
+		if room := cands[i].KVCapacity - float64(cached[i]); cands[i].KVCapacity > 0 && q.seen[i] > 0 && float64(l.evictedSince(q.seen[i], q.now)) > room {
+			// Evicted: since the prefix was last in use there, this proxy alone sent it more than its KV
+			// cache holds beside it, and vLLM reuses the least recently used free blocks first (the cache
+			// capacity is scraped; see loadSignal). Not a cut claim: that is one older than the horizon,
+			// and a report confirming it would lengthen (or, with none, start) the horizon.
+			cached[i], cands[i].CachedTokens = 0, 0
+			l.observed.evicted.Add(1)
+			continue
 		}
 		cands[i].CachedTokens = int(float64(cached[i]) * l.cacheTrust())
 		cands[i].CachedFree = !l.holds(q.seen[i], q.now)
@@ -408,19 +395,6 @@ func answeredThere(msgs []tokenize.Message, matched, blockSize int) int {
 		return max(matched, next.End/blockSize*blockSize)
 	}
 	return matched
-}
-
-// headBoundary is the boundary at the end of the request's first message (a system prompt, which
-// conversations share); zero for a request without messages.
-func headBoundary(req *tokenize.Request) tokenize.Boundary {
-	if len(req.Messages) == 0 {
-		return tokenize.Boundary{}
-	}
-	end := req.Messages[0].End
-	if i, ok := slices.BinarySearchFunc(req.Boundaries, end, func(b tokenize.Boundary, t int) int { return cmp.Compare(b.Tokens, t) }); ok {
-		return req.Boundaries[i]
-	}
-	return tokenize.Boundary{}
 }
 
 // prefixBoundary is the boundary that ends the request's prefix, the longest before its last message

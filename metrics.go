@@ -137,7 +137,7 @@ var (
 	descObservedCached   = prometheus.NewDesc("caddy_llm_observed_cached_tokens_total", "Of those, the tokens the upstream reported cached (usage.prompt_tokens_details.cached_tokens).", []string{"upstream"}, nil)
 	descConfirmedCached  = prometheus.NewDesc("caddy_llm_confirmed_cached_tokens_total", "Of those, the predicted tokens the upstream confirmed: the sum over responses of min(predicted, reported).", []string{"upstream"}, nil)
 	descCorrections      = prometheus.NewDesc("caddy_llm_cache_corrections_total", "Responses reporting far fewer cached tokens than the route table claimed; claims as old are no longer credited.", []string{"upstream"}, nil)
-	descEvictedClaims    = prometheus.NewDesc("caddy_llm_evicted_claims_total", "Route claims on the upstream a decision did not credit at all: since the prefix was last in use there, this proxy sent or reused there more than its KV cache holds beside it.", []string{"upstream"}, nil)
+	descEvictedClaims    = prometheus.NewDesc("caddy_llm_evicted_claims_total", "Route claims on the upstream a decision did not credit: since the prefix was last in use there, this proxy sent it more than its KV cache holds beside it.", []string{"upstream"}, nil)
 	descRestarts         = prometheus.NewDesc("caddy_llm_upstream_restarts_total", "Restarts of the upstream seen in its metrics; its routes were forgotten.", []string{"upstream"}, nil)
 	descAvailability     = prometheus.NewDesc("caddy_llm_upstream_availability", "Adaptive availability of the upstream (0-1): the share of new work it takes relative to a healthy one (absent while availability is off).", []string{"upstream"}, nil)
 )

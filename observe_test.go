@@ -302,20 +302,19 @@ type repeatReader struct{ chunk []byte }
 func (r *repeatReader) Read(p []byte) (int, error) { return copy(p, r.chunk), nil }
 
 // TestEvictedClaimsAreNotCredited: a claim is credited while what this proxy sent its upstream since
-// fits in the cache beside it (least recently used blocks go first); beyond that, only the head of the
-// prefix that is left (a request's blocks are freed last first, so its end goes first), and nothing once
-// all of it went; an upstream whose cache size is unknown is credited as before.
+// fits in the cache beside it (least recently used blocks go first), and not once it does not; an
+// upstream whose cache size is unknown is credited as before.
 func TestEvictedClaimsAreNotCredited(t *testing.T) {
 	now := time.Unix(1_700_000_000, 0)
 	clock := now
 	routes := affinity.New(affinity.Config{Now: func() time.Time { return clock }})
 	bounds := []tokenize.Boundary{{Tokens: 1024, Hash: 1}, {Tokens: 2048, Hash: 2}}
-	keys := []string{"a:1", "b:1", "c:1"}
+	keys := []string{"a:1", "b:1"}
 	for _, k := range keys {
 		routes.Learn("m", bounds, k)
 	}
 	lt := newTestLoads()
-	// Since the claim, a:1 was sent 1,500 new tokens (prompt and output), b:1 7,500 and c:1 13,500.
+	// Since the claim, a:1 was sent 3,000 new tokens (prompt and output) and b:1 7,000.
 	for i, k := range keys {
 		for j := range 1 + 4*i {
 			clock = now.Add(time.Duration(j+1) * time.Second)
@@ -324,29 +323,23 @@ func TestEvictedClaimsAreNotCredited(t *testing.T) {
 	}
 	for _, capacity := range []float64{0, 8192} {
 		q := &query{req: &tokenize.Request{Model: "m", PromptTokens: 2200, Boundaries: bounds}, bounds: bounds, now: clock.UnixNano()}
-		cands := make([]selection.Candidate, len(keys))
+		cands := make([]selection.Candidate, 2)
 		for i := range cands {
 			cands[i].KVCapacity = capacity
 		}
 		cacheSignal{routes: routes, loads: lt}.fill(q, keys, cands)
-		want := []int{2048, 2048, 2048} // the route table's claim
+		want := []int{2048, 2048} // the route table's claim
 		if capacity > 0 {
-			// 8,192 - 2,048 beside the claim: b:1's last 1,356 tokens went, its head is left (in whole
-			// blocks); c:1's went whole.
-			want[1], want[2] = 688, 0
+			want[1] = 0 // 7,500 tokens sent since, 8,192 - 2,048 beside the claim
 		}
-		for i := range keys {
-			if cands[i].CachedTokens != want[i] {
-				t.Errorf("capacity %.0f: credited %s %d cached tokens, want %d", capacity, keys[i], cands[i].CachedTokens, want[i])
-			}
+		if cands[0].CachedTokens != want[0] || cands[1].CachedTokens != want[1] {
+			t.Errorf("capacity %.0f: credited %d and %d cached tokens, want %v", capacity, cands[0].CachedTokens, cands[1].CachedTokens, want)
 		}
-		for i, k := range keys {
-			if got, want := lt.lookup(k).cacheFigures().Evicted, int64(min(capacity, 1))*int64(i/2); got != want {
-				t.Errorf("capacity %.0f: %d claims counted evicted on %s, want %d", capacity, got, k, want)
-			}
+		if got, want := lt.lookup(keys[1]).cacheFigures().Evicted, int64(min(capacity, 1)); got != want {
+			t.Errorf("capacity %.0f: %d claims counted evicted on b:1, want %d", capacity, got, want)
 		}
-		if q.cut[1] != 0 || q.cut[2] != 0 {
-			t.Errorf("capacity %.0f: an evicted claim recorded as cut by the horizon (%v): a report confirming it would start a horizon", capacity, q.cut)
+		if q.cut[1] != 0 {
+			t.Errorf("capacity %.0f: an evicted claim recorded as cut by the horizon (%d): a report confirming it would start a horizon", capacity, q.cut[1])
 		}
 	}
 }
@@ -415,71 +408,12 @@ func TestEvictedSinceCountsFromRelease(t *testing.T) {
 				r.release(t0+7*sec, false) // cancels: they teach nothing about how long requests take
 			}
 		}
-		if got := l.evictedSince(t0, tt.now, tokenize.Boundary{}); got != tt.want {
+		if got := l.evictedSince(t0, tt.now); got != tt.want {
 			t.Errorf("%s: evictedSince(claim) = %d, want %d", tt.name, got, tt.want)
 		}
 	}
 	if got := l.allocatedSince(t0); got != 10_000 {
 		t.Errorf("allocatedSince(claim) = %d, want 10000", got)
-	}
-}
-
-// TestEvictedSinceCountsReuse: the backend's queue is least recently used first, so a cached prefix that
-// was sent there before the claim's and is reused after it has moved behind the claim: it counts against
-// the claim like an allocation of its size, once (its later reuses were last sent after the claim), less
-// the first message it shares with the claim (the claim's own blocks); a prefix last sent after the
-// claim, or the claim's own prefix, does not count.
-func TestEvictedSinceCountsReuse(t *testing.T) {
-	lt := newTestLoads()
-	sec := int64(time.Second)
-	t0 := time.Unix(1_700_000_000, 0).UnixNano()
-	system := tokenize.Boundary{Tokens: 500, Hash: 77} // the system prompt every conversation starts with
-	hit := func(at, lastSent int64, cached int, head uint64) work {
-		return work{prompt: cached + 100, matched: cached, uncached: 100, output: 50, head: head, prediction: prediction{claimAge: at - lastSent}}
-	}
-	// Group A's prefix, sent at t0-10 s and t0-5 s; conversation B (behind the system prompt) at t0-4 s;
-	// the claim: conversation C's history, behind the same system prompt, sent at t0.
-	for _, at := range []int64{t0 - 10*sec, t0 - 5*sec} {
-		lt.reserve("a:1", work{prompt: 1500, uncached: 1500, output: 50}, at).release(at, true)
-	}
-	lt.reserve("a:1", work{prompt: 3000, uncached: 3000, output: 50, head: system.Hash}, t0-4*sec).release(t0-4*sec, true)
-	lt.reserve("a:1", work{prompt: 1500, uncached: 1500, output: 50, head: system.Hash}, t0).release(t0, true)
-	l := lt.lookup("a:1")
-	if got := l.evictedSince(t0, t0+sec, system); got != 0 {
-		t.Fatalf("evictedSince with nothing sent since = %d", got)
-	}
-	lt.reserve("a:1", hit(t0+2*sec, t0-5*sec, 1400, 0), t0+2*sec).release(t0+2*sec, true)           // A reused: moves past C
-	lt.reserve("a:1", hit(t0+3*sec, t0+2*sec, 1400, 0), t0+3*sec).release(t0+3*sec, true)           // A again: already behind
-	lt.reserve("a:1", hit(t0+4*sec, t0, 1400, system.Hash), t0+4*sec).release(t0+4*sec, true)       // C itself (a shorter part)
-	lt.reserve("a:1", hit(t0+5*sec, t0-4*sec, 3000, system.Hash), t0+5*sec).release(t0+5*sec, true) // B: its history past the system prompt
-	lt.reserve("a:1", work{prompt: 800, uncached: 800, output: 50}, t0+6*sec).release(t0+6*sec, true)
-	got := l.evictedSince(t0, t0+7*sec, system)
-	want := int64(4*150 + 850 + 1400 + 2500) // four hits' new tokens, one miss, A's prefix once, B's history past the system prompt
-	if got != want {
-		t.Errorf("evictedSince(claim) = %d, want %d: allocations plus the prefixes reused since, once each, without the shared system prompt", got, want)
-	}
-	if got, want := l.evictedSince(t0, t0+7*sec, tokenize.Boundary{}), want+500; got != want {
-		t.Errorf("evictedSince(claim without a first message) = %d, want %d: B's whole prefix", got, want)
-	}
-	if got := l.allocatedSince(t0); got != 4*150+850 {
-		t.Errorf("allocatedSince(claim) = %d, want %d: reuse is not an allocation", got, 4*150+850)
-	}
-}
-
-// TestHeadBoundary: the boundary at the end of the first message, which the route table and the
-// allocation ring both know it by; none for a prompt without messages.
-func TestHeadBoundary(t *testing.T) {
-	req := parseChat(t, chatMessage{"system", strings.Repeat("You answer briefly. ", 40)}, chatMessage{"user", "Hello."})
-	head := headBoundary(req)
-	if head.Tokens != req.Messages[0].End || head.Hash == 0 {
-		t.Fatalf("headBoundary = %+v, want the boundary at the first message's end (%d)", head, req.Messages[0].End)
-	}
-	other := parseChat(t, chatMessage{"system", strings.Repeat("You answer briefly. ", 40)}, chatMessage{"user", "Something else entirely."})
-	if headBoundary(other) != head {
-		t.Errorf("two requests behind one system prompt have heads %+v and %+v", head, headBoundary(other))
-	}
-	if got := headBoundary(&tokenize.Request{PromptTokens: 10, Boundaries: []tokenize.Boundary{{Tokens: 10, Hash: 1}}}); got != (tokenize.Boundary{}) {
-		t.Errorf("headBoundary(no messages) = %+v, want none", got)
 	}
 }
 
@@ -503,7 +437,7 @@ func TestEvictedSinceConcurrent(t *testing.T) {
 			defer wg.Done()
 			for i := range each {
 				if l := lt.lookup("a:1"); l != nil {
-					if got := l.evictedSince(t0, t0+int64(i)*int64(time.Second), tokenize.Boundary{}); got < 0 {
+					if got := l.evictedSince(t0, t0+int64(i)*int64(time.Second)); got < 0 {
 						t.Errorf("evictedSince = %d", got)
 					}
 				}
