@@ -326,8 +326,8 @@ func runRestart(ctx context.Context, o options, sims []simSettings, name, keep, 
 	run.TTFTP50Before, run.TTFTP99Before, run.TTFTP50After, run.TTFTP99After = sb.TTFTP50, sb.TTFTP99, sa.TTFTP50, sa.TTFTP99
 	run.TTFTP99First6 = summarize("first 6 s", first6, o.sim.TimeScale).TTFTP99
 	if o.dump != "" {
-		name := fmt.Sprintf("restart/%s/keep %s/seed %d", name, keep, o.seed)
-		if err := dumpResults(filepath.Join(o.dump, dumpName(name, o.policies[0].Name)), results); err != nil {
+		file := fmt.Sprintf("restart/%s/keep %s/seed %d", name, keep, o.seed)
+		if err := dumpResults(filepath.Join(o.dump, dumpName(file, o.policies[0].Name)), results); err != nil {
 			return run, err
 		}
 	}
