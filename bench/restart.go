@@ -21,8 +21,9 @@ import (
 // -restart: one Caddy process with the bare llm policy learns under load for a simulated minute, is
 // measured for a minute, is stopped gracefully (SIGINT) and started again from the same storage, and the
 // backends' hit rate in the first simulated minute after the restart is compared with the minute before:
-// with `persist` (the snapshot written at the stop is restored at the start) and without (the new process
-// starts empty). New requests are held while Caddy is down (see runRestart). The backends keep their
+// with `persist` (the snapshot written at the stop is restored at the start), with `share` (the new
+// process warms up from the Redis the stopped one published to, as a new instance joining would) and
+// without (the new process starts empty), as -restart-keep lists. New requests are held while Caddy is down (see runRestart). The backends keep their
 // caches throughout: what a restart can lose is only the knowledge of where the prefixes are.
 
 // restartWindow is the measuring window in simulated time.
@@ -38,7 +39,7 @@ type RestartPoint struct {
 	TTFTP99 float64 `json:"ttft_p99_ms"`
 }
 
-// RestartRun is one restart, with or without persist.
+// RestartRun is one restart, its learned state carried over as Keep says.
 type RestartRun struct {
 	Regime   string `json:"regime"`
 	Workload string `json:"workload"`
