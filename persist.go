@@ -300,7 +300,13 @@ func (p *persister) restore() {
 	if err == nil {
 		routes, pins, err = p.table.Restore(data)
 	}
-	restoredModels, modelsProblem := p.restoreModels(ctx)
+	restoredModels, restarted, modelsProblem := p.restoreModels(ctx)
+	for _, dial := range restarted {
+		// Its routes just restored were learned of the backend process before: its cache is empty.
+		if l := p.loads.lookup(dial); l != nil {
+			forgetRestarted(dial, l)
+		}
+	}
 	p.saveMu.Lock()
 	p.changes = p.table.Stats().Changes
 	_, p.modelsMark = encodeModels(p.loads.learnedModels())
@@ -533,9 +539,9 @@ type modelsFile struct {
 }
 
 // storedModel is one upstream's model, with the backend's process start time (its metrics'
-// process_start_time_seconds; 0: unknown) when it was stored: a backend that restarted since (its first
-// scrape shows another start time) forgets the slots it was learned to have, as one restarting under a
-// running Caddy does (checkRestartLocked).
+// process_start_time_seconds; 0: unknown) when it was stored: a backend that restarted since (a scrape
+// shows another start time, before the restore or after it) forgets the slots it was learned to have and
+// the routes restored for it, as one restarting under a running Caddy does (checkRestartLocked).
 type storedModel struct {
 	Model     selection.ModelState `json:"model"`
 	StartTime float64              `json:"backend_start_time,omitempty"`
@@ -583,29 +589,32 @@ func encodeModels(models map[string]storedModel) (file []byte, mark uint64) {
 
 // restoreModels gives each upstream in the stored file its saved model (restoreModels of the loads). A
 // missing file is no problem: a first start, or a snapshot of a version before models were kept.
-func (p *persister) restoreModels(ctx context.Context) (restored int, problem string) {
+func (p *persister) restoreModels(ctx context.Context) (restored int, restarted []string, problem string) {
 	data, err := p.currentStorage().Load(ctx, p.modelsKey())
 	if errors.Is(err, fs.ErrNotExist) {
-		return 0, ""
+		return 0, nil, ""
 	}
 	if err != nil {
-		return 0, err.Error()
+		return 0, nil, err.Error()
 	}
 	return p.loads.restoreModels(data)
 }
 
 // restoreModels gives each upstream in a models file (persist's, or another instance's through share)
-// its model, unless this process has already learned one. It returns how many were restored and, when
-// some or all were not, why.
-func (t *loadTable) restoreModels(data []byte) (restored int, problem string) {
+// its model, unless this process has already learned one. It returns how many were restored, the
+// upstreams whose backend a scrape has already shown running as another process than the one the file
+// was learned of (their restored slots are forgotten here; what else was stored of them, the caller
+// knows), and, when some or all were not restored, why. A backend not yet scraped is judged by its
+// first scrape (checkRestartLocked), as one restarting under a running Caddy is.
+func (t *loadTable) restoreModels(data []byte) (restored int, restarted []string, problem string) {
 	var f modelsFile
 	switch err := json.Unmarshal(data, &f); {
 	case err != nil:
-		return 0, "not a models file: " + err.Error()
+		return 0, nil, "not a models file: " + err.Error()
 	case f.Version != modelsVersion:
-		return 0, fmt.Sprintf("models file version %d, want %d", f.Version, modelsVersion)
+		return 0, nil, fmt.Sprintf("models file version %d, want %d", f.Version, modelsVersion)
 	case len(f.Upstreams) > maxStoredModels:
-		return 0, fmt.Sprintf("%d models, more than the %d kept", len(f.Upstreams), maxStoredModels)
+		return 0, nil, fmt.Sprintf("%d models, more than the %d kept", len(f.Upstreams), maxStoredModels)
 	}
 	var problems []string
 	now := time.Now().UnixNano()
@@ -627,10 +636,11 @@ func (t *loadTable) restoreModels(data []byte) (restored int, problem string) {
 			case stored.StartTime:
 			default:
 				l.model.ForgetSlots() // a scrape already showed it restarted since
+				restarted = append(restarted, dial)
 			}
 			l.mu.Unlock()
 		}
 		restored++
 	}
-	return restored, strings.Join(problems, "; ")
+	return restored, restarted, strings.Join(problems, "; ")
 }

@@ -231,13 +231,89 @@ func TestRestartedBackendForgetsSlots(t *testing.T) {
 		if c.before != 0 {
 			scrape(dst, c.before)
 		}
-		if n, problem := dst.restoreModels(file); n != 1 || problem != "" {
+		n, restarted, problem := dst.restoreModels(file)
+		if n != 1 || problem != "" {
 			t.Fatalf("%s: restoreModels = %d, %q", c.name, n, problem)
+		}
+		if want := c.before != 0 && c.before != 100; len(restarted) == 1 != want {
+			t.Errorf("%s: restarted %v, want it listed: %v", c.name, restarted, want)
 		}
 		scrape(dst, c.after)
 		if s := dst.lookup(dial).model.Service(); s.Slots != c.wantSlots {
 			t.Errorf("%s: slots %v, want %v", c.name, s.Slots, c.wantSlots)
 		}
+	}
+}
+
+// TestRestoredRoutesOfRestartedBackend: routes restored from a snapshot of a backend that restarted while
+// Caddy was down claim a cache it no longer has, and are forgotten with it, whichever comes first: the
+// restore or the scrape that shows the new process. The other backend's routes stay.
+func TestRestoredRoutesOfRestartedBackend(t *testing.T) {
+	const key = "caddy-llm/restarted-test.snapshot"
+	const moved, stayed = "10.0.0.1:8000", "10.0.0.2:8000"
+	now := time.Now()
+	scrape := func(lt *loadTable, dial string, start float64) {
+		now = now.Add(time.Second)
+		lt.noteScrape(dial, &scraper.Snapshot{At: now, StartTime: start}, now.UnixNano())
+	}
+	teach := func(lt *loadTable, dial string) {
+		m := lt.entry(dial, 1).model
+		for range 5 {
+			m.ObserveEnd(1000, 100, 0, 9)
+		}
+	}
+	storage := &certmagic.FileStorage{Path: t.TempDir()}
+	src := affinity.New(affinity.Config{})
+	src.Learn("m", testBounds, moved)
+	src.Learn("m", []tokenize.Boundary{{Tokens: 512, Hash: 7}}, stayed)
+	srcLoads := &loadTable{m: make(map[string]*upstreamLoad)}
+	for _, dial := range []string{moved, stayed} {
+		teach(srcLoads, dial)
+		scrape(srcLoads, dial, 100)
+	}
+	p := newPersister(src, storage, key, time.Hour, zap.NewNop())
+	p.loads = srcLoads
+	p.save(context.Background())
+
+	for _, c := range []struct {
+		name          string
+		before, after float64 // moved's start time a scrape showed before the restore (0: none), and after
+		wantKept      bool
+	}{
+		{"same process, scraped after the restore", 0, 100, true},
+		{"same process, scraped before the restore", 100, 100, true},
+		{"restarted, scraped after the restore", 0, 200, false},
+		{"restarted, scraped before the restore", 200, 200, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			dst := affinity.New(affinity.Config{})
+			defer registerTestRoutes(t, dst)()
+			loads := &loadTable{m: make(map[string]*upstreamLoad)}
+			if c.before != 0 {
+				scrape(loads, moved, c.before)
+			}
+			q := newPersister(dst, storage, key, time.Hour, zap.NewNop())
+			q.loads = loads
+			q.restore()
+			scrape(loads, moved, c.after)
+			scrape(loads, stayed, 100)
+			ups, cached := []string{moved, stayed}, make([]int, 2)
+			dst.Match("m", testBounds, ups, cached)
+			if kept := cached[0] > 0; kept != c.wantKept {
+				t.Errorf("restarted backend's routes: cached tokens %v, want kept: %v", cached, c.wantKept)
+			}
+			dst.Match("m", []tokenize.Boundary{{Tokens: 512, Hash: 7}}, ups, cached)
+			if cached[1] != 512 {
+				t.Errorf("the other backend's route: cached tokens %v, want 512 on it", cached)
+			}
+			wantRestarts := int64(0)
+			if !c.wantKept {
+				wantRestarts = 1
+			}
+			if n := loads.lookup(moved).cacheFigures().Restarts; n != wantRestarts {
+				t.Errorf("restarts counted %d, want %d", n, wantRestarts)
+			}
+		})
 	}
 }
 

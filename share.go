@@ -186,7 +186,9 @@ func (t *loadTable) restorePeerModels(newestFirst [][]byte, logger *zap.Logger) 
 	restored := 0
 	var problems []string
 	for _, blob := range newestFirst {
-		n, problem := t.restoreModels(blob)
+		// A peer's model of a backend that restarted since loses its slots; the peer's routes are its
+		// own to forget when it scrapes the restart.
+		n, _, problem := t.restoreModels(blob)
 		restored += n
 		if problem != "" {
 			problems = append(problems, problem)
