@@ -44,6 +44,11 @@ type Snapshot struct {
 	// Steps is how many engine steps the target has run: the count of vLLM's vllm:iteration_tokens_total
 	// histogram (one observation a step), summed over engines; zero when absent.
 	Steps float64
+	// FinishedRequests and FinishedPrompt are the count and the sum of vLLM's vllm:request_prompt_tokens
+	// histogram (each finished request's prompt tokens, in the backend's tokenizer), summed over engines;
+	// zero when absent (SGLang, vLLM before the histogram). Against the prompts of the requests this proxy
+	// saw end there, they tell how many of the backend's tokens one of this proxy's count is.
+	FinishedRequests, FinishedPrompt float64
 	// BlockSize is the KV block (vLLM) or page (SGLang) size in tokens and NumBlocks the number of
 	// blocks summed over engines, from the labels of vllm:cache_config_info
 	// {block_size,num_gpu_blocks} or sglang:cache_config_info{page_size,num_pages} (SGLang's
@@ -79,6 +84,7 @@ var (
 	vllmLoRAInfo      = "vllm:lora_requests_info"
 	vllmGenerated     = []string{"vllm:generation_tokens_total", "vllm:generation_tokens"}
 	vllmSteps         = []string{"vllm:iteration_tokens_total"}
+	vllmRequestPrompt = "vllm:request_prompt_tokens"
 	sglangGenerated   = []string{"sglang:generation_tokens_total", "sglang:generation_tokens"}
 )
 
@@ -117,6 +123,8 @@ func Parse(r io.Reader, model string) (Snapshot, error) {
 	s.PrefixQueries = clampCount(s.PrefixQueries)
 	s.GenerationTokens = clampCount(s.GenerationTokens)
 	s.Steps = clampCount(s.Steps)
+	s.FinishedRequests = clampCount(s.FinishedRequests)
+	s.FinishedPrompt = clampCount(s.FinishedPrompt)
 	s.KVUsage = math.Min(math.Max(s.KVUsage, 0), 1)
 	if start, ok := maxValue(families["process_start_time_seconds"], ""); ok && start > 0 && !math.IsInf(start, 0) {
 		s.StartTime = start
@@ -150,6 +158,7 @@ func extractVLLM(families map[string]*dto.MetricFamily, model string, s *Snapsho
 	s.PrefixQueries, _ = sum(families, vllmPrefixQueries, model)
 	s.GenerationTokens, _ = sum(families, vllmGenerated, model)
 	s.Steps, _ = sum(families, vllmSteps, model)
+	s.FinishedRequests, s.FinishedPrompt = histogramTotals(families[vllmRequestPrompt], model)
 	s.BlockSize, s.NumBlocks = geometryFromLabels(families["vllm:cache_config_info"], model, "block_size", "num_gpu_blocks")
 	s.Model = modelName(families, vllmRunning[0], model)
 	s.LoRA = loraFromLabels(families[vllmLoRAInfo], model)
@@ -209,6 +218,24 @@ func total(families map[string]*dto.MetricFamily, names []string, model string) 
 		}
 	}
 	return 0, 0
+}
+
+// histogramTotals adds up the sample counts and sums of mf's histogram series that pass the model
+// filter; zeros when there are none, or when a sum is not a finite number.
+func histogramTotals(mf *dto.MetricFamily, model string) (count, total float64) {
+	for _, m := range mf.GetMetric() {
+		h := m.GetHistogram()
+		if h == nil || !matchesModel(m, model) {
+			continue
+		}
+		v := h.GetSampleSum()
+		if math.IsNaN(v) || math.IsInf(v, 0) || v < 0 {
+			return 0, 0
+		}
+		count += float64(h.GetSampleCount())
+		total += v
+	}
+	return count, total
 }
 
 func maxValue(mf *dto.MetricFamily, model string) (float64, bool) {

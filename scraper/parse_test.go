@@ -139,6 +139,36 @@ vllm:iteration_tokens_total_count{engine="1",model_name="m"} 200
 	}
 }
 
+// TestParseFinishedPrompts: vllm:request_prompt_tokens gives the finished requests and their prompt
+// tokens (its count and sum), summed over engines, for the model asked for only; a sum that is not a
+// finite count gives neither.
+func TestParseFinishedPrompts(t *testing.T) {
+	text := `# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 1
+# TYPE vllm:request_prompt_tokens histogram
+vllm:request_prompt_tokens_bucket{engine="0",model_name="m",le="+Inf"} 10
+vllm:request_prompt_tokens_sum{engine="0",model_name="m"} 16000
+vllm:request_prompt_tokens_count{engine="0",model_name="m"} 10
+vllm:request_prompt_tokens_bucket{engine="1",model_name="m",le="+Inf"} 5
+vllm:request_prompt_tokens_sum{engine="1",model_name="m"} 4000
+vllm:request_prompt_tokens_count{engine="1",model_name="m"} 5
+vllm:request_prompt_tokens_bucket{engine="0",model_name="other",le="+Inf"} 99
+vllm:request_prompt_tokens_sum{engine="0",model_name="other"} 99000
+vllm:request_prompt_tokens_count{engine="0",model_name="other"} 99
+`
+	got, err := Parse(strings.NewReader(text), "m")
+	if err != nil || got.FinishedRequests != 15 || got.FinishedPrompt != 20000 {
+		t.Errorf("Parse() = %+v, %v; want 15 finished requests of 20000 prompt tokens", got, err)
+	}
+	bad := strings.Replace(text, "} 4000", "} NaN", 1)
+	if got, err := Parse(strings.NewReader(bad), "m"); err != nil || got.FinishedRequests != 0 || got.FinishedPrompt != 0 {
+		t.Errorf("Parse() with a NaN sum = %+v, %v; want neither figure", got, err)
+	}
+	if got, _ := Parse(strings.NewReader(string(readTestdata(t, "vllm_v1_two_engines.txt"))), ""); got.FinishedRequests != 0 {
+		t.Errorf("a text without the histogram: %+v, want no finished requests", got)
+	}
+}
+
 func TestParseErrors(t *testing.T) {
 	tests := []struct {
 		name      string

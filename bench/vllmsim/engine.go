@@ -98,6 +98,7 @@ type Server struct {
 	promptTotal    int64
 	outputTotal    int64
 	finished       int64
+	finishedPrompt int64 // prompt tokens of the finished requests (vllm:request_prompt_tokens' sum)
 	steps          int64
 	busy           time.Duration // simulated time spent in steps
 	lastStep       time.Duration
@@ -523,6 +524,7 @@ func (s *Server) applyLocked(batch []stepItem, d time.Duration) {
 			s.releaseLoRALocked(r)
 			s.retireLocked(r)
 			s.finished++
+			s.finishedPrompt += int64(r.promptTokens)
 			finished = true
 			close(r.done)
 			continue
@@ -630,6 +632,7 @@ func (s *Server) Restart() {
 	s.kv = newKVCache(s.cfg.NumGPUBlocks)
 	s.pendingPrefill = 0
 	s.preemptions, s.prefixQueries, s.prefixHits, s.promptTotal, s.outputTotal, s.finished = 0, 0, 0, 0, 0, 0
+	s.finishedPrompt = 0
 	s.steps, s.busy, s.lastStep = 0, 0, 0
 	// A new start time, even if the clock has not moved on since the last one.
 	if now := time.Now(); now.After(s.started) {

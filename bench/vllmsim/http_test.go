@@ -350,6 +350,11 @@ func TestMetricsFlavours(t *testing.T) {
 				if hits != float64(st.PrefixHits) || queries != float64(st.PrefixQueries) || hits == 0 {
 					t.Errorf("hits/queries = %v/%v, state %d/%d", hits, queries, st.PrefixHits, st.PrefixQueries)
 				}
+				prompt, _, err := s.Cached(chatBodyJSON(t, longText("s", 500), "u", 2, false))
+				h := fams["vllm:request_prompt_tokens"].GetMetric()[0].GetHistogram()
+				if err != nil || h.GetSampleCount() != 2 || h.GetSampleSum() != float64(2*prompt) {
+					t.Errorf("request_prompt_tokens count/sum = %d/%v, want 2 requests of %d tokens (%v)", h.GetSampleCount(), h.GetSampleSum(), prompt, err)
+				}
 			}
 		})
 	}

@@ -79,7 +79,7 @@ func (s *Server) metricsText() []byte {
 		metric("vllm:num_preemptions_total", "counter", "Cumulative number of preemption from the engine.", labels, float64(st.Preemptions))
 		metric("vllm:request_success_total", "counter", "Count of successfully processed requests.", labels, float64(st.Finished))
 		s.mu.Lock()
-		promptTotal, outputTotal := s.promptTotal, s.outputTotal
+		promptTotal, outputTotal, finished, finishedPrompt := s.promptTotal, s.outputTotal, s.finished, s.finishedPrompt
 		s.mu.Unlock()
 		metric("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", labels, float64(promptTotal))
 		metric("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", labels, float64(outputTotal))
@@ -88,6 +88,10 @@ func (s *Server) metricsText() []byte {
 		fmt.Fprintf(&b, "# HELP vllm:iteration_tokens_total Histogram of number of tokens per engine_step.\n# TYPE vllm:iteration_tokens_total histogram\n"+
 			"vllm:iteration_tokens_total_bucket{%s,le=\"+Inf\"} %d\nvllm:iteration_tokens_total_sum{%s} %d\nvllm:iteration_tokens_total_count{%s} %d\n",
 			labels, st.Steps, labels, promptTotal+outputTotal, labels, st.Steps)
+		// Like vLLM: each finished request's prompt tokens (count and sum only, with the +Inf bucket).
+		fmt.Fprintf(&b, "# HELP vllm:request_prompt_tokens Number of prefill tokens processed.\n# TYPE vllm:request_prompt_tokens histogram\n"+
+			"vllm:request_prompt_tokens_bucket{%s,le=\"+Inf\"} %d\nvllm:request_prompt_tokens_sum{%s} %d\nvllm:request_prompt_tokens_count{%s} %d\n",
+			labels, finished, labels, finishedPrompt, labels, finished)
 		metric("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig.",
 			fmt.Sprintf("block_size=\"%d\",engine=\"0\",model_name=%s,num_gpu_blocks=\"%d\"", s.cfg.BlockSize, model, st.NumBlocks), 1)
 		if len(s.cfg.LoRAAdapters) > 0 {
