@@ -45,6 +45,11 @@ type upstreamLoad struct {
 	// endedLearned is when the route table learned each one's prefixes there (reservation.learned).
 	endedLearned [endRing]int64
 	endNext      int
+	// endedPrompt is each recent end's prompt tokens if it completed, -1 if not; completed and
+	// completedPrompt count every completed request there and their prompt tokens (tokenScale).
+	endedPrompt                [endRing]int64
+	completed, completedPrompt int64
+	scale                      tokenScale // the backend's tokens per token of this proxy's count
 	// foreign is the requests its last scrape showed beyond this proxy's own, computed once per scrape.
 	foreignAt    int64
 	foreign      float64
@@ -285,6 +290,12 @@ func (r *reservation) release(now int64, completed bool) {
 		l.prefillUntil.Store(max(l.prefillUntil.Load()-r.prefillLeft(now), now))
 	}
 	l.ended[l.endNext], l.endedAt[l.endNext], l.endedLearned[l.endNext] = r.start, now, r.learned
+	l.endedPrompt[l.endNext] = -1
+	if completed {
+		l.endedPrompt[l.endNext] = int64(r.prediction.prompt)
+		l.completed++
+		l.completedPrompt += int64(r.prediction.prompt)
+	}
 	l.endNext = (l.endNext + 1) % endRing
 	if completed {
 		if d := float64(now-r.start) / 1e9; l.held == 0 {
@@ -388,7 +399,8 @@ func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstrea
 		var kvSince float64
 		foreign, v.queued, v.settled, kvSince = l.fromScrapeLocked(snap, now, v.service.PrefillSecondsPerToken)
 		v.requests += foreign
-		if c := float64(snap.BlockSize) * float64(snap.NumBlocks); c > 0 {
+		// The cache's size is in the backend's tokens; every other KV figure here is in this proxy's.
+		if c := float64(snap.BlockSize) * float64(snap.NumBlocks) / l.tokenScaleLocked(); c > 0 {
 			v.kvCapacity, v.kvUsed = c, max(snap.KVUsage*c+kvSince, float64(l.kv))
 		}
 		if l := v.service.LikelySlots; l > 0 && snap.Running >= l && selection.SlotBound(snap.Running, snap.Waiting, snap.KVUsage) {
@@ -620,6 +632,8 @@ func (l *upstreamLoad) scrapedLocked(snap *scraper.Snapshot, at int64) {
 	l.foreignWaiting = float64(waiting - l.waitingOurs)
 	l.foreignAt, l.foreign = at, max(snap.Running+snap.Waiting-float64(ours), 0)
 	l.updateTrustLocked(snap)
+	n, prompt, ok := l.completedAsOfLocked(at)
+	l.scale.fromScrape(snap, n, prompt, ok, l.observed.prompt.Load())
 	// A scrape taken before the engine finished another step shows the batch of the last one again: a
 	// second look at one state, not a second observation of where the backend queues. One long prefill
 	// step (8k tokens at 2k tokens/s: 4 s) outlasts several scrapes, and three of them at 6 running with
@@ -662,7 +676,8 @@ func (l *upstreamLoad) observeBusyLocked(snap *scraper.Snapshot) {
 		return // not enough steps ended yet: the interval goes on
 	}
 	if uncached >= 0 {
-		l.model.ObserveBusy(snap.At.Sub(from.At).Seconds(), uncached, steps)
+		// In this proxy's tokens, the ones the decision multiplies the prefill speed by.
+		l.model.ObserveBusy(snap.At.Sub(from.At).Seconds(), uncached/l.tokenScaleLocked(), steps)
 	}
 	l.busyFrom = *snap
 }
@@ -791,6 +806,7 @@ func (t *loadTable) snapshot(now int64) []upstreamInflight {
 		out[i].Cache = l.cacheFigures()
 		l.mu.Lock()
 		out[i].Overrun = l.overdueLocked(now, out[i].Service)
+		out[i].TokenScale = l.tokenScaleLocked()
 		for _, r := range l.inflight {
 			if r.prefillDone > now {
 				out[i].Prefilling++
@@ -810,6 +826,7 @@ type upstreamInflight struct {
 	PrefillTokens        int64
 	QueuedSeconds        float64
 	Overrun              float64 // see overdueLocked
+	TokenScale           float64 // the backend's tokens per token of this proxy's count (tokenScale)
 	Service              selection.Service
 	Cache                cacheFigures
 }

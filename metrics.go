@@ -138,6 +138,7 @@ var (
 	descConfirmedCached  = prometheus.NewDesc("caddy_llm_confirmed_cached_tokens_total", "Of those, the predicted tokens the upstream confirmed: the sum over responses of min(predicted, reported).", []string{"upstream"}, nil)
 	descCorrections      = prometheus.NewDesc("caddy_llm_cache_corrections_total", "Responses reporting far fewer cached tokens than the route table claimed; claims as old are no longer credited.", []string{"upstream"}, nil)
 	descEvictedClaims    = prometheus.NewDesc("caddy_llm_evicted_claims_total", "Route claims on the upstream a decision did not credit: since the prefix was last in use there, this proxy sent it more than its KV cache holds beside it.", []string{"upstream"}, nil)
+	descTokenScale       = prometheus.NewDesc("caddy_llm_upstream_token_scale", "Learned tokens of the upstream's tokenizer per token of this process's count of the same prompts (1 until learned); the upstream's KV-cache figures are divided by it.", []string{"upstream"}, nil)
 	descRestarts         = prometheus.NewDesc("caddy_llm_upstream_restarts_total", "Restarts of the upstream seen in its metrics; its routes were forgotten.", []string{"upstream"}, nil)
 	descAvailability     = prometheus.NewDesc("caddy_llm_upstream_availability", "Adaptive availability of the upstream (0-1): the share of new work it takes relative to a healthy one (absent while availability is off).", []string{"upstream"}, nil)
 )
@@ -146,7 +147,7 @@ func (stateCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descInflightTokens, descInflightRequests, descSaturated, descQueue, descRunning, descKV,
 		descScrapeAge, descScrapeErrors, descRoutes, descRouteEvictions, descRoutesExpired, descPins,
 		descPhase, descQueuedPrefill, descPrefillRate, descTokenSeconds, descOverhead, descSlots, descOverrun, descAvailability,
-		descObservedPrompt, descPredictedCached, descObservedCached, descConfirmedCached, descCorrections, descEvictedClaims, descRestarts} {
+		descObservedPrompt, descPredictedCached, descObservedCached, descConfirmedCached, descCorrections, descEvictedClaims, descRestarts, descTokenScale} {
 		ch <- d
 	}
 }
@@ -179,6 +180,7 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 				ch <- prometheus.MustNewConstMetric(descSlots, prometheus.GaugeValue, m.Slots, u.Upstream)
 			}
 			ch <- prometheus.MustNewConstMetric(descOverrun, prometheus.GaugeValue, m.Overrun, u.Upstream)
+			ch <- prometheus.MustNewConstMetric(descTokenScale, prometheus.GaugeValue, m.TokenScale, u.Upstream)
 		}
 		if m := u.Metrics; m != nil {
 			if m.Fresh {
@@ -281,10 +283,14 @@ type serviceModel struct {
 	// run (the second longest overrun); absent below 1. The decision stretches the upstream's times by
 	// its overrun over the other upstreams' median one.
 	Overrun float64 `json:"overrun,omitempty"`
+	// TokenScale is how many of the upstream's tokens one token of this proxy's count is, learned from
+	// its usage reports or its vllm:request_prompt_tokens (1 until learned): its KV-cache size, usage and
+	// busy-interval prefill are divided by it, to compare with the prompts this proxy counts.
+	TokenScale float64 `json:"token_scale"`
 }
 
-func reportService(s selection.Service, overrun float64) *serviceModel {
-	m := &serviceModel{OverheadMS: 1000 * s.Overhead, TokenMS: 1000 * s.TokenSeconds, Slots: s.Slots, MeanDurationSeconds: s.MeanDuration, FirstTokens: s.FirstTokens, BusyIntervals: s.BusyIntervals, Overrun: overrun}
+func reportService(s selection.Service, overrun, tokenScale float64) *serviceModel {
+	m := &serviceModel{OverheadMS: 1000 * s.Overhead, TokenMS: 1000 * s.TokenSeconds, Slots: s.Slots, MeanDurationSeconds: s.MeanDuration, FirstTokens: s.FirstTokens, BusyIntervals: s.BusyIntervals, Overrun: overrun, TokenScale: tokenScale}
 	if s.PrefillSecondsPerToken > 0 {
 		m.PrefillTokensPerSecond = 1 / s.PrefillSecondsPerToken
 	}
@@ -348,7 +354,7 @@ func upstreamReport(withRoutes bool) []upstreamStatus {
 		out = append(out, upstreamStatus{
 			Upstream: l.Dial, InflightTokens: l.Tokens, InflightRequests: l.Requests,
 			Saturated: loads.saturated(l.Dial, now), Prefilling: l.Prefilling, Decoding: l.Decoding,
-			PrefillTokens: l.PrefillTokens, QueuedSeconds: l.QueuedSeconds, Model: reportService(l.Service, l.Overrun),
+			PrefillTokens: l.PrefillTokens, QueuedSeconds: l.QueuedSeconds, Model: reportService(l.Service, l.Overrun, l.TokenScale),
 			Cache: reportCache(l.Cache), cache: &l.Cache,
 		})
 	}

@@ -103,6 +103,9 @@ func (r *reservation) observeCached(backendPrompt, cached int) {
 	scale := 1.0 // backend tokens per token of this proxy's count
 	if backendPrompt > 0 && p.prompt > 0 {
 		scale = float64(backendPrompt) / float64(p.prompt)
+		r.load.mu.Lock()
+		r.load.scale.add(float64(backendPrompt), float64(p.prompt)) // the upstream's (tokenScale)
+		r.load.mu.Unlock()
 	} else {
 		backendPrompt = p.prompt
 	}

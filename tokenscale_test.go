@@ -1,0 +1,140 @@
+package caddyllm
+
+import (
+	"math"
+	"testing"
+	"time"
+
+	"github.com/tokenrouter/caddy-llm/scraper"
+)
+
+// TestTokenScaleSamples: the scale is 1 until enough prompt tokens were seen, then the ratio of the
+// samples' sums; a sample no tokenizer explains is ignored, and a new ratio takes over as samples of it
+// outweigh the old ones.
+func TestTokenScaleSamples(t *testing.T) {
+	var s tokenScale
+	s.add(1330, 1000)
+	if got := s.value(); got != 1 {
+		t.Errorf("scale after %v policy tokens = %v, want 1 (too few to use)", s.policy, got)
+	}
+	for range 9 {
+		s.add(1330, 1000)
+	}
+	if got := s.value(); math.Abs(got-1.33) > 1e-9 {
+		t.Errorf("scale = %v, want 1.33", got)
+	}
+	for _, bad := range [][2]float64{{100000, 1000}, {10, 1000}, {0, 1000}, {1000, 0}, {math.Inf(1), 1}, {math.NaN(), 1}} {
+		s.add(bad[0], bad[1])
+		if got := s.value(); math.Abs(got-1.33) > 1e-9 {
+			t.Errorf("after the sample %v: scale %v, want 1.33 kept", bad, got)
+		}
+	}
+	for range 1000 { // 1M tokens of a backend now counting like this proxy
+		s.add(1000, 1000)
+	}
+	if got := s.value(); got > 1.05 {
+		t.Errorf("scale after 1M tokens at 1:1 = %v, want near 1", got)
+	}
+}
+
+// TestTokenScaleFromScrapes follows an upstream's completed requests and its vllm:request_prompt_tokens
+// through scrapes: an interval where both counted the same requests teaches the ratio of their prompts;
+// one where another client's request finished there too (more finished than this proxy completed), a
+// restart (counters back), or an interval the ring of ends no longer covers teaches nothing. The learned
+// scale divides the scraped KV capacity and the busy interval's prefill.
+func TestTokenScaleFromScrapes(t *testing.T) {
+	const dial = "10.0.0.1:8000"
+	lt := newTestLoads()
+	now := time.Now().UnixNano()
+	finished, finishedPrompt := 0.0, 0.0
+	// run completes n requests of 1000 tokens by this proxy's count, the backend counting each as
+	// backendTokens, and foreign more requests of other clients' finishing there.
+	run := func(n, foreign int, backendTokens float64) {
+		for range n {
+			now += int64(time.Millisecond)
+			r := lt.reserve(dial, work{uncached: 1000, prompt: 1000, prediction: prediction{prompt: 1000}}, now)
+			now += int64(time.Millisecond)
+			r.release(now, true)
+			finished++
+			finishedPrompt += backendTokens
+		}
+		finished += float64(foreign)
+		finishedPrompt += float64(foreign) * 5000
+	}
+	snap := func() *scraper.Snapshot {
+		now += int64(time.Millisecond)
+		return &scraper.Snapshot{At: time.Unix(0, now), FinishedRequests: finished, FinishedPrompt: finishedPrompt,
+			BlockSize: 16, NumBlocks: 1000, Running: 1}
+	}
+	scale := func() float64 {
+		l := lt.lookup(dial)
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		return l.tokenScaleLocked()
+	}
+	viewOf := func(s *scraper.Snapshot) upstreamView { now += int64(time.Millisecond); return lt.view(dial, now, s) }
+	view := func() upstreamView { return viewOf(snap()) }
+
+	view() // the first scrape: a baseline
+	run(10, 2, 1330)
+	view() // another client's requests finished too: skipped
+	if got := scale(); got != 1 {
+		t.Fatalf("scale after an interval with foreign requests = %v, want 1", got)
+	}
+	run(10, 0, 1330)
+	v := view()
+	if got := scale(); math.Abs(got-1.33) > 1e-9 {
+		t.Fatalf("scale = %v, want 1.33", got)
+	}
+	if want := 16000 / 1.33; math.Abs(v.kvCapacity-want) > 1e-6 {
+		t.Errorf("KV capacity %v, want %v (16,000 of the backend's tokens)", v.kvCapacity, want)
+	}
+
+	finished, finishedPrompt = 0, 0 // the backend restarted: its counters start again
+	run(10, 0, 2000)
+	view()
+	run(10, 0, 2000)
+	taken := snap()
+	run(100, 0, 2000) // more ends after the scrape than the ring remembers, before a decision reads it
+	viewOf(taken)
+	if got := scale(); math.Abs(got-1.33) > 1e-9 {
+		t.Errorf("scale after a restart and an interval the ring does not cover = %v, want 1.33 kept", got)
+	}
+	view() // a baseline again
+	run(10, 0, 2000)
+	view()
+	if got := scale(); got <= 1.33 {
+		t.Errorf("scale after an interval at 2.0 = %v, want it moved up", got)
+	}
+}
+
+// TestTokenScaleFromUsage: a response's usage.prompt_tokens teaches the scale, and a report without it
+// teaches nothing; while reports come, scrapes do not count the same requests again.
+func TestTokenScaleFromUsage(t *testing.T) {
+	const dial = "10.0.0.1:8000"
+	lt := newTestLoads()
+	now := time.Now().UnixNano()
+	for range 10 {
+		r := lt.reserve(dial, work{uncached: 1000, prompt: 1000, prediction: prediction{prompt: 1000}}, now)
+		r.observeCached(0, 0) // no prompt_tokens in the usage
+		r.release(now, true)
+	}
+	l := lt.lookup(dial)
+	if l.scale.policy != 0 {
+		t.Fatalf("reports without prompt_tokens taught %v tokens", l.scale.policy)
+	}
+	for range 10 {
+		r := lt.reserve(dial, work{uncached: 1000, prompt: 1000, prediction: prediction{prompt: 1000}}, now)
+		r.observeCached(1200, 0)
+		r.release(now, true)
+	}
+	if got := l.scale.value(); math.Abs(got-1.2) > 1e-9 {
+		t.Errorf("scale from usage = %v, want 1.2", got)
+	}
+	observed := l.observed.prompt.Load()
+	l.scale.fromScrape(&scraper.Snapshot{FinishedRequests: 20, FinishedPrompt: 22000}, 20, 20000, true, observed-1)
+	l.scale.fromScrape(&scraper.Snapshot{FinishedRequests: 40, FinishedPrompt: 80000}, 40, 40000, true, observed)
+	if got := l.scale.value(); math.Abs(got-1.2) > 1e-9 {
+		t.Errorf("scale after scrapes spanning usage reports = %v, want 1.2 (the reports' alone)", got)
+	}
+}
