@@ -222,7 +222,7 @@ func (l *upstreamLoad) add(dial string, w work, now int64) *reservation {
 	r.index = len(l.inflight)
 	l.inflight = append(l.inflight, r)
 	l.kv += int64(r.kv)
-	l.allocTotal += int64(w.uncached + w.output)
+	l.allocTotal += int64(w.uncached + selection.OutputKV(w.output, l.tokenScaleLocked()))
 	l.allocAt[l.allocNext], l.allocCum[l.allocNext] = now, l.allocTotal
 	l.allocNext = (l.allocNext + 1) % allocRing
 	l.allocN = min(l.allocN+1, allocRing)
@@ -345,6 +345,7 @@ type upstreamView struct {
 	// requests waiting there looked like a third of their demand (fast-prefill agentic: first tokens of
 	// 7-10 s predicted at 1-3 s).
 	kvCapacity, kvUsed float64
+	tokenScale         float64 // the backend's tokens per token of this proxy's count (tokenScale)
 	// overdue is how many times longer than service predicts this proxy's requests in flight there have
 	// already run (see upstreamLoad.overdueLocked); 0 when none overran, or when a scrape shows others'
 	// requests there (see view).
@@ -395,12 +396,14 @@ func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstrea
 	if snap == nil {
 		v.queued = max(float64(l.prefillUntil.Load()-now)/1e9, 0)
 		v.settled = v.queued
+		v.tokenScale = l.tokenScaleLocked()
 	} else {
 		var kvSince float64
 		foreign, v.queued, v.settled, kvSince = l.fromScrapeLocked(snap, now, v.service.PrefillSecondsPerToken)
+		v.tokenScale = l.tokenScaleLocked() // after the scrape is read: it may have taught the scale
 		v.requests += foreign
 		// The cache's size is in the backend's tokens; every other KV figure here is in this proxy's.
-		if c := float64(snap.BlockSize) * float64(snap.NumBlocks) / l.tokenScaleLocked(); c > 0 {
+		if c := float64(snap.BlockSize) * float64(snap.NumBlocks) / v.tokenScale; c > 0 {
 			v.kvCapacity, v.kvUsed = c, max(snap.KVUsage*c+kvSince, float64(l.kv))
 		}
 		if l := v.service.LikelySlots; l > 0 && snap.Running >= l && selection.SlotBound(snap.Running, snap.Waiting, snap.KVUsage) {
@@ -484,9 +487,10 @@ func (l *upstreamLoad) evictedSince(seen, now int64) int64 {
 	n := l.allocatedSinceLocked(freed)
 	// Requests already running when it was freed and running still hold their blocks: what is free
 	// ahead of the prefix in the queue is that much less.
+	scale := l.tokenScaleLocked()
 	for _, r := range l.inflight {
 		if r.start <= freed {
-			n += int64(r.uncached + r.output)
+			n += int64(r.uncached + selection.OutputKV(r.output, scale))
 		}
 	}
 	return n

@@ -221,7 +221,7 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 		}
 		v := s.loads.view(key, q.now, snap)
 		cands[i].Service, cands[i].Requests, cands[i].Queued = v.service, v.requests, v.queued
-		cands[i].KVCapacity, cands[i].KVUsed = v.kvCapacity, v.kvUsed
+		cands[i].KVCapacity, cands[i].KVUsed, cands[i].TokenScale = v.kvCapacity, v.kvUsed, v.tokenScale
 		cands[i].Arrivals = v.arrivals
 		q.overdue, q.full, q.settled = append(q.overdue, v.overdue), append(q.full, v.full), append(q.settled, v.settled)
 		fleet.Add(v.service)

@@ -1,10 +1,17 @@
 package caddyllm
 
 import (
+	"fmt"
 	"math"
+	"net/http"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2/caddytest"
+
+	"github.com/tokenrouter/caddy-llm/bench/vllmsim"
 	"github.com/tokenrouter/caddy-llm/scraper"
 )
 
@@ -136,5 +143,59 @@ func TestTokenScaleFromUsage(t *testing.T) {
 	l.scale.fromScrape(&scraper.Snapshot{FinishedRequests: 40, FinishedPrompt: 80000}, 40, 40000, true, observed)
 	if got := l.scale.value(); math.Abs(got-1.2) > 1e-9 {
 		t.Errorf("scale after scrapes spanning usage reports = %v, want 1.2 (the reports' alone)", got)
+	}
+}
+
+// TestTokenScaleLearnedThroughCaddy: behind a real Caddy, a bare lb_policy llm in front of a simulated
+// vLLM (which counts a prompt in 4-byte pieces, not as cl100k does) learns the simulator's tokens per
+// policy token from its vllm:request_prompt_tokens, and reports it in /llm/upstreams and as a gauge.
+func TestTokenScaleLearnedThroughCaddy(t *testing.T) {
+	sim, dial := simBackend(t, vllmsim.Config{TimeScale: 1000, Seed: 1})
+	tester := caddytest.NewTester(t)
+	tester.InitServer(globalOptions+fmt.Sprintf(`
+%s {
+	reverse_proxy %s {
+		lb_policy llm {
+			metrics {
+				interval 20ms
+			}
+		}
+		header_down X-Prompt-Tokens {http.llm.prompt_tokens}
+	}
+}
+`, site, dial), "caddyfile")
+	if got := adminUpstreams(t)[dial].Model; got != nil && got.TokenScale != 1 {
+		t.Fatalf("token scale before any request = %v, want 1", got.TokenScale)
+	}
+	var simTokens, policyTokens int
+	for i := range 12 {
+		body := chatBody("sim-model", 1000+10*i, false)
+		res, got := post(t, tester.Client, "/v1/chat/completions", body)
+		if res.StatusCode != http.StatusOK {
+			t.Fatalf("request %d: status %d: %s", i, res.StatusCode, got)
+		}
+		n, err := strconv.Atoi(res.Header.Get("X-Prompt-Tokens"))
+		p, _, err2 := sim.Cached([]byte(body))
+		if err != nil || err2 != nil || n == 0 {
+			t.Fatalf("prompt tokens: policy %q (%v), simulator %d (%v)", res.Header.Get("X-Prompt-Tokens"), err, p, err2)
+		}
+		policyTokens += n
+		simTokens += p
+		time.Sleep(30 * time.Millisecond) // a scrape between requests: each interval counts them exactly
+	}
+	want := float64(simTokens) / float64(policyTokens)
+	if math.Abs(want-1) < 0.1 {
+		t.Fatalf("the simulator counts like the policy (%v): the test shows nothing", want)
+	}
+	var scale float64
+	waitFor(t, "the token scale learned", func() bool {
+		if m := adminUpstreams(t)[dial].Model; m != nil {
+			scale = m.TokenScale
+		}
+		return math.Abs(scale-want) < 0.02*want
+	})
+	_, metrics := doRequest(t, http.MethodGet, adminURL+"/metrics")
+	if line := fmt.Sprintf("caddy_llm_upstream_token_scale{upstream=%q} ", dial); !strings.Contains(metrics, line) {
+		t.Errorf("/metrics lacks %s", line)
 	}
 }

@@ -95,6 +95,10 @@ type Candidate struct {
 	// in use, and wanted by requests waiting for space (so it may exceed KVCapacity). A request whose
 	// uncached prompt and output do not fit in what is free waits for requests to end.
 	KVCapacity, KVUsed float64
+	// TokenScale is how many of the upstream's tokens one of the prompt counts' is (0: the same). The KV
+	// figures and prompts are in the prompt counts' tokens; Request.OutputTokens is in the upstream's
+	// (max_tokens, usage), and takes OutputTokens/TokenScale of the cache in those terms.
+	TokenScale float64
 	// CachedTokens is how many of this request's prompt tokens it probably holds in its KV cache.
 	CachedTokens int
 	// CachedFree is set when no request running there holds the blocks of that cached prefix: vLLM keeps
@@ -214,10 +218,20 @@ func Cost(c *Candidate, req Request, cached int) (cost, wait, ttft float64) {
 
 // kvTokens is the KV-cache space req takes on c with cached of its prompt tokens there.
 func kvTokens(c *Candidate, req Request, cached int) int {
+	output := OutputKV(req.OutputTokens, c.TokenScale)
 	if c.CachedFree {
-		return req.PromptTokens + req.OutputTokens
+		return req.PromptTokens + output
 	}
-	return req.PromptTokens - min(cached, req.PromptTokens) + req.OutputTokens
+	return req.PromptTokens - min(cached, req.PromptTokens) + output
+}
+
+// OutputKV is the KV-cache space, in the prompt counts' tokens, of output tokens of an upstream whose
+// TokenScale is scale (0: the same).
+func OutputKV(output int, scale float64) int {
+	if scale > 0 && scale != 1 {
+		return int(float64(output)/scale + 0.5)
+	}
+	return output
 }
 
 // Wait is how long a new request that needs kv tokens of KV cache waits on c before its prefill starts:

@@ -390,3 +390,35 @@ func TestTieToleranceInTheBackendsTime(t *testing.T) {
 		}
 	}
 }
+
+// TestKVTokensInThePromptCountsTokens: a request's KV demand adds its output, counted in the upstream's
+// tokens, at the upstream's TokenScale: an upstream that counts 2 tokens for each of the prompt counts'
+// takes 100 output tokens as 50 of the cache in those terms, and waits for space accordingly.
+func TestKVTokensInThePromptCountsTokens(t *testing.T) {
+	req := Request{PromptTokens: 1000, OutputTokens: 100}
+	for _, tc := range []struct {
+		scale  float64
+		cached int
+		free   bool
+		want   int
+	}{
+		{0, 0, false, 1100},
+		{1, 400, false, 700},
+		{2, 400, false, 650},
+		{2, 400, true, 1050},
+		{0.5, 0, false, 1200},
+	} {
+		c := Candidate{Service: svc, TokenScale: tc.scale, CachedFree: tc.free}
+		if got := kvTokens(&c, req, tc.cached); got != tc.want {
+			t.Errorf("scale %v, cached %d, free %v: KV tokens %d, want %d", tc.scale, tc.cached, tc.free, got, tc.want)
+		}
+	}
+	// In a 1,100-token cache with nothing free, the wait is for all of it at 1x, for 1,050 of it at 2x.
+	full := Candidate{Service: svc, KVCapacity: 1100, KVUsed: 1100}
+	one := Wait(&full, float64(kvTokens(&full, req, 0)))
+	full.TokenScale = 2
+	two := Wait(&full, float64(kvTokens(&full, req, 0)))
+	if !(two < one) {
+		t.Errorf("wait for cache space at scale 2 = %v, at 1 = %v: want less", two, one)
+	}
+}
