@@ -346,14 +346,23 @@ func (s cacheSignal) fill(q *query, keys []string, cands []selection.Candidate) 
 			q.cut[i], cached[i], cands[i].CachedTokens = cached[i], 0, 0
 			continue
 		}
-		if room := cands[i].KVCapacity - float64(cached[i]); cands[i].KVCapacity > 0 && q.seen[i] > 0 && float64(l.evictedSince(q.seen[i], q.now)) > room {
-			// Evicted: since the prefix was last in use there, this proxy alone sent it more than its KV
-			// cache holds beside it, and vLLM reuses the least recently used free blocks first (the cache
-			// capacity is scraped; see loadSignal). Not a cut claim: that is one older than the horizon,
-			// and a report confirming it would lengthen (or, with none, start) the horizon.
-			cached[i], cands[i].CachedTokens = 0, 0
-			l.observed.evicted.Add(1)
-			continue
+		if room := cands[i].KVCapacity - float64(cached[i]); cands[i].KVCapacity > 0 && q.seen[i] > 0 {
+			// Evicted, in part or whole: since the prefix was last in use there, this proxy alone sent it
+			// more than its KV cache holds beside it, and vLLM reuses the least recently used free blocks
+			// first (the cache capacity is scraped; see loadSignal). A request's blocks are freed last
+			// first, so what goes first is the prefix's end and what is left its head: an agent's 30k-token
+			// history in a cache not much larger loses its last turns, not its system prompt and first
+			// ones. Not a cut claim: that is one older than the horizon, and a report confirming it would
+			// lengthen (or, with none, start) the horizon.
+			if over := float64(l.evictedSince(q.seen[i], q.now)) - room; over > 0 {
+				left := (cached[i] - int(math.Ceil(over))) / max(bs, 1) * max(bs, 1)
+				if left <= 0 {
+					cached[i], cands[i].CachedTokens = 0, 0
+					l.observed.evicted.Add(1)
+					continue
+				}
+				cached[i] = left
+			}
 		}
 		cands[i].CachedTokens = int(float64(cached[i]) * l.cacheTrust())
 		cands[i].CachedFree = !l.holds(q.seen[i], q.now)

@@ -302,19 +302,20 @@ type repeatReader struct{ chunk []byte }
 func (r *repeatReader) Read(p []byte) (int, error) { return copy(p, r.chunk), nil }
 
 // TestEvictedClaimsAreNotCredited: a claim is credited while what this proxy sent its upstream since
-// fits in the cache beside it (least recently used blocks go first), and not once it does not; an
-// upstream whose cache size is unknown is credited as before.
+// fits in the cache beside it (least recently used blocks go first); beyond that, only the head of the
+// prefix that is left (a request's blocks are freed last first, so its end goes first), and nothing once
+// all of it went; an upstream whose cache size is unknown is credited as before.
 func TestEvictedClaimsAreNotCredited(t *testing.T) {
 	now := time.Unix(1_700_000_000, 0)
 	clock := now
 	routes := affinity.New(affinity.Config{Now: func() time.Time { return clock }})
 	bounds := []tokenize.Boundary{{Tokens: 1024, Hash: 1}, {Tokens: 2048, Hash: 2}}
-	keys := []string{"a:1", "b:1"}
+	keys := []string{"a:1", "b:1", "c:1"}
 	for _, k := range keys {
 		routes.Learn("m", bounds, k)
 	}
 	lt := newTestLoads()
-	// Since the claim, a:1 was sent 3,000 new tokens (prompt and output) and b:1 7,000.
+	// Since the claim, a:1 was sent 1,500 new tokens (prompt and output), b:1 7,500 and c:1 13,500.
 	for i, k := range keys {
 		for j := range 1 + 4*i {
 			clock = now.Add(time.Duration(j+1) * time.Second)
@@ -323,23 +324,33 @@ func TestEvictedClaimsAreNotCredited(t *testing.T) {
 	}
 	for _, capacity := range []float64{0, 8192} {
 		q := &query{req: &tokenize.Request{Model: "m", PromptTokens: 2200, Boundaries: bounds}, bounds: bounds, now: clock.UnixNano()}
-		cands := make([]selection.Candidate, 2)
+		cands := make([]selection.Candidate, len(keys))
 		for i := range cands {
 			cands[i].KVCapacity = capacity
 		}
 		cacheSignal{routes: routes, loads: lt}.fill(q, keys, cands)
-		want := []int{2048, 2048} // the route table's claim
+		want := []int{2048, 2048, 2048} // the route table's claim
 		if capacity > 0 {
-			want[1] = 0 // 7,500 tokens sent since, 8,192 - 2,048 beside the claim
+			// 8,192 - 2,048 beside the claim: b:1's 7,500 took 1,356 of its end (688 left, in whole
+			// blocks), c:1's 13,500 all of it.
+			want[1], want[2] = 688, 0
 		}
-		if cands[0].CachedTokens != want[0] || cands[1].CachedTokens != want[1] {
-			t.Errorf("capacity %.0f: credited %d and %d cached tokens, want %v", capacity, cands[0].CachedTokens, cands[1].CachedTokens, want)
+		for i := range keys {
+			if cands[i].CachedTokens != want[i] {
+				t.Errorf("capacity %.0f: credited %d cached tokens on %s, want %d", capacity, cands[i].CachedTokens, keys[i], want[i])
+			}
 		}
-		if got, want := lt.lookup(keys[1]).cacheFigures().Evicted, int64(min(capacity, 1)); got != want {
-			t.Errorf("capacity %.0f: %d claims counted evicted on b:1, want %d", capacity, got, want)
+		for i, k := range keys {
+			wantEvicted := int64(0)
+			if i == 2 && capacity > 0 {
+				wantEvicted = 1
+			}
+			if got := lt.lookup(k).cacheFigures().Evicted; got != wantEvicted {
+				t.Errorf("capacity %.0f: %d claims counted evicted on %s, want %d", capacity, got, k, wantEvicted)
+			}
 		}
-		if q.cut[1] != 0 {
-			t.Errorf("capacity %.0f: an evicted claim recorded as cut by the horizon (%d): a report confirming it would start a horizon", capacity, q.cut[1])
+		if q.cut[1] != 0 || q.cut[2] != 0 {
+			t.Errorf("capacity %.0f: an evicted claim recorded as cut by the horizon (%v): a report confirming it would start a horizon", capacity, q.cut)
 		}
 	}
 }
