@@ -21,7 +21,10 @@ import (
 // requests of this proxy that completed there between two scrapes, when both counted the same number
 // of requests: another client's request finishing in the interval, or one of this proxy's that did not
 // complete, makes the counts differ and the interval is skipped, so other clients' prompts never enter
-// it. Without either (SGLang, metrics off, no usage), the scale stays 1: the units as they were.
+// it. Without either (SGLang, metrics off, no usage), the scale stays 1: the units as they were. Behind
+// several instances sending one backend, an interval counts only if no other instance's request
+// finished in it; usage reports are exact whatever else is sent there. It is not persisted: a new
+// process learns it again within its first few thousand tokens.
 type tokenScale struct {
 	backend, policy float64 // the samples' token counts, each decayed by the policy tokens seen since
 	// The baselines of the next comparison: the backend's finished requests and their prompt tokens at
@@ -95,6 +98,6 @@ func (l *upstreamLoad) completedAsOfLocked(at int64) (n, prompt int64, ok bool) 
 	return n, prompt, oldest == 0 || oldest <= at
 }
 
-// tokenScale returns the upstream's backend tokens per token of this proxy's count. The caller holds
-// l.mu.
+// tokenScaleLocked returns the upstream's backend tokens per token of this proxy's count. The caller
+// holds l.mu.
 func (l *upstreamLoad) tokenScaleLocked() float64 { return l.scale.value() }
