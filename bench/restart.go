@@ -23,8 +23,9 @@ import (
 // backends' hit rate in the first simulated minute after the restart is compared with the minute before:
 // with `persist` (the snapshot written at the stop is restored at the start), with `share` (the new
 // process warms up from the Redis the stopped one published to, as a new instance joining would) and
-// without (the new process starts empty), as -restart-keep lists. New requests are held while Caddy is down (see runRestart). The backends keep their
-// caches throughout: what a restart can lose is only the knowledge of where the prefixes are.
+// without (the new process starts empty), as -restart-keep lists. New requests are held while Caddy is
+// down (see runRestart). The backends keep their caches throughout: what a restart can lose is only the
+// knowledge of where the prefixes are.
 
 // restartWindow is the measuring window in simulated time.
 const restartWindow = time.Minute
