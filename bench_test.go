@@ -41,8 +41,17 @@ func chatRequest20(salt int) []byte {
 	return []byte(b.String())
 }
 
+// provisionedPolicy provisions s as Caddy would and returns it with four upstreams. They are real
+// listeners on 127.0.0.1 that answer 404 (an OpenAI-compatible server without /metrics): the policy
+// scrapes its upstreams by default, and a test sends traffic to no address outside this machine.
 func provisionedPolicy(tb testing.TB, s *LLMSelection) (*LLMSelection, reverseproxy.UpstreamPool) {
 	tb.Helper()
+	pool := make(reverseproxy.UpstreamPool, 4)
+	for i := range pool {
+		backend := httptest.NewServer(http.NotFoundHandler())
+		tb.Cleanup(backend.Close) // after the policy's cleanup, which stops its scrapes
+		pool[i] = &reverseproxy.Upstream{Host: new(reverseproxy.Host), Dial: backend.Listener.Addr().String()}
+	}
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 	tb.Cleanup(cancel)
 	if err := s.Provision(ctx); err != nil {
@@ -50,10 +59,6 @@ func provisionedPolicy(tb testing.TB, s *LLMSelection) (*LLMSelection, reversepr
 	}
 	tb.Cleanup(func() { _ = s.Cleanup() })
 	s.logger = zap.NewNop() // the bare context logs at debug level; Caddy's default is info
-	pool := make(reverseproxy.UpstreamPool, 4)
-	for i := range pool {
-		pool[i] = &reverseproxy.Upstream{Host: new(reverseproxy.Host), Dial: fmt.Sprintf("10.9.0.%d:8000", i+1)}
-	}
 	return s, pool
 }
 
