@@ -180,9 +180,13 @@ func doReloadSafe(client *http.Client, req *http.Request) (*http.Response, error
 
 // settle sends one request through the proxy just loaded (any answer will do), resent if the previous
 // config's server reset it: clients that cannot resend, such as the official OpenAI client with retries
-// off, then find the new server on a kept-alive connection of http.DefaultClient's.
+// off, then find the new server on a kept-alive connection of http.DefaultClient's. The connections
+// http.DefaultClient kept to the previous config's server are closed first: that server is shutting
+// down, and a POST sent on one of them fails with EOF (TestErrorsThroughOpenAIClient did, now and then,
+// on its first request after the second config load).
 func settle(t *testing.T) {
 	t.Helper()
+	http.DefaultClient.CloseIdleConnections()
 	req, _ := http.NewRequest(http.MethodGet, proxyURL+"/v1/models", nil)
 	res, err := doReloadSafe(http.DefaultClient, req)
 	if err != nil {
