@@ -59,6 +59,9 @@ func provisionedPolicy(tb testing.TB, s *LLMSelection) (*LLMSelection, reversepr
 	}
 	tb.Cleanup(func() { _ = s.Cleanup() })
 	s.logger = zap.NewNop() // the bare context logs at debug level; Caddy's default is info
+	if s.scrapes != nil {
+		s.scrapes.logger, s.scrapes.opts.Logger = s.logger, s.logger // each failed scrape logs at debug
+	}
 	return s, pool
 }
 
