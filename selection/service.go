@@ -377,12 +377,18 @@ func (r *rls2) updatePhi(phi [2]float64, y float64) {
 
 const maxCovariance = 1e6
 
+// boundCovariance2 keeps p a bounded covariance matrix: variances in [0, maxCovariance], and one
+// covariance, the mean of the two off-diagonal entries, within what the variances allow
+// (|p01| <= sqrt(p00 p11)). Clamping each entry alone could leave the matrix indefinite (a variance cut
+// to the bound and the covariance not), and an indefinite P turns a variance negative within a few
+// updates: FuzzRestore found a restored asymmetric one that did.
 func boundCovariance2(p [2][2]float64) [2][2]float64 {
 	for i := range 2 {
-		for j := range 2 {
-			p[i][j] = clamp(p[i][j], -maxCovariance, maxCovariance)
-		}
+		p[i][i] = clamp(p[i][i], 0, maxCovariance)
 	}
+	lim := math.Sqrt(p[0][0] * p[1][1])
+	c := clamp((p[0][1]+p[1][0])/2, -lim, lim)
+	p[0][1], p[1][0] = c, c
 	return p
 }
 

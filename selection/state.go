@@ -135,6 +135,14 @@ func (st ModelState) check() error {
 				return fmt.Errorf("negative variance %v", r.P[i][i])
 			}
 		}
+		// A covariance matrix is symmetric and positive semi-definite; the model's own stay so
+		// (boundCovariance2), and one that is not turns a variance negative within a few updates.
+		if r.P[0][1] != r.P[1][0] {
+			return fmt.Errorf("covariance matrix not symmetric (%v, %v)", r.P[0][1], r.P[1][0])
+		}
+		if r.P[0][1]*r.P[0][1] > r.P[0][0]*r.P[1][1]*(1+1e-9) {
+			return fmt.Errorf("covariance %v beyond what the variances %v and %v allow", r.P[0][1], r.P[0][0], r.P[1][1])
+		}
 	}
 	switch {
 	case math.Abs(st.LogScale) > math.Log(maxScale)+1e-9:

@@ -75,6 +75,8 @@ func TestServiceModelRestoreRefuses(t *testing.T) {
 		"infinite variance":  func(s *ModelState) { s.Busy.P[0][0] = math.Inf(1) },
 		"negative variance":  func(s *ModelState) { s.Busy.P[1][1] = -1 },
 		"huge covariance":    func(s *ModelState) { s.TTFT.P[0][1] = 1e12 },
+		"asymmetric":         func(s *ModelState) { s.TTFT.P[1][0] = s.TTFT.P[0][1] + 1 },
+		"indefinite":         func(s *ModelState) { s.Busy.P = [2][2]float64{{1, 2}, {2, 1}} },
 		"huge parameter":     func(s *ModelState) { s.Busy.Theta[0] = 1.7e308 },
 		"negative count":     func(s *ModelState) { s.FirstToks = -1 },
 		"scale out of range": func(s *ModelState) { s.LogScale = 10 },
