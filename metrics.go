@@ -284,7 +284,8 @@ type serviceModel struct {
 	// its overrun over the other upstreams' median one.
 	Overrun float64 `json:"overrun,omitempty"`
 	// TokenScale is how many of the upstream's tokens one token of this proxy's count is, learned from
-	// its usage reports or its vllm:request_prompt_tokens (1 until learned): its KV-cache size, usage and
+	// its usage reports or its finished requests' prompt tokens (vLLM's vllm:request_prompt_tokens,
+	// SGLang's sglang:prompt_tokens_total; 1 until learned): its KV-cache size, usage and
 	// busy-interval prefill are divided by it, to compare with the prompts this proxy counts.
 	TokenScale float64 `json:"token_scale"`
 }

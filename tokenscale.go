@@ -17,11 +17,13 @@ import (
 //
 // Two sources teach it, both exact counts of the same prompts: the usage.prompt_tokens of a response
 // whose usage the proxy reads (transport llm or llm_resume; observeCached), and, from the backend's
-// metrics, vLLM's vllm:request_prompt_tokens histogram (each finished request's prompt) against the
-// requests of this proxy that completed there between two scrapes, when both counted the same number
-// of requests: another client's request finishing in the interval, or one of this proxy's that did not
-// complete, makes the counts differ and the interval is skipped, so other clients' prompts never enter
-// it. Without either (SGLang, metrics off, no usage), the scale stays 1: the units as they were. Behind
+// metrics, vLLM's vllm:request_prompt_tokens histogram or SGLang's sglang:num_requests_total and
+// sglang:prompt_tokens_total counters (each finished request and its prompt) against the requests of
+// this proxy that completed there between two scrapes, when both counted the same number of requests:
+// another client's request finishing in the interval, or one of this proxy's that did not complete,
+// makes the counts differ and the interval is skipped, so other clients' prompts never enter it.
+// Without either (metrics off or without those series, and no usage), the scale stays 1: the units as
+// they were. Behind
 // several instances sending one backend, an interval counts only if no other instance's request
 // finished in it; usage reports are exact whatever else is sent there. It is not persisted: a new
 // process learns it again within its first few thousand tokens.

@@ -147,10 +147,18 @@ func TestTokenScaleFromUsage(t *testing.T) {
 }
 
 // TestTokenScaleLearnedThroughCaddy: behind a real Caddy, a bare lb_policy llm in front of a simulated
-// vLLM (which counts a prompt in 4-byte pieces, not as cl100k does) learns the simulator's tokens per
-// policy token from its vllm:request_prompt_tokens, and reports it in /llm/upstreams and as a gauge.
+// vLLM or SGLang (which counts a prompt in 4-byte pieces, not as cl100k does) learns the simulator's
+// tokens per policy token from its finished requests' prompt tokens (vLLM's vllm:request_prompt_tokens,
+// SGLang's sglang:num_requests_total and sglang:prompt_tokens_total), and reports it in /llm/upstreams
+// and as a gauge.
 func TestTokenScaleLearnedThroughCaddy(t *testing.T) {
-	sim, dial := simBackend(t, vllmsim.Config{TimeScale: 1000, Seed: 1})
+	for _, flavour := range []string{vllmsim.MetricsVLLM, vllmsim.MetricsSGLang} {
+		t.Run(flavour, func(t *testing.T) { tokenScaleLearnedThroughCaddy(t, flavour) })
+	}
+}
+
+func tokenScaleLearnedThroughCaddy(t *testing.T, flavour string) {
+	sim, dial := simBackend(t, vllmsim.Config{TimeScale: 1000, Seed: 1, Metrics: flavour})
 	tester := caddytest.NewTester(t)
 	tester.InitServer(globalOptions+fmt.Sprintf(`
 %s {

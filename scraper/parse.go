@@ -44,10 +44,13 @@ type Snapshot struct {
 	// Steps is how many engine steps the target has run: the count of vLLM's vllm:iteration_tokens_total
 	// histogram (one observation a step), summed over engines; zero when absent.
 	Steps float64
-	// FinishedRequests and FinishedPrompt are the count and the sum of vLLM's vllm:request_prompt_tokens
-	// histogram (each finished request's prompt tokens, in the backend's tokenizer), summed over engines;
-	// zero when absent (SGLang, vLLM before the histogram). Against the prompts of the requests this proxy
-	// saw end there, they tell how many of the backend's tokens one of this proxy's count is.
+	// FinishedRequests and FinishedPrompt are how many requests the target has finished and their prompt
+	// tokens, in the backend's tokenizer: the count and the sum of vLLM's vllm:request_prompt_tokens
+	// histogram, or SGLang's sglang:num_requests_total and sglang:prompt_tokens_total counters (both
+	// counted as a request finishes), summed over engines; zero when absent (vLLM before the histogram,
+	// SGLang before the request counter) or when a series is not a finite number. Against the prompts of
+	// the requests this proxy saw end there, they tell how many of the backend's tokens one of this
+	// proxy's count is.
 	FinishedRequests, FinishedPrompt float64
 	// BlockSize is the KV block (vLLM) or page (SGLang) size in tokens and NumBlocks the number of
 	// blocks summed over engines, from the labels of vllm:cache_config_info
@@ -86,6 +89,8 @@ var (
 	vllmSteps         = []string{"vllm:iteration_tokens_total"}
 	vllmRequestPrompt = "vllm:request_prompt_tokens"
 	sglangGenerated   = []string{"sglang:generation_tokens_total", "sglang:generation_tokens"}
+	sglangFinished    = []string{"sglang:num_requests_total", "sglang:num_requests"}
+	sglangPrompt      = []string{"sglang:prompt_tokens_total", "sglang:prompt_tokens"}
 )
 
 const modelLabel = "model_name"
@@ -174,6 +179,13 @@ func extractSGLang(families map[string]*dto.MetricFamily, model string, s *Snaps
 	}
 	s.Running, s.Waiting, s.KVUsage = running, waiting, kv
 	s.GenerationTokens, _ = sum(families, sglangGenerated, model)
+	// SGLang counts a request and its prompt tokens in these two when the request finishes (its tokenizer
+	// manager's observe_one_finished_request): what vLLM's prompt histogram counts.
+	finished, okF := finiteTotal(families, sglangFinished, model)
+	prompt, okP := finiteTotal(families, sglangPrompt, model)
+	if okF && okP {
+		s.FinishedRequests, s.FinishedPrompt = finished, prompt
+	}
 	s.BlockSize, s.NumBlocks = geometryFromLabels(families["sglang:cache_config_info"], model, "page_size", "num_pages")
 	if s.BlockSize == 0 || s.NumBlocks == 0 {
 		// Newer SGLang versions export the geometry as plain gauges.
@@ -218,6 +230,41 @@ func total(families map[string]*dto.MetricFamily, names []string, model string) 
 		}
 	}
 	return 0, 0
+}
+
+// finiteTotal adds the values of the matching series of the first family in names that has one; false
+// when none matches, or when a matching series is not a finite, non-negative number (a total that left
+// one out would not match the count read beside it).
+func finiteTotal(families map[string]*dto.MetricFamily, names []string, model string) (float64, bool) {
+	for _, name := range names {
+		var total float64
+		found := false
+		for _, m := range families[name].GetMetric() {
+			if !matchesModel(m, model) {
+				continue
+			}
+			var v float64
+			switch {
+			case m.Counter != nil:
+				v = m.GetCounter().GetValue()
+			case m.Untyped != nil:
+				v = m.GetUntyped().GetValue()
+			case m.Gauge != nil:
+				v = m.GetGauge().GetValue()
+			default:
+				continue
+			}
+			if math.IsNaN(v) || math.IsInf(v, 0) || v < 0 {
+				return 0, false
+			}
+			total += v
+			found = true
+		}
+		if found {
+			return total, true
+		}
+	}
+	return 0, false
 }
 
 // histogramTotals adds up the sample counts and sums of mf's histogram series that pass the model

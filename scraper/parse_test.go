@@ -169,6 +169,40 @@ vllm:request_prompt_tokens_count{engine="0",model_name="other"} 99
 	}
 }
 
+// TestParseSGLangFinishedPrompts: SGLang counts each finished request and its prompt tokens in two counters,
+// summed over data-parallel ranks and filtered by model like the rest; both are needed, and a series that
+// is not a number spoils the pair.
+func TestParseSGLangFinishedPrompts(t *testing.T) {
+	text := `# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{dp_rank="0",model_name="m"} 1
+# TYPE sglang:num_requests_total counter
+sglang:num_requests_total{dp_rank="0",model_name="m"} 10
+sglang:num_requests_total{dp_rank="1",model_name="m"} 5
+sglang:num_requests_total{dp_rank="0",model_name="other"} 99
+# TYPE sglang:prompt_tokens_total counter
+sglang:prompt_tokens_total{dp_rank="0",model_name="m"} 16000
+sglang:prompt_tokens_total{dp_rank="1",model_name="m"} 4000
+sglang:prompt_tokens_total{dp_rank="0",model_name="other"} 99000
+`
+	tests := []struct {
+		name, text, model string
+		requests, prompt  float64
+	}{
+		{"both counters", text, "m", 15, 20000},
+		{"no request counter", strings.ReplaceAll(text, "sglang:num_requests_total", "sglang:other_total"), "m", 0, 0},
+		{"a NaN prompt total", strings.Replace(text, "} 4000", "} NaN", 1), "m", 0, 0},
+		{"a negative request count", strings.Replace(text, "} 5\n", "} -5\n", 1), "m", 0, 0},
+		{"an older SGLang (prompt tokens alone)", string(readTestdata(t, "sglang.txt")), "", 0, 0},
+	}
+	for _, tt := range tests {
+		got, err := Parse(strings.NewReader(tt.text), tt.model)
+		if err != nil || got.Flavor != FlavorSGLang || got.FinishedRequests != tt.requests || got.FinishedPrompt != tt.prompt {
+			t.Errorf("%s: Parse() = %+v, %v; want an SGLang snapshot of %v finished requests of %v prompt tokens",
+				tt.name, got, err, tt.requests, tt.prompt)
+		}
+	}
+}
+
 func TestParseErrors(t *testing.T) {
 	tests := []struct {
 		name      string

@@ -305,7 +305,8 @@ func TestMetricsFlavours(t *testing.T) {
 		{MetricsVLLMLegacy, []string{"vllm:gpu_cache_usage_perc", "vllm:gpu_prefix_cache_queries_total",
 			"vllm:gpu_prefix_cache_hits_total", "vllm:num_requests_waiting"}, []string{"vllm:kv_cache_usage_perc"},
 			"vllm:cache_config_info", []string{"block_size", "num_gpu_blocks"}},
-		{MetricsSGLang, []string{"sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage"},
+		{MetricsSGLang, []string{"sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage",
+			"sglang:prompt_tokens_total", "sglang:num_requests_total"},
 			[]string{"vllm:num_requests_running"}, "sglang:cache_config_info", []string{"page_size", "num_pages"}},
 	}
 	for _, tt := range tests {
@@ -354,6 +355,14 @@ func TestMetricsFlavours(t *testing.T) {
 				h := fams["vllm:request_prompt_tokens"].GetMetric()[0].GetHistogram()
 				if err != nil || h.GetSampleCount() != 2 || h.GetSampleSum() != float64(2*prompt) {
 					t.Errorf("request_prompt_tokens count/sum = %d/%v, want 2 requests of %d tokens (%v)", h.GetSampleCount(), h.GetSampleSum(), prompt, err)
+				}
+			}
+			if tt.flavour == MetricsSGLang {
+				prompt, _, err := s.Cached(chatBodyJSON(t, longText("s", 500), "u", 2, false))
+				reqs := fams["sglang:num_requests_total"].GetMetric()[0].GetCounter().GetValue()
+				tokens := fams["sglang:prompt_tokens_total"].GetMetric()[0].GetCounter().GetValue()
+				if err != nil || reqs != 2 || tokens != float64(2*prompt) {
+					t.Errorf("num_requests_total/prompt_tokens_total = %v/%v, want 2 requests of %d tokens (%v)", reqs, tokens, prompt, err)
 				}
 			}
 		})

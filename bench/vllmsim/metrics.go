@@ -63,6 +63,12 @@ func (s *Server) metricsText() []byte {
 		metric("sglang:cache_hit_rate", "gauge", "The prefix cache hit rate.", labels, hitRate)
 		metric("sglang:cache_config_info", "gauge", "Information of the cache config.",
 			fmt.Sprintf("model_name=%s,page_size=\"%d\",num_pages=\"%d\"", model, s.cfg.BlockSize, st.NumBlocks), 1)
+		// Like SGLang's tokenizer manager: a request and its prompt tokens are counted when it finishes.
+		s.mu.Lock()
+		finished, finishedPrompt := s.finished, s.finishedPrompt
+		s.mu.Unlock()
+		metric("sglang:prompt_tokens_total", "counter", "Number of prefill tokens processed.", labels, float64(finishedPrompt))
+		metric("sglang:num_requests_total", "counter", "Number of requests processed.", labels, float64(finished))
 	default:
 		labels := "engine=\"0\",model_name=" + model
 		metric("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", labels, float64(st.Running))
