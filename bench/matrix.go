@@ -519,6 +519,112 @@ func netVerdict(cells []MatrixCell) string {
 	return v + fmt.Sprintf(". Seed by seed: every seed in %d cells, none in %d, the seeds disagree in %d", every, none, judged-every-none)
 }
 
+// The workload targets the regime matrix was built to show, each against least_conn in the same
+// regime: a shared prefix is kept where it is cached (TTFT p50 at most 0.30x), a hot one is replicated
+// and balanced (TTFT p99 at most 0.80x), and no backend serves more than 1.5x its fair share.
+const (
+	sharedPrefixP50Target = 0.30
+	hotPrefixP99Target    = 0.80
+	maxShareTarget        = 1.5
+)
+
+// targetRow is one regime's standing on the workload targets; a ratio is 0 when its cell or one of
+// its two policies is missing.
+type targetRow struct {
+	regime                        string
+	sharedP50, hotP99             float64 // llm over least_conn
+	oracleSharedP50, oracleHotP99 float64 // the oracle's over least_conn: what reading the true caches and queues gives
+	maxShare                      float64 // llm's busiest backend over its fair share, the largest over the regime's cells
+	maxShareCell                  string  // the workload of that cell
+	sharedPass, hotPass           bool
+}
+
+// targetRows computes the workload targets per regime, in the cells' order.
+func targetRows(cells []MatrixCell) []targetRow {
+	var rows []targetRow
+	row := func(regime string) *targetRow {
+		for i := range rows {
+			if rows[i].regime == regime {
+				return &rows[i]
+			}
+		}
+		rows = append(rows, targetRow{regime: regime})
+		return &rows[len(rows)-1]
+	}
+	for _, c := range cells {
+		llm, okL := c.policy(judgedPolicy)
+		if !okL {
+			continue
+		}
+		r := row(c.Regime)
+		if llm.MaxShare > r.maxShare {
+			r.maxShare, r.maxShareCell = llm.MaxShare, c.Workload
+		}
+		lc, okC := c.policy("least_conn")
+		if !okC {
+			continue
+		}
+		oracle, okO := c.policy("oracle")
+		switch c.Workload {
+		case "shared-prefix":
+			if lc.TTFTP50 > 0 {
+				r.sharedP50 = llm.TTFTP50 / lc.TTFTP50
+				r.sharedPass = r.sharedP50 <= sharedPrefixP50Target
+				if okO {
+					r.oracleSharedP50 = oracle.TTFTP50 / lc.TTFTP50
+				}
+			}
+		case "hot-prefix":
+			if lc.TTFTP99 > 0 {
+				r.hotP99 = llm.TTFTP99 / lc.TTFTP99
+				r.hotPass = r.hotP99 <= hotPrefixP99Target
+				if okO {
+					r.oracleHotP99 = oracle.TTFTP99 / lc.TTFTP99
+				}
+			}
+		}
+	}
+	return rows
+}
+
+// writeTargetsMarkdown writes the section on the workload targets.
+func writeTargetsMarkdown(out io.Writer, cells []MatrixCell) {
+	rows := targetRows(cells)
+	if len(rows) == 0 {
+		return
+	}
+	fmt.Fprintf(out, "\n## Workload targets against least_conn\n\n"+
+		"Shared-prefix TTFT p50 at most %.2fx `least_conn`'s (a group's prefix stays where it is cached), hot-prefix TTFT p99 at most %.2fx "+
+		"(the hot prefix is replicated and balanced), and no backend over %.1fx its fair share (the largest over the regime's cells; "+
+		"allowed where the decision predicted that backend faster, which this table does not check). Medians over seeds; "+
+		"in brackets the oracle's ratio, which reads the true caches and queues: where it misses a target too, no router could meet it in that regime.\n\n",
+		sharedPrefixP50Target, hotPrefixP99Target, maxShareTarget)
+	fmt.Fprintf(out, "| regime | shared-prefix p50 ratio (oracle) | hot-prefix p99 ratio (oracle) | llm max share |\n|---|---|---|---|\n")
+	mark := func(v, oracle float64, pass bool) string {
+		if v == 0 {
+			return "-"
+		}
+		s := fmt.Sprintf("%.2f", v)
+		if !pass {
+			s = "**" + s + "**"
+		}
+		if oracle > 0 {
+			s += fmt.Sprintf(" (%.2f)", oracle)
+		}
+		return s
+	}
+	for _, r := range rows {
+		share := "-"
+		if r.maxShareCell != "" {
+			share = fmt.Sprintf("%.2f (%s)", r.maxShare, r.maxShareCell)
+		}
+		if r.maxShare > maxShareTarget {
+			share = "**" + share + "**"
+		}
+		fmt.Fprintf(out, "| %s | %s | %s | %s |\n", r.regime, mark(r.sharedP50, r.oracleSharedP50, r.sharedPass), mark(r.hotP99, r.oracleHotP99, r.hotPass), share)
+	}
+}
+
 // writeNetMarkdown writes the section on the harness's time compression: each policy's proxy time and
 // the verdicts on TTFT with that time counted once.
 func writeNetMarkdown(out io.Writer, mr MatrixResults) {
@@ -617,6 +723,7 @@ func writeMatrixMarkdown(out io.Writer, mr MatrixResults) {
 			fmt.Fprintf(out, "| %s |\n", strings.Join(r, " | "))
 		}
 		writeNetMarkdown(out, mr)
+		writeTargetsMarkdown(out, mr.Cells)
 		fmt.Fprintf(out, "\n## Every policy, medians over seeds (TTFT p50 / p99 ms, hit rate)\n\n")
 		var pols []string
 		for _, c := range mr.Cells {

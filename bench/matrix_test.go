@@ -7,6 +7,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -573,5 +574,37 @@ func TestCompare(t *testing.T) {
 	}
 	if _, err := parseOptions([]string{"-compare", base + "," + changed, "-rejudge", base}); err == nil {
 		t.Error("-compare with -rejudge: no error")
+	}
+}
+
+func TestTargetRows(t *testing.T) {
+	cell := func(regime, workload string, llm, lc PolicyMedian) MatrixCell {
+		llm.Policy, lc.Policy = judgedPolicy, "least_conn"
+		return MatrixCell{Regime: regime, Workload: workload, Policies: []PolicyMedian{lc, llm}}
+	}
+	cells := []MatrixCell{
+		cell("a", "shared-prefix", PolicyMedian{TTFTP50: 30, MaxShare: 1.2}, PolicyMedian{TTFTP50: 100}),
+		cell("a", "mixed", PolicyMedian{MaxShare: 1.1}, PolicyMedian{}),
+		cell("b", "shared-prefix", PolicyMedian{TTFTP50: 31}, PolicyMedian{TTFTP50: 100}),
+		{Regime: "c", Workload: "hot-prefix", Policies: []PolicyMedian{{Policy: judgedPolicy, TTFTP99: 50, MaxShare: 1}}},
+	}
+	hot := cell("a", "hot-prefix", PolicyMedian{TTFTP99: 90, MaxShare: 1.6}, PolicyMedian{TTFTP99: 100})
+	hot.Policies = append(hot.Policies, PolicyMedian{Policy: "oracle", TTFTP99: 85})
+	cells = slices.Insert(cells, 1, hot)
+	got := targetRows(cells)
+	want := []targetRow{
+		{regime: "a", sharedP50: 0.30, hotP99: 0.90, oracleHotP99: 0.85, maxShare: 1.6, maxShareCell: "hot-prefix", sharedPass: true},
+		{regime: "b", sharedP50: 0.31},
+		{regime: "c", maxShare: 1, maxShareCell: "hot-prefix"}, // no least_conn: no ratio
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("targetRows() =\n%+v\nwant\n%+v", got, want)
+	}
+	var b strings.Builder
+	writeTargetsMarkdown(&b, cells)
+	for _, s := range []string{"| a | 0.30 | **0.90** (0.85) | **1.60 (hot-prefix)** |", "| b | **0.31** | - | - |", "| c | - | - | 1.00 (hot-prefix) |"} {
+		if !strings.Contains(b.String(), s) {
+			t.Errorf("targets section lacks %q:\n%s", s, b.String())
+		}
 	}
 }
