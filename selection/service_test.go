@@ -383,3 +383,22 @@ func TestServiceModelFirstBusyIntervalCounts(t *testing.T) {
 		t.Errorf("an unmeasured upstream beside it: %.0f tokens/s, want the fleet's slower speed", 1/got)
 	}
 }
+
+// TestRLSWindupStaysCovariance: fed the same x over and over (nothing tells the intercept from the
+// slope), the estimator's covariance winds up to its bound. Clamping each entry alone left it
+// indefinite there (from update 262 of these 2,000 on), and an indefinite matrix turns a variance
+// negative; bounded as a whole, it stays a covariance matrix, and the model's state one Restore accepts.
+func TestRLSWindupStaysCovariance(t *testing.T) {
+	r := newRLS2(0.03, 0.125)
+	for i := range 2000 {
+		r.update(1.5, 0.35+0.001*float64(i%3))
+		p := r.p
+		if p[0][1] != p[1][0] || p[0][0] < 0 || p[1][1] < 0 || p[0][1]*p[0][1] > p[0][0]*p[1][1]*(1+1e-9) {
+			t.Fatalf("update %d: P = %v is no covariance matrix", i, p)
+		}
+	}
+	st := ModelState{Prior: priorOf(Prior), TTFT: RLSState{Theta: r.theta, P: r.p}}
+	if err := st.check(); err != nil {
+		t.Errorf("the wound-up state is refused: %v", err)
+	}
+}
