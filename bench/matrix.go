@@ -565,23 +565,24 @@ func targetRows(cells []MatrixCell) []targetRow {
 			continue
 		}
 		oracle, okO := c.policy("oracle")
+		// versus returns llm's and the oracle's figure over least_conn's (the oracle's 0 when it did not
+		// run), and whether llm's meets target; all zero when least_conn's figure is.
+		versus := func(figure func(PolicyMedian) float64, target float64) (ratio, oracleRatio float64, pass bool) {
+			base := figure(lc)
+			if base <= 0 {
+				return 0, 0, false
+			}
+			ratio = figure(llm) / base
+			if okO {
+				oracleRatio = figure(oracle) / base
+			}
+			return ratio, oracleRatio, ratio <= target
+		}
 		switch c.Workload {
 		case "shared-prefix":
-			if lc.TTFTP50 > 0 {
-				r.sharedP50 = llm.TTFTP50 / lc.TTFTP50
-				r.sharedPass = r.sharedP50 <= sharedPrefixP50Target
-				if okO {
-					r.oracleSharedP50 = oracle.TTFTP50 / lc.TTFTP50
-				}
-			}
+			r.sharedP50, r.oracleSharedP50, r.sharedPass = versus(func(p PolicyMedian) float64 { return p.TTFTP50 }, sharedPrefixP50Target)
 		case "hot-prefix":
-			if lc.TTFTP99 > 0 {
-				r.hotP99 = llm.TTFTP99 / lc.TTFTP99
-				r.hotPass = r.hotP99 <= hotPrefixP99Target
-				if okO {
-					r.oracleHotP99 = oracle.TTFTP99 / lc.TTFTP99
-				}
-			}
+			r.hotP99, r.oracleHotP99, r.hotPass = versus(func(p PolicyMedian) float64 { return p.TTFTP99 }, hotPrefixP99Target)
 		}
 	}
 	return rows

@@ -243,15 +243,8 @@ func finiteTotal(families map[string]*dto.MetricFamily, names []string, model st
 			if !matchesModel(m, model) {
 				continue
 			}
-			var v float64
-			switch {
-			case m.Counter != nil:
-				v = m.GetCounter().GetValue()
-			case m.Untyped != nil:
-				v = m.GetUntyped().GetValue()
-			case m.Gauge != nil:
-				v = m.GetGauge().GetValue()
-			default:
+			v, ok := rawValue(m)
+			if !ok {
 				continue
 			}
 			if math.IsNaN(v) || math.IsInf(v, 0) || v < 0 {
@@ -301,23 +294,27 @@ func sampleValue(m *dto.Metric, model string) (float64, bool) {
 	if !matchesModel(m, model) {
 		return 0, false
 	}
-	var v float64
-	switch {
-	case m.Gauge != nil:
-		v = m.GetGauge().GetValue()
-	case m.Counter != nil:
-		v = m.GetCounter().GetValue()
-	case m.Untyped != nil:
-		v = m.GetUntyped().GetValue()
-	case m.Histogram != nil:
-		v = float64(m.GetHistogram().GetSampleCount())
-	default:
-		return 0, false
-	}
-	if math.IsNaN(v) || math.IsInf(v, 0) {
+	v, ok := rawValue(m)
+	if !ok || math.IsNaN(v) || math.IsInf(v, 0) {
 		return 0, false
 	}
 	return v, true
+}
+
+// rawValue returns the value of a gauge, counter or untyped series, or the sample count of a histogram;
+// false for a series of another type.
+func rawValue(m *dto.Metric) (float64, bool) {
+	switch {
+	case m.Gauge != nil:
+		return m.GetGauge().GetValue(), true
+	case m.Counter != nil:
+		return m.GetCounter().GetValue(), true
+	case m.Untyped != nil:
+		return m.GetUntyped().GetValue(), true
+	case m.Histogram != nil:
+		return float64(m.GetHistogram().GetSampleCount()), true
+	}
+	return 0, false
 }
 
 func matchesModel(m *dto.Metric, model string) bool {
