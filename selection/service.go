@@ -375,19 +375,33 @@ func (r *rls2) updatePhi(phi [2]float64, y float64) {
 	r.p = boundCovariance2(r.p)
 }
 
-const maxCovariance = 1e6
+// maxCovariance bounds the estimator's variances (it winds up to it in a direction the data do not
+// excite); minVariance keeps one from reaching 0, where it would stay.
+const (
+	maxCovariance = 1e6
+	minVariance   = 1e-12
+)
 
-// boundCovariance2 keeps p a bounded covariance matrix: variances in [0, maxCovariance], and one
-// covariance, the mean of the two off-diagonal entries, within what the variances allow
-// (|p01| <= sqrt(p00 p11)). Clamping each entry alone could leave the matrix indefinite (a variance cut
-// to the bound and the covariance not), and an indefinite P turns a variance negative within a few
-// updates: FuzzRestore found a restored asymmetric one that did.
+// boundCovariance2 keeps p a bounded covariance matrix: variances in [minVariance, maxCovariance], and
+// one covariance, the mean of the two off-diagonal entries, within what the variances allow
+// (|p01| <= sqrt(p00) sqrt(p11)). Clamping each entry alone could leave the matrix indefinite (a
+// variance cut to the bound and the covariance not: the estimator winds up so when one x is fed over
+// and over), and an indefinite P turns a variance negative within a few updates: FuzzRestore found a
+// restored asymmetric one that did. A variance is kept above minVariance, since one at 0 never grows
+// again, and one that is not a number is reset to the bound (nothing is known), a covariance to 0.
 func boundCovariance2(p [2][2]float64) [2][2]float64 {
 	for i := range 2 {
-		p[i][i] = clamp(p[i][i], 0, maxCovariance)
+		if math.IsNaN(p[i][i]) {
+			p[i][i] = maxCovariance
+		}
+		p[i][i] = clamp(p[i][i], minVariance, maxCovariance)
 	}
-	lim := math.Sqrt(p[0][0] * p[1][1])
-	c := clamp((p[0][1]+p[1][0])/2, -lim, lim)
+	c := (p[0][1] + p[1][0]) / 2
+	if math.IsNaN(c) {
+		c = 0
+	}
+	lim := math.Sqrt(p[0][0]) * math.Sqrt(p[1][1])
+	c = clamp(c, -lim, lim)
 	p[0][1], p[1][0] = c, c
 	return p
 }

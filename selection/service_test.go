@@ -393,7 +393,7 @@ func TestRLSWindupStaysCovariance(t *testing.T) {
 	for i := range 2000 {
 		r.update(1.5, 0.35+0.001*float64(i%3))
 		p := r.p
-		if p[0][1] != p[1][0] || p[0][0] < 0 || p[1][1] < 0 || p[0][1]*p[0][1] > p[0][0]*p[1][1]*(1+1e-9) {
+		if p[0][1] != p[1][0] || p[0][0] < minVariance || p[1][1] < minVariance || p[0][1]*p[0][1] > p[0][0]*p[1][1]*(1+1e-9) {
 			t.Fatalf("update %d: P = %v is no covariance matrix", i, p)
 		}
 	}

@@ -98,8 +98,11 @@ func (m *ServiceModel) Restore(st ModelState) error {
 	if st.Prior != priorOf(m.prior) {
 		return ErrOtherPrior
 	}
-	m.ttft, m.ttftN = rls2{theta: st.TTFT.Theta, p: st.TTFT.P}, st.FirstToks
-	m.busy, m.busyN = rls2{theta: st.Busy.Theta, p: st.Busy.P}, st.BusyN
+	// A covariance that is not symmetric positive semi-definite is made one (boundCovariance2), not
+	// refused: versions before the bound saved such matrices when their estimator wound up, and an
+	// indefinite one turns a variance negative within a few updates.
+	m.ttft, m.ttftN = rls2{theta: st.TTFT.Theta, p: boundCovariance2(st.TTFT.P)}, st.FirstToks
+	m.busy, m.busyN = rls2{theta: st.Busy.Theta, p: boundCovariance2(st.Busy.P)}, st.BusyN
 	m.logScale, m.durN, m.meanDur = st.LogScale, st.Durations, st.MeanDur
 	m.slots, m.ceiling, m.atCeil, m.belowCeil = st.Slots, st.Ceiling, st.AtCeil, st.BelowCeil
 	return nil
@@ -134,14 +137,6 @@ func (st ModelState) check() error {
 			if r.P[i][i] < 0 {
 				return fmt.Errorf("negative variance %v", r.P[i][i])
 			}
-		}
-		// A covariance matrix is symmetric and positive semi-definite; the model's own stay so
-		// (boundCovariance2), and one that is not turns a variance negative within a few updates.
-		if r.P[0][1] != r.P[1][0] {
-			return fmt.Errorf("covariance matrix not symmetric (%v, %v)", r.P[0][1], r.P[1][0])
-		}
-		if r.P[0][1]*r.P[0][1] > r.P[0][0]*r.P[1][1]*(1+1e-9) {
-			return fmt.Errorf("covariance %v beyond what the variances %v and %v allow", r.P[0][1], r.P[0][0], r.P[1][1])
 		}
 	}
 	switch {

@@ -75,8 +75,6 @@ func TestServiceModelRestoreRefuses(t *testing.T) {
 		"infinite variance":  func(s *ModelState) { s.Busy.P[0][0] = math.Inf(1) },
 		"negative variance":  func(s *ModelState) { s.Busy.P[1][1] = -1 },
 		"huge covariance":    func(s *ModelState) { s.TTFT.P[0][1] = 1e12 },
-		"asymmetric":         func(s *ModelState) { s.TTFT.P[1][0] = s.TTFT.P[0][1] + 1 },
-		"indefinite":         func(s *ModelState) { s.Busy.P = [2][2]float64{{1, 2}, {2, 1}} },
 		"huge parameter":     func(s *ModelState) { s.Busy.Theta[0] = 1.7e308 },
 		"negative count":     func(s *ModelState) { s.FirstToks = -1 },
 		"scale out of range": func(s *ModelState) { s.LogScale = 10 },
@@ -93,6 +91,34 @@ func TestServiceModelRestoreRefuses(t *testing.T) {
 	}
 	if got := m.Service(); got != before {
 		t.Errorf("after refused restores the service is %+v, want the untouched %+v", got, before)
+	}
+}
+
+// TestServiceModelRestoreRepairsCovariance: a stored covariance that is no covariance matrix (asymmetric,
+// or indefinite as the per-entry clamp of versions before boundCovariance2 left a wound-up estimator:
+// this one is that estimator's at its update 262) is restored as the nearest bounded one, not refused:
+// refusing it would drop everything else the model had learned.
+func TestServiceModelRestoreRepairsCovariance(t *testing.T) {
+	for name, p := range map[string][2][2]float64{
+		"asymmetric":    {{1, 0}, {1, 0.5}},
+		"indefinite":    {{1, 2}, {2, 1}},
+		"wound up":      {{1e6, -676059.6704468193}, {-676059.6704468193, 450706.46863210935}},
+		"zero variance": {{0, 0}, {0, 3}},
+	} {
+		st := learned(Prior).State()
+		st.TTFT.P = p
+		m := NewServiceModel(Prior)
+		if err := m.Restore(st); err != nil {
+			t.Errorf("%s: Restore() = %v, want the state repaired", name, err)
+			continue
+		}
+		got := m.State().TTFT.P
+		if got[0][1] != got[1][0] || got[0][0] < minVariance || got[1][1] < minVariance || got[0][1]*got[0][1] > got[0][0]*got[1][1]*(1+1e-9) {
+			t.Errorf("%s: restored P = %v, want a covariance matrix", name, got)
+		}
+		if got[0][0] != max(p[0][0], minVariance) || got[1][1] != max(p[1][1], minVariance) {
+			t.Errorf("%s: restored variances %v, %v, want the stored %v, %v", name, got[0][0], got[1][1], p[0][0], p[1][1])
+		}
 	}
 }
 
