@@ -72,7 +72,8 @@ func TestErrorsThroughOpenAIClient(t *testing.T) {
 		return err
 	}
 	rawChat := func(body string, opts ...option.RequestOption) error {
-		return client.Post(context.Background(), "chat/completions", strings.NewReader(body), nil,
+		// As bytes, not a reader: the client can then send the body again (reloadSafeTransport).
+		return client.Post(context.Background(), "chat/completions", []byte(body), nil,
 			append(opts, option.WithHeader("Content-Type", "application/json"))...)
 	}
 	type want struct {

@@ -23,10 +23,11 @@ import (
 // another client's request finishing in the interval, or one of this proxy's that did not complete,
 // makes the counts differ and the interval is skipped, so other clients' prompts never enter it.
 // Without either (metrics off or without those series, and no usage), the scale stays 1: the units as
-// they were. Behind
-// several instances sending one backend, an interval counts only if no other instance's request
-// finished in it; usage reports are exact whatever else is sent there. It is not persisted: a new
-// process learns it again within its first few thousand tokens.
+// they were. Behind several instances sending one backend, an interval counts only if no other
+// instance's request finished in it; usage reports are exact whatever else is sent there. SGLang
+// counts a request with n > 1 choices, or a completions request with several prompts, as several
+// finished requests: such intervals are skipped too. It is not persisted: a new process learns it
+// again within its first few thousand tokens.
 type tokenScale struct {
 	backend, policy float64 // the samples' token counts, each decayed by the policy tokens seen since
 	// The baselines of the next comparison: the backend's finished requests and their prompt tokens at

@@ -598,7 +598,7 @@ func writeTargetsMarkdown(out io.Writer, cells []MatrixCell) {
 		"Shared-prefix TTFT p50 at most %.2fx `least_conn`'s (a group's prefix stays where it is cached), hot-prefix TTFT p99 at most %.2fx "+
 		"(the hot prefix is replicated and balanced), and no backend over %.1fx its fair share (the largest over the regime's cells; "+
 		"allowed where the decision predicted that backend faster, which this table does not check). Medians over seeds; "+
-		"in brackets the oracle's ratio, which reads the true caches and queues: where it misses a target too, no router could meet it in that regime.\n\n",
+		"in brackets the oracle's ratio (it routes on the true caches and queues; no bound on what a router can do, but where it misses a target too, knowing where every prefix is cached did not meet it).\n\n",
 		sharedPrefixP50Target, hotPrefixP99Target, maxShareTarget)
 	fmt.Fprintf(out, "| regime | shared-prefix p50 ratio (oracle) | hot-prefix p99 ratio (oracle) | llm max share |\n|---|---|---|---|\n")
 	mark := func(v, oracle float64, pass bool) string {

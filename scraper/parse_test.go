@@ -192,7 +192,7 @@ sglang:prompt_tokens_total{dp_rank="0",model_name="other"} 99000
 		{"no request counter", strings.ReplaceAll(text, "sglang:num_requests_total", "sglang:other_total"), "m", 0, 0},
 		{"a NaN prompt total", strings.Replace(text, "} 4000", "} NaN", 1), "m", 0, 0},
 		{"a negative request count", strings.Replace(text, "} 5\n", "} -5\n", 1), "m", 0, 0},
-		{"an older SGLang (prompt tokens alone)", string(readTestdata(t, "sglang.txt")), "", 0, 0},
+		{"no request counter in a recorded SGLang text", string(readTestdata(t, "sglang.txt")), "", 0, 0},
 	}
 	for _, tt := range tests {
 		got, err := Parse(strings.NewReader(tt.text), tt.model)

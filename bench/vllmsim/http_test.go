@@ -359,8 +359,11 @@ func TestMetricsFlavours(t *testing.T) {
 			}
 			if tt.flavour == MetricsSGLang {
 				prompt, _, err := s.Cached(chatBodyJSON(t, longText("s", 500), "u", 2, false))
-				reqs := fams["sglang:num_requests_total"].GetMetric()[0].GetCounter().GetValue()
-				tokens := fams["sglang:prompt_tokens_total"].GetMetric()[0].GetCounter().GetValue()
+				reqsF, tokensF := fams["sglang:num_requests_total"], fams["sglang:prompt_tokens_total"]
+				if reqsF == nil || tokensF == nil || len(reqsF.GetMetric()) == 0 || len(tokensF.GetMetric()) == 0 {
+					t.Fatalf("missing sglang:num_requests_total or sglang:prompt_tokens_total")
+				}
+				reqs, tokens := reqsF.GetMetric()[0].GetCounter().GetValue(), tokensF.GetMetric()[0].GetCounter().GetValue()
 				if err != nil || reqs != 2 || tokens != float64(2*prompt) {
 					t.Errorf("num_requests_total/prompt_tokens_total = %v/%v, want 2 requests of %d tokens (%v)", reqs, tokens, prompt, err)
 				}
