@@ -167,7 +167,7 @@ var upstreamColumns = []upstreamColumn{
 		}
 		return strconv.FormatFloat(100*f, 'f', 1, 64) + "%"
 	}}),
-	{"SCRAPE", []string{"metrics.flavor", "metrics.fresh", "metrics.age_seconds", "metrics.errors", "metrics.last_error"}, scrapeStatus},
+	{"SCRAPE", []string{"metrics.flavor", "metrics.fresh", "metrics.age_seconds", "metrics.errors", "metrics.last_error", "metrics.last_error_age_seconds"}, scrapeStatus},
 }
 
 // hiddenFields are reported but left out of the table: the backend's fixed cache geometry.
@@ -333,7 +333,11 @@ func writeTables(w io.Writer, rows []fields) {
 			first = false
 		}
 		name, _ := fs.get("upstream")
-		fmt.Fprintf(w, "  %s: %s\n", formatValue(name), formatValue(msg))
+		when := ""
+		if age, ok := number(fs, "metrics.last_error_age_seconds"); ok {
+			when = " (" + formatSeconds(age) + " ago)"
+		}
+		fmt.Fprintf(w, "  %s: %s%s\n", formatValue(name), formatValue(msg), when)
 	}
 }
 

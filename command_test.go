@@ -32,7 +32,7 @@ UPSTREAM        PREDICTED_HIT_RATE  OBSERVED_HIT_RATE  CORRECTIONS
 10.0.0.9:8000   -                   -                  -
 
 Last scrape errors:
-  127.0.0.1:8002: scraping 127.0.0.1:8002: connection refused
+  127.0.0.1:8002: scraping 127.0.0.1:8002: connection refused (4.2s ago)
 
 Routes: routes 81, conversation pins 2, evictions 0, expired 5, upstreams known 3
 `

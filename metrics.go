@@ -309,6 +309,9 @@ type scrapedMetrics struct {
 	Fresh      bool    `json:"fresh"`
 	Errors     uint64  `json:"errors"`
 	LastError  string  `json:"last_error,omitempty"`
+	// LastErrorAgeSeconds is the time since LastError; beside AgeSeconds it tells a failure that is over
+	// from one that is not. Absent with LastError.
+	LastErrorAgeSeconds *float64 `json:"last_error_age_seconds,omitempty"`
 	// LoRA is the adapter residency the upstream reports (vLLM with LoRA enabled); absent otherwise.
 	LoRA *loraReport `json:"lora,omitempty"`
 }
@@ -411,6 +414,10 @@ func reportScrape(st scraper.Status) *scrapedMetrics {
 	}
 	if !st.Snapshot.At.IsZero() {
 		m.AgeSeconds = st.Age.Seconds()
+	}
+	if st.LastError != "" {
+		age := st.LastErrorAge.Seconds()
+		m.LastErrorAgeSeconds = &age
 	}
 	if l := st.Snapshot.LoRA; l.Reported() {
 		m.LoRA = &loraReport{Running: splitAdapters(l.Running), Waiting: splitAdapters(l.Waiting), MaxLoRA: l.MaxLoRA}

@@ -465,3 +465,32 @@ func TestFallbackCounted(t *testing.T) {
 		}
 	}
 }
+
+// TestScrapeErrorAgeInAdmin: /llm/upstreams gives the time since an upstream's last failed scrape, so an
+// operator tells a failure that is over (the backend answers its metrics again; the error is older than
+// the snapshot) from one that is not.
+func TestScrapeErrorAgeInAdmin(t *testing.T) {
+	sim, dial := simBackend(t, vllmsim.Config{TimeScale: 1000, Seed: 1, MetricsFail: true})
+	tester := caddytest.NewTester(t)
+	tester.InitServer(globalOptions+fmt.Sprintf(`
+%s {
+	reverse_proxy %s {
+		lb_policy llm {
+			metrics {
+				interval 20ms
+			}
+		}
+	}
+}
+`, site, dial), "caddyfile")
+	post(t, tester.Client, "/v1/chat/completions", chatBody("sim-model", 10, false)) // starts the scrapes
+	waitFor(t, "a failed scrape", func() bool {
+		m := adminUpstreams(t)[dial].Metrics
+		return m != nil && m.Errors > 0 && m.LastError != "" && m.LastErrorAgeSeconds != nil
+	})
+	sim.SetFaults(vllmsim.Faults{}) // the metrics answer again
+	waitFor(t, "a good scrape after the failure", func() bool {
+		m := adminUpstreams(t)[dial].Metrics
+		return m != nil && m.Fresh && m.AgeSeconds >= 0 && m.LastErrorAgeSeconds != nil && *m.LastErrorAgeSeconds > m.AgeSeconds
+	})
+}

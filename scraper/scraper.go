@@ -110,9 +110,12 @@ type Status struct {
 	Fresh bool
 	// Errors counts failed scrapes since the poller started.
 	Errors uint64
-	// LastError is the message of the most recent failure ("" if none), and LastErrorAt its time.
-	LastError   string
-	LastErrorAt time.Time
+	// LastError is the message of the most recent failure ("" if none), LastErrorAt its time and
+	// LastErrorAge the time since (zero when none): beside Age, it tells a failure that is over (an
+	// older one, such as a first scrape before the backend listened) from one that is not.
+	LastError    string
+	LastErrorAt  time.Time
+	LastErrorAge time.Duration
 	// Age is the time since Snapshot was scraped; zero when there is none.
 	Age time.Duration
 }
@@ -452,6 +455,9 @@ func (p *poller) status() Status {
 	p.mu.Lock()
 	st.LastError, st.LastErrorAt = p.lastErr, p.lastErrorAt
 	p.mu.Unlock()
+	if st.LastError != "" {
+		st.LastErrorAge = max(cfg.Now().Sub(st.LastErrorAt), 0)
+	}
 	st.Errors = p.errors.Load()
 	if s := p.last.Load(); s != nil {
 		st.Snapshot = *s

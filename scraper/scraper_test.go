@@ -218,6 +218,10 @@ func TestScrapeFailuresKeepLastGood(t *testing.T) {
 			if !ok || st.Errors == 0 || st.LastError == "" || !st.Fresh {
 				t.Errorf("Status() = %+v, %v; want errors counted, last error set, fresh", st, ok)
 			}
+			clock.Advance(3 * time.Second)
+			if st, _ := r.Status(b.target()); st.LastErrorAge != 3*time.Second || st.Age != 3*time.Second {
+				t.Errorf("3 s later: LastErrorAge %v, Age %v; want 3s and 3s", st.LastErrorAge, st.Age)
+			}
 		})
 	}
 }
