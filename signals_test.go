@@ -472,17 +472,7 @@ func TestFallbackCounted(t *testing.T) {
 func TestScrapeErrorAgeInAdmin(t *testing.T) {
 	sim, dial := simBackend(t, vllmsim.Config{TimeScale: 1000, Seed: 1, MetricsFail: true})
 	tester := caddytest.NewTester(t)
-	tester.InitServer(globalOptions+fmt.Sprintf(`
-%s {
-	reverse_proxy %s {
-		lb_policy llm {
-			metrics {
-				interval 20ms
-			}
-		}
-	}
-}
-`, site, dial), "caddyfile")
+	tester.InitServer(fastScrapeConfig(dial, ""), "caddyfile")
 	post(t, tester.Client, "/v1/chat/completions", chatBody("sim-model", 10, false)) // starts the scrapes
 	waitFor(t, "a failed scrape", func() bool {
 		m := adminUpstreams(t)[dial].Metrics
@@ -493,4 +483,21 @@ func TestScrapeErrorAgeInAdmin(t *testing.T) {
 		m := adminUpstreams(t)[dial].Metrics
 		return m != nil && m.Fresh && m.AgeSeconds >= 0 && m.LastErrorAgeSeconds != nil && *m.LastErrorAgeSeconds > m.AgeSeconds
 	})
+}
+
+// fastScrapeConfig is a site proxying to dial with a bare lb_policy llm that scrapes every 20 ms, and
+// extra lines (directives) inside reverse_proxy.
+func fastScrapeConfig(dial, extra string) string {
+	return globalOptions + fmt.Sprintf(`
+%s {
+	reverse_proxy %s {
+		lb_policy llm {
+			metrics {
+				interval 20ms
+			}
+		}
+		%s
+	}
+}
+`, site, dial, extra)
 }

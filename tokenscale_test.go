@@ -160,18 +160,7 @@ func TestTokenScaleLearnedThroughCaddy(t *testing.T) {
 func tokenScaleLearnedThroughCaddy(t *testing.T, flavour string) {
 	sim, dial := simBackend(t, vllmsim.Config{TimeScale: 1000, Seed: 1, Metrics: flavour})
 	tester := caddytest.NewTester(t)
-	tester.InitServer(globalOptions+fmt.Sprintf(`
-%s {
-	reverse_proxy %s {
-		lb_policy llm {
-			metrics {
-				interval 20ms
-			}
-		}
-		header_down X-Prompt-Tokens {http.llm.prompt_tokens}
-	}
-}
-`, site, dial), "caddyfile")
+	tester.InitServer(fastScrapeConfig(dial, "header_down X-Prompt-Tokens {http.llm.prompt_tokens}"), "caddyfile")
 	if got := adminUpstreams(t)[dial].Model; got != nil && got.TokenScale != 1 {
 		t.Fatalf("token scale before any request = %v, want 1", got.TokenScale)
 	}
