@@ -385,9 +385,11 @@ func TestServiceModelFirstBusyIntervalCounts(t *testing.T) {
 }
 
 // TestRLSWindupStaysCovariance: fed the same x over and over (nothing tells the intercept from the
-// slope), the estimator's covariance winds up to its bound. Clamping each entry alone left it
-// indefinite there (from update 262 of these 2,000 on), and an indefinite matrix turns a variance
-// negative; bounded as a whole, it stays a covariance matrix, and the model's state one Restore accepts.
+// slope), an estimator that forgot in every direction wound its covariance up to the bound, where
+// clamping each entry alone left it indefinite (from update 262 of these 2,000 on), and an indefinite
+// matrix turns a variance negative. Forgetting only along the observations' direction, the covariance
+// of the direction they never excite stays as it was; either way it must stay a covariance matrix, and
+// the model's state one Restore accepts.
 func TestRLSWindupStaysCovariance(t *testing.T) {
 	r := newRLS2(0.03, 0.125)
 	for i := range 2000 {
@@ -400,5 +402,40 @@ func TestRLSWindupStaysCovariance(t *testing.T) {
 	st := ModelState{Prior: priorOf(Prior), TTFT: RLSState{Theta: r.theta, P: r.p}}
 	if err := st.check(); err != nil {
 		t.Errorf("the wound-up state is refused: %v", err)
+	}
+}
+
+// TestServiceModelSteadyMix: busy intervals that mix decode steps and prefill in nearly the same
+// proportion, hour after hour, tell the step time from the prefill speed only by the mix's jitter. After
+// 20 varied intervals and 1,000 steady ones (5% noise on the seconds), the prefill speed stays within
+// 1.5x of the truth on four kinds of backend; with forgetting in every direction, what the varied
+// intervals had taught was forgotten and the estimate wandered to the 30x clamps.
+func TestServiceModelSteadyMix(t *testing.T) {
+	for _, b := range []struct{ step, prefill float64 }{{0.030, 1.0 / 8000}, {0.030, 1.0 / 2000}, {0.090, 1.0 / 2666}, {0.018, 1.0 / 20000}} {
+		for _, jitter := range []float64{0.02, 0.1, 0.3} {
+			worst := 1.0
+			for seed := range int64(10) {
+				r := rand.New(rand.NewPCG(uint64(seed), 0x5eed))
+				m := NewServiceModel(Prior)
+				busy := func(steps, uncached float64) {
+					m.ObserveBusy((steps*b.step+uncached*b.prefill)*(1+0.05*r.NormFloat64()), uncached, steps)
+				}
+				for range 20 {
+					busy(20+40*r.Float64(), 20000*r.Float64())
+				}
+				for i := range 1000 {
+					steps := 30 + 10*r.Float64()
+					busy(steps, 100*steps*(1+jitter*(2*r.Float64()-1)))
+					if i >= 100 {
+						off := m.Service().PrefillSecondsPerToken / b.prefill
+						worst = max(worst, off, 1/off)
+					}
+				}
+			}
+			if worst > 1.5 {
+				t.Errorf("step %v, prefill %.0f tokens/s, mix ±%.0f%%: the prefill estimate strayed %.2fx from the truth",
+					b.step, 1/b.prefill, 100*jitter, worst)
+			}
+		}
 	}
 }
