@@ -43,7 +43,7 @@ func errorsConfig(withLLMErrors bool, upstream string) string {
 }
 
 // openAIClient is the official client with its retries off, so that a test sees each error the proxy
-// answers, except a connection reset before any answer, which it resends once (reloadSafeTransport):
+// answers, except a connection reset before any answer, which it resends (reloadSafeTransport):
 // TestErrorsThroughOpenAIClient's first request after its second config load failed with EOF about once
 // in 40 runs, sent on a connection the previous config's server closed.
 func openAIClient(base string) openai.Client {

@@ -166,30 +166,39 @@ type roundTripDoer struct{ http.RoundTripper }
 
 func (d roundTripDoer) Do(req *http.Request) (*http.Response, error) { return d.RoundTrip(req) }
 
-// doReloadSafe sends req, once more if the connection was reset before any response: right after a
-// config load, the previous config's server (stopped with the tests' 1 ns grace period) can accept a
-// new connection on the shared listener just before it closes, resetting it unanswered; and since
+// doReloadSafe sends req, and again (up to reloadResends times) while the connection is reset before
+// any response: right after a config load, the previous config's server (stopped with the tests' 1 ns
+// grace period) can accept a new connection on the shared listener just before it closes, resetting it
+// unanswered; and since
 // Caddy's Stop returns once the old servers' shutdowns have started, not finished, a request answered
 // just after a load may have been answered by the old server, whose shutdown then closes the kept-alive
 // connection under the next request. Requests whose body cannot be replayed (no GetBody) are sent once.
 func doReloadSafe(client doer, req *http.Request) (*http.Response, error) {
 	res, err := client.Do(req)
 	replayable := req.Body == nil || req.Body == http.NoBody || req.GetBody != nil
-	if err == nil || !replayable || !(errors.Is(err, syscall.ECONNRESET) || errors.Is(err, io.EOF)) {
-		return res, err
-	}
-	retry := req.Clone(req.Context())
-	if req.GetBody != nil {
-		body, berr := req.GetBody()
-		if berr != nil {
-			return nil, err
+	// Several resends: the old server may take the next new connection too until its shutdown closes
+	// its listener (settle's GET failed twice in a row in one CI run, 2026-11-26).
+	for range reloadResends {
+		if err == nil || !replayable || !(errors.Is(err, syscall.ECONNRESET) || errors.Is(err, io.EOF)) {
+			return res, err
 		}
-		retry.Body = body
+		retry := req.Clone(req.Context())
+		if req.GetBody != nil {
+			body, berr := req.GetBody()
+			if berr != nil {
+				return nil, err
+			}
+			retry.Body = body
+		}
+		res, err = client.Do(retry)
 	}
-	return client.Do(retry)
+	return res, err
 }
 
-// reloadSafeTransport is http.DefaultTransport with doReloadSafe's one resend, for clients whose own
+// reloadResends bounds doReloadSafe's resends of one request.
+const reloadResends = 5
+
+// reloadSafeTransport is http.DefaultTransport with doReloadSafe's resends, for clients whose own
 // retries a test turns off to see the errors the proxy answers (the official OpenAI clients retry a
 // connection reset by default, so a user never sees this one).
 type reloadSafeTransport struct{}
