@@ -384,6 +384,12 @@ func TestServiceModelFirstBusyIntervalCounts(t *testing.T) {
 	}
 }
 
+// isCovariance reports whether p is what boundCovariance2 keeps: symmetric, variances at least
+// minVariance, the covariance within what they allow (up to rounding).
+func isCovariance(p [2][2]float64) bool {
+	return p[0][1] == p[1][0] && p[0][0] >= minVariance && p[1][1] >= minVariance && p[0][1]*p[0][1] <= p[0][0]*p[1][1]*(1+1e-9)
+}
+
 // TestRLSWindupStaysCovariance: fed the same x over and over (nothing tells the intercept from the
 // slope), an estimator that forgot in every direction wound its covariance up to the bound, where
 // clamping each entry alone left it indefinite (from update 262 of these 2,000 on), and an indefinite
@@ -395,7 +401,7 @@ func TestRLSWindupStaysCovariance(t *testing.T) {
 	for i := range 2000 {
 		r.update(1.5, 0.35+0.001*float64(i%3))
 		p := r.p
-		if p[0][1] != p[1][0] || p[0][0] < minVariance || p[1][1] < minVariance || p[0][1]*p[0][1] > p[0][0]*p[1][1]*(1+1e-9) {
+		if !isCovariance(p) {
 			t.Fatalf("update %d: P = %v is no covariance matrix", i, p)
 		}
 	}

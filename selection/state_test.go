@@ -113,7 +113,7 @@ func TestServiceModelRestoreRepairsCovariance(t *testing.T) {
 			continue
 		}
 		got := m.State().TTFT.P
-		if got[0][1] != got[1][0] || got[0][0] < minVariance || got[1][1] < minVariance || got[0][1]*got[0][1] > got[0][0]*got[1][1]*(1+1e-9) {
+		if !isCovariance(got) {
 			t.Errorf("%s: restored P = %v, want a covariance matrix", name, got)
 		}
 		if got[0][0] != max(p[0][0], minVariance) || got[1][1] != max(p[1][1], minVariance) {

@@ -44,8 +44,10 @@ func (s *Server) metricsText() []byte {
 		fmt.Fprintf(&b, "# HELP %s %s\n# TYPE %s %s\n%s{%s} %s\n", name, help, name, typ, name, labels,
 			strconv.FormatFloat(v, 'g', -1, 64))
 	}
+	// The counters both flavours export, read together under one lock.
 	s.mu.Lock()
 	started := s.started
+	promptTotal, outputTotal, finished, finishedPrompt := s.promptTotal, s.outputTotal, s.finished, s.finishedPrompt
 	s.mu.Unlock()
 	// Like prometheus_client's process collector, which both vLLM and SGLang export.
 	fmt.Fprintf(&b, "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds %s\n",
@@ -64,9 +66,6 @@ func (s *Server) metricsText() []byte {
 		metric("sglang:cache_config_info", "gauge", "Information of the cache config.",
 			fmt.Sprintf("model_name=%s,page_size=\"%d\",num_pages=\"%d\"", model, s.cfg.BlockSize, st.NumBlocks), 1)
 		// Like SGLang's tokenizer manager: a request and its prompt tokens are counted when it finishes.
-		s.mu.Lock()
-		finished, finishedPrompt := s.finished, s.finishedPrompt
-		s.mu.Unlock()
 		metric("sglang:prompt_tokens_total", "counter", "Number of prefill tokens processed.", labels, float64(finishedPrompt))
 		metric("sglang:num_requests_total", "counter", "Number of requests processed.", labels, float64(finished))
 	default:
@@ -84,9 +83,6 @@ func (s *Server) metricsText() []byte {
 		metric(prefix+"prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.", labels, float64(st.PrefixHits))
 		metric("vllm:num_preemptions_total", "counter", "Cumulative number of preemption from the engine.", labels, float64(st.Preemptions))
 		metric("vllm:request_success_total", "counter", "Count of successfully processed requests.", labels, float64(st.Finished))
-		s.mu.Lock()
-		promptTotal, outputTotal, finished, finishedPrompt := s.promptTotal, s.outputTotal, s.finished, s.finishedPrompt
-		s.mu.Unlock()
 		metric("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", labels, float64(promptTotal))
 		metric("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", labels, float64(outputTotal))
 		// Like vLLM: a histogram of the tokens each engine step processed, one observation a step
