@@ -158,7 +158,7 @@ func (m *ServiceModel) ObserveFirstToken(uncached int, queued, ttft float64) {
 	}
 	y = min(y, 10*pred+1) // clip outliers: a stalled connection must not teach a 10x slowdown at once
 	m.ttft.update(float64(uncached)/1000, y)
-	m.ttftN++
+	m.ttftN = counted(m.ttftN)
 }
 
 // ObserveEnd records a request that finished duration seconds after it was sent, having waited about
@@ -180,7 +180,7 @@ func (m *ServiceModel) ObserveEnd(uncached, output int, waited, duration float64
 	}
 	ratio := clamp(duration/pred, 1.0/maxScale, maxScale) // one outlier moves the scale by at most ~1.4x
 	m.logScale = clamp(m.logScale+scaleRate*math.Log(ratio), -math.Log(maxScale), math.Log(maxScale))
-	m.durN++
+	m.durN = counted(m.durN)
 }
 
 // ObserveBusy records what the backend did between two of its metrics snapshots seconds apart, during
@@ -206,7 +206,7 @@ func (m *ServiceModel) ObserveBusy(seconds, uncached, steps float64) {
 	y := min(seconds, 10*max(pred, 1e-3)+1) // a stall (a preempted batch, a paused process) must not teach a 10x slowdown
 	m.busy.updatePhi(phi, y)
 	if uncached > 0 {
-		m.busyN++ // an interval without prefill teaches the step time only
+		m.busyN = counted(m.busyN) // an interval without prefill teaches the step time only
 	}
 }
 
@@ -321,6 +321,11 @@ func (m *ServiceModel) serviceLocked() Service {
 	}
 	return s
 }
+
+// counted returns an observation count one higher, at most maxStateCount: a model that has counted more
+// (a billion requests to one upstream, months at 100 a second) would save a state Restore refuses, and
+// lose everything it learned at the next restart. Every threshold that reads a count is far below it.
+func counted(n int) int { return min(n+1, maxStateCount) }
 
 func clamp(v, lo, hi float64) float64 {
 	if math.IsNaN(v) {

@@ -94,6 +94,23 @@ func TestServiceModelRestoreRefuses(t *testing.T) {
 	}
 }
 
+// TestServiceModelCountsStayRestorable: a model whose observation counts reached the most Restore accepts
+// keeps counting without passing it, so the state it saves is still restored.
+func TestServiceModelCountsStayRestorable(t *testing.T) {
+	st := learned(Prior).State()
+	st.FirstToks, st.Durations, st.BusyN = maxStateCount, maxStateCount, maxStateCount
+	m := NewServiceModel(Prior)
+	if err := m.Restore(st); err != nil {
+		t.Fatalf("Restore at the largest counts: %v", err)
+	}
+	m.ObserveEnd(2000, 100, 0.1, 12)
+	m.ObserveFirstToken(500, 0, 0.3)
+	m.ObserveBusy(3, 9000, 70)
+	if err := NewServiceModel(Prior).Restore(m.State()); err != nil {
+		t.Errorf("the state saved after more observations is refused: %v", err)
+	}
+}
+
 // TestServiceModelRestoreRepairsCovariance: a stored covariance that is no covariance matrix (asymmetric,
 // or indefinite as the per-entry clamp of versions before boundCovariance2 left a wound-up estimator:
 // this one is that estimator's at its update 262) is restored as the nearest bounded one, not refused:
