@@ -169,10 +169,10 @@ func (d roundTripDoer) Do(req *http.Request) (*http.Response, error) { return d.
 // doReloadSafe sends req, and again (up to reloadResends times) while the connection is reset before
 // any response: right after a config load, the previous config's server (stopped with the tests' 1 ns
 // grace period) can accept a new connection on the shared listener just before it closes, resetting it
-// unanswered; and since
-// Caddy's Stop returns once the old servers' shutdowns have started, not finished, a request answered
-// just after a load may have been answered by the old server, whose shutdown then closes the kept-alive
-// connection under the next request. Requests whose body cannot be replayed (no GetBody) are sent once.
+// unanswered; and since Caddy's Stop returns once the old servers' shutdowns have started, not
+// finished, a request answered just after a load may have been answered by the old server, whose
+// shutdown then closes the kept-alive connection under the next request. Requests whose body cannot be
+// replayed (no GetBody) are sent once.
 func doReloadSafe(client doer, req *http.Request) (*http.Response, error) {
 	res, err := client.Do(req)
 	replayable := req.Body == nil || req.Body == http.NoBody || req.GetBody != nil

@@ -451,17 +451,18 @@ func (p *poller) record(cfg Options, at time.Time, err error) {
 
 func (p *poller) status() Status {
 	cfg, _ := p.config()
+	now := cfg.Now() // one reading, so that the two ages compare
 	var st Status
 	p.mu.Lock()
 	st.LastError, st.LastErrorAt = p.lastErr, p.lastErrorAt
 	p.mu.Unlock()
 	if st.LastError != "" {
-		st.LastErrorAge = max(cfg.Now().Sub(st.LastErrorAt), 0)
+		st.LastErrorAge = max(now.Sub(st.LastErrorAt), 0)
 	}
 	st.Errors = p.errors.Load()
 	if s := p.last.Load(); s != nil {
 		st.Snapshot = *s
-		st.Age = max(cfg.Now().Sub(s.At), 0)
+		st.Age = max(now.Sub(s.At), 0)
 		st.Fresh = st.Age <= cfg.StaleAfter
 	}
 	return st
