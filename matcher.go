@@ -102,6 +102,10 @@ func (m MatchLLM) Match(r *http.Request) bool {
 // cannot be read. Non-LLM requests never error.
 func (m MatchLLM) MatchWithError(r *http.Request) (bool, error) {
 	lr := inspectRequest(r, m.MaxBodyBytes)
+	if !lr.hold() {
+		return false, nil // the request has ended, its client gone
+	}
+	defer lr.drop()
 	lr.installBody(r)
 	if lr.api == tokenize.APIUnknown {
 		return false, nil

@@ -340,6 +340,10 @@ func (s *LLMSelection) Cleanup() error {
 // Select chooses an upstream for r.
 func (s *LLMSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter) *reverseproxy.Upstream {
 	lr := inspectRequest(r, s.MaxBodyBytes)
+	if !lr.hold() {
+		return nil // the request has ended, its client gone: there is nothing to send
+	}
+	defer lr.drop()
 	lr.installBody(r)
 	if lr.api == tokenize.APIUnknown {
 		if lr.sniffed {

@@ -3,6 +3,7 @@ package caddyllm
 import (
 	"bytes"
 	"compress/gzip"
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -45,6 +46,11 @@ type llmRequest struct {
 	decoded  []byte // the body to parse: body itself, or body gunzipped
 	bodyErr  error  // why the body cannot be parsed (encoding); nil when decoded is set
 
+	// pool counts what may still read the buffer the body was received in, when it came from the body
+	// pools (body.go); nil otherwise. bodyPooled: body is still that buffer (llm_resume can replace it).
+	pool       *pooledBody
+	bodyPooled bool
+
 	parses []parseResult // one per tokenizer configuration that asked
 
 	streamed *streamedBody // the body as the proxy reads it when it was not read whole; nil otherwise
@@ -63,23 +69,36 @@ type parseResult struct {
 }
 
 // inspectRequest returns the llmRequest for r, reading the body on first use. The body is read at most
-// maxBody+1 bytes far; what was read is always put back, so the upstream receives every byte.
+// maxBody+1 bytes far; what was read is always put back, so the upstream receives every byte. Code that
+// reads the body's bytes (parses it, keeps a slice of them) must hold it first (see hold).
 func inspectRequest(r *http.Request, maxBody int64) *llmRequest {
 	if lr, ok := caddyhttp.GetVar(r.Context(), varKey).(*llmRequest); ok {
 		return lr
 	}
 	lr := new(llmRequest)
 	caddyhttp.SetVar(r.Context(), varKey, lr)
+	if buf := lr.read(r, maxBody); buf != nil {
+		// Registered once nothing here reads the buffer any more: from now on, it goes back to its pool
+		// when the request's context ends and the last reader lets go (body.go).
+		lr.pool, lr.bodyPooled = newPooledBody(buf), true
+		context.AfterFunc(r.Context(), lr.pool.drop)
+	}
+	return lr
+}
+
+// read reads and decodes r's body into lr, if r is an LLM request. It returns the pooled buffer that
+// lr.body is in, or nil when lr.body is not pooled.
+func (lr *llmRequest) read(r *http.Request, maxBody int64) (pooled *[]byte) {
 	if r.Method != http.MethodPost {
-		return lr
+		return nil
 	}
 	declared, sniff := contentType(r.Header.Get("Content-Type"))
 	if !declared && !sniff {
-		return lr
+		return nil
 	}
 	api, ok := tokenize.APIForPath(r.URL.Path)
 	if !ok {
-		return lr
+		return nil
 	}
 	lr.api = api
 	lr.sniffed = !declared
@@ -91,50 +110,68 @@ func inspectRequest(r *http.Request, maxBody int64) *llmRequest {
 	}()
 	if r.Body == nil || r.Body == http.NoBody {
 		lr.decoded = []byte{}
-		return lr
+		return nil
 	}
 	if r.ContentLength > maxBody {
 		lr.tooLarge = true
-		return lr
+		return nil
 	}
-	buf, err := readBody(r.Body, r.ContentLength, maxBody)
+	buf, pooled, err := readBody(r.Body, r.ContentLength, maxBody)
 	switch {
 	case err != nil:
 		// What was read is lost to nobody: the client's body is broken, and the proxy will report it.
 		lr.readErr = err
 		lr.streamed = newStreamedBody(buf, r.Body)
 		r.Body = lr.streamed
-		return lr
+		return nil
 	case int64(len(buf)) > maxBody:
 		lr.tooLarge = true
 		lr.streamed = newStreamedBody(buf, r.Body)
 		r.Body = lr.streamed
-		return lr
+		return nil
 	}
 	_ = r.Body.Close()
 	lr.body = buf
 	lr.installBody(r)
 	lr.decoded, lr.bodyErr = decodeBody(buf, r.Header.Get("Content-Encoding"), maxBody)
-	return lr
+	return pooled
+}
+
+// hold keeps the request's body bytes (body, decoded) from going back to their pool until drop. It fails
+// once the request has ended (its client gone): the bytes may then be another request's, and the caller
+// must give up on this one. Every hold that succeeds has exactly one drop.
+func (lr *llmRequest) hold() bool { return lr.pool == nil || lr.pool.hold() }
+
+// drop ends a hold.
+func (lr *llmRequest) drop() {
+	if lr.pool != nil {
+		lr.pool.drop()
+	}
 }
 
 // readBody reads at most max+1 bytes of body. With a known length it reads into one buffer of exactly
-// that size (plus a byte to detect a body longer than declared), instead of growing one.
-func readBody(body io.Reader, length, max int64) ([]byte, error) {
+// that size (plus a byte to detect a body longer than declared), taken from the body pools; pooled is
+// that buffer when the body is all in it and it can go back to its pool, else nil.
+func readBody(body io.Reader, length, max int64) (buf []byte, pooled *[]byte, err error) {
 	if length <= 0 {
-		return io.ReadAll(io.LimitReader(body, max+1))
+		buf, err = io.ReadAll(io.LimitReader(body, max+1))
+		return buf, nil, err
 	}
-	buf := make([]byte, length+1)
+	if pooled = getBodyBuffer(int(length + 1)); pooled != nil {
+		buf = *pooled
+	} else {
+		buf = make([]byte, length+1)
+	}
 	n, err := io.ReadFull(body, buf)
 	switch err {
 	case io.ErrUnexpectedEOF, io.EOF: // the usual case: the body ended where it said it would, or earlier
-		err = nil
+		return buf[:n:n], pooled, nil
 	case nil: // more bytes than declared: keep reading up to the cap, as for an unknown length
 		var rest []byte
 		rest, err = io.ReadAll(io.LimitReader(body, max+1-int64(n)))
-		return append(buf[:n], rest...), err
+		return append(buf[:n:n], rest...), nil, err
 	}
-	return buf[:n:n], err
+	return buf[:n:n], nil, err
 }
 
 // installBody puts the complete body back into r, as a fresh reader with a matching length and GetBody, so
@@ -153,6 +190,13 @@ func (lr *llmRequest) installBody(r *http.Request) {
 	}
 	body := lr.body
 	r.ContentLength = int64(len(body))
+	if lr.bodyPooled {
+		// Readers that hold the buffer only while they read it (body.go).
+		pool := lr.pool
+		r.Body = newPooledReader(pool, body)
+		r.GetBody = func() (io.ReadCloser, error) { return newPooledReader(pool, body), nil }
+		return
+	}
 	r.Body = io.NopCloser(bytes.NewReader(body))
 	r.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
 }
@@ -167,7 +211,7 @@ func replaceRequestBody(r *http.Request, body []byte) {
 	if !ok {
 		return
 	}
-	lr.body, lr.decoded = body, body
+	lr.body, lr.decoded, lr.bodyPooled = body, body, false
 	lr.tooLarge, lr.readErr, lr.bodyErr, lr.streamed = false, nil, nil, nil
 	lr.parses = nil
 	lr.installBody(r)
