@@ -11,6 +11,7 @@
 //	go run ./bench -overhead            # Caddy's own cost: round_robin vs llm on instant backends
 //	go run ./bench -matrix              # backend regimes x workloads, pass/fail of llm per cell (~40 min)
 //	go run ./bench -quick -matrix       # 2 regimes x 5 workloads, one seed (CI, ~4 min)
+//	go run ./bench -matrix -length 3 -regimes fast-prefill  # runs 3 times as long, at the same load
 //	go run ./bench -rejudge docs/bench/results.json -out /tmp/m  # judge a recorded matrix again
 //	go run ./bench -compare docs/bench/results.json,/tmp/m/results.json  # two matrices, cell by cell
 //	go run ./bench -matrix -regimes hetero -workloads shared-prefix -dump /tmp/d  # and every request
@@ -49,6 +50,7 @@ const warmupFraction = 0.10
 // options are the command-line settings.
 type options struct {
 	quick      bool
+	length     int // with -matrix: runs this many times as long (1: the matrix's own size)
 	workloads  []string
 	policies   []policy
 	backends   int
@@ -98,7 +100,7 @@ type options struct {
 func (o options) size() workloadSize {
 	switch {
 	case o.matrix:
-		return workloadSize{matrix: true}
+		return workloadSize{matrix: true, length: o.length}
 	case o.goodput:
 		return workloadSize{}
 	}
@@ -139,6 +141,7 @@ func parseOptions(args []string) (options, error) {
 	fs.BoolVar(&o.goodput, "goodput", false, "step the load on shared-prefix and report the highest at which TTFT p99 stays under 2 s, least_conn vs llm")
 	fs.BoolVar(&o.faults, "faults", false, "one backend drops 10% of its streams mid-way and fails 3% of requests: complete streams, goodput and TTFT p99 of least_conn + lb_retries, llm, and llm + llm_resume")
 	fs.StringVar(&regimeList, "regimes", "all", "with -matrix or -goodput: comma-separated regimes (with -restart: one): "+strings.Join(regimeNames(), ","))
+	fs.IntVar(&o.length, "length", 1, "with -matrix: N times as many sessions (requests) per run at the same offered load, to see what a longer run (more learned, a p99 over more requests) changes")
 	fs.IntVar(&o.seeds, "seeds", 3, "with -matrix, -goodput or -faults: seeds per cell (medians over them; -faults pools them); 1 with -quick, -goodput or -faults unless set")
 	fs.IntVar(&o.backends, "backends", 4, "number of simulated backends")
 	fs.Float64Var(&o.load, "load", 0.75, "offered load as a fraction of the estimated cluster capacity")
@@ -192,6 +195,12 @@ func parseOptions(args []string) (options, error) {
 	}
 	if (o.quick || o.goodput || o.faults || o.restart) && !isSet(fs, "seeds") {
 		o.seeds = 1
+	}
+	if o.length < 1 || o.length > 20 {
+		return o, fmt.Errorf("-length must be 1-20, got %d", o.length)
+	}
+	if o.length > 1 && !o.matrix {
+		return o, fmt.Errorf("-length is for -matrix")
 	}
 	if o.seeds < 1 {
 		return o, fmt.Errorf("-seeds must be at least 1")

@@ -608,3 +608,17 @@ func TestTargetRows(t *testing.T) {
 		}
 	}
 }
+
+// TestMatrixLength: -length N runs N times as many requests per matrix run, with the same shape.
+func TestMatrixLength(t *testing.T) {
+	for _, name := range matrixWorkloads {
+		one, _ := generateWorkload(name, 1, workloadSize{matrix: true})
+		two, _ := generateWorkload(name, 1, workloadSize{matrix: true, length: 2})
+		if r := float64(two.NumRequests()) / float64(one.NumRequests()); r < 1.8 || r > 2.2 {
+			t.Errorf("%s: length 2 has %d requests, length 1 %d; want about twice", name, two.NumRequests(), one.NumRequests())
+		}
+	}
+	if _, err := parseOptions([]string{"-length", "2"}); err == nil {
+		t.Error("-length without -matrix was accepted")
+	}
+}

@@ -72,7 +72,11 @@ var knownWorkloads = []string{"shared-prefix", "multi-turn", "mixed", "hot-prefi
 // that 525 of them fit in about 40 minutes on 2 cores (116-335 requests a run).
 type workloadSize struct {
 	quick, matrix bool
+	length        int // with matrix: sessions multiplied by this (0 and 1: the matrix's own size)
 }
+
+// times returns n scaled by a matrix run's length.
+func (s workloadSize) times(n int) int { return n * max(s.length, 1) }
 
 // generateWorkload builds the named workload deterministically from seed.
 func generateWorkload(name string, seed int64, size workloadSize) (Workload, error) {
@@ -82,7 +86,8 @@ func generateWorkload(name string, seed int64, size workloadSize) (Workload, err
 	switch name {
 	case "shared-prefix":
 		if size.matrix {
-			return sharedPrefix(rng, 16, 8, 1500, 100, 64), nil
+			// A longer run has more prompts per group, not more groups: the same prefixes in play at once.
+			return sharedPrefix(rng, 16, size.times(8), 1500, 100, 64), nil
 		}
 		// 64 groups as in SGLang's generated-shared-prefix; 5 prompts each as in llm-d's shared_prefix.
 		// Their prefixes (96k tokens) overflow one backend's KV cache (32k) three times, but a quarter of
@@ -99,7 +104,10 @@ func generateWorkload(name string, seed int64, size workloadSize) (Workload, err
 		// fewer, the think time, not the arrival rate, would set the load (36 sessions reached
 		// only 0.16 of the default regime's capacity).
 		convs := 120
-		if size.quick || size.matrix {
+		switch {
+		case size.matrix:
+			convs = size.times(80)
+		case size.quick:
 			convs = 80
 		}
 		w := multiTurn(rng, convs, 3, 6, 500, 150, 64)
@@ -118,7 +126,7 @@ func generateWorkload(name string, seed int64, size workloadSize) (Workload, err
 		case size.quick:
 			sessions, minTurns, maxTurns = 8, 5, 8
 		case size.matrix:
-			sessions, minTurns, maxTurns = 24, 5, 8
+			sessions, minTurns, maxTurns = size.times(24), 5, 8
 		}
 		return agentic(rng, sessions, minTurns, maxTurns, 20000, 1000, 3000, 40000, 64, time.Second), nil
 	case "multi-turn":
@@ -131,7 +139,7 @@ func generateWorkload(name string, seed int64, size workloadSize) (Workload, err
 		n := 320
 		switch {
 		case size.matrix:
-			n = 144
+			n = size.times(144)
 		case size.quick:
 			n = 64
 		}
@@ -140,7 +148,7 @@ func generateWorkload(name string, seed int64, size workloadSize) (Workload, err
 		n, others := 320, 16
 		switch {
 		case size.matrix:
-			n, others = 144, 8
+			n, others = size.times(144), 8
 		case size.quick:
 			n, others = 64, 6
 		}
