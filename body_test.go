@@ -3,7 +3,7 @@ package caddyllm
 import (
 	"bytes"
 	"context"
-		"errors"
+	"errors"
 	"fmt"
 	"io"
 	"math/rand/v2"
@@ -209,17 +209,7 @@ func TestPooledBodiesConcurrent(t *testing.T) {
 `, site, a.dial, b.dial, retryPOST), "caddyfile")
 	client := newLoadClient(true)
 	defer client.CloseIdleConnections()
-	for try := 0; ; try++ { // the previous test's server may still drop the first connection
-		res, err := client.Get(proxyURL + "/v1/models")
-		if err == nil {
-			io.Copy(io.Discard, res.Body)
-			res.Body.Close()
-			break
-		}
-		if try == 20 {
-			t.Fatalf("the proxy never answered: %v", err)
-		}
-	}
+	waitProxyAnswers(t, client)
 	taken, released := pooledBodies.taken.Load(), pooledBodies.released.Load()
 
 	var wg sync.WaitGroup

@@ -781,19 +781,7 @@ func TestZeroMutation(t *testing.T) {
 	tester.InitServer(proxyConfig("llm {\n\t\t\tmax_body_size 64KiB\n\t\t}", retryPOST, a, b), "caddyfile")
 	client := newLoadClient(true)
 	defer client.CloseIdleConnections()
-	// The previous test's server may still accept a connection right after the reload and drop it
-	// unanswered (net/http's shutdown, see closedByReload): wait for the new one to answer first.
-	for try := 0; ; try++ {
-		res, err := client.Get(proxyURL + "/v1/models")
-		if err == nil {
-			io.Copy(io.Discard, res.Body)
-			res.Body.Close()
-			break
-		}
-		if try == 20 {
-			t.Fatalf("the proxy never answered after the reload: %v", err)
-		}
-	}
+	waitProxyAnswers(t, client)
 	client.CloseIdleConnections()
 
 	rng := rand.New(rand.NewPCG(2, 2))
@@ -853,6 +841,24 @@ func TestZeroMutation(t *testing.T) {
 	}
 	t.Logf("%d bodies sent, %d of them retried after a dropped connection and delivered intact", id, retriedOK)
 	waitInflightZero(t, a.dial, b.dial)
+}
+
+// waitProxyAnswers waits until the proxy answers a request on client. The previous test's server may
+// still accept a connection right after the reload and drop it unanswered (net/http's shutdown, see
+// closedByReload): a test that counts every failure waits for the new one to answer first.
+func waitProxyAnswers(t *testing.T, client *http.Client) {
+	t.Helper()
+	for try := 0; ; try++ {
+		res, err := client.Get(proxyURL + "/v1/models")
+		if err == nil {
+			io.Copy(io.Discard, res.Body)
+			res.Body.Close()
+			return
+		}
+		if try == 20 {
+			t.Fatalf("the proxy never answered after the reload: %v", err)
+		}
+	}
 }
 
 // randomBody returns a body of about size bytes: a chat request (padded to size), random binary, or a
