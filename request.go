@@ -69,8 +69,9 @@ type parseResult struct {
 }
 
 // inspectRequest returns the llmRequest for r, reading the body on first use. The body is read at most
-// maxBody+1 bytes far; what was read is always put back, so the upstream receives every byte. Code that
-// reads the body's bytes (parses it, keeps a slice of them) must hold it first (see hold).
+// maxBody+1 bytes far; what was read is always put back, so the upstream receives every byte: a body read
+// whole goes back into r when the caller, holding it (see hold), calls installBody. Code that reads the
+// body's bytes (parses it, keeps a slice of them) must hold it first.
 func inspectRequest(r *http.Request, maxBody int64) *llmRequest {
 	if lr, ok := caddyhttp.GetVar(r.Context(), varKey).(*llmRequest); ok {
 		return lr
@@ -132,7 +133,6 @@ func (lr *llmRequest) read(r *http.Request, maxBody int64) (pooled *[]byte) {
 	}
 	_ = r.Body.Close()
 	lr.body = buf
-	lr.installBody(r)
 	lr.decoded, lr.bodyErr = decodeBody(buf, r.Header.Get("Content-Encoding"), maxBody)
 	return pooled
 }
