@@ -71,14 +71,18 @@ type pooledBody struct {
 	put  func(*[]byte) // putBodyBuffer; tests count releases
 }
 
-// pooledBodies counts the pooled bodies taken and released: in a quiet process the two are equal (tests).
-var pooledBodies struct{ taken, released atomic.Int64 }
+// pooledBodies counts the request bodies read into pooled buffers since the process started, and the
+// bytes of the buffers not yet released (caddy_llm_request_bodies_total,
+// caddy_llm_request_body_bytes_held): the held bytes follow the requests in flight and their bodies'
+// sizes, and fall back to zero when the proxy is idle; one that only grows is a leak.
+var pooledBodies struct{ taken, bytes atomic.Int64 }
 
 // newPooledBody returns buf with one reference: the request's own.
 func newPooledBody(buf *[]byte) *pooledBody {
 	b := &pooledBody{buf: buf, put: putBodyBuffer}
 	b.refs.Store(1)
 	pooledBodies.taken.Add(1)
+	pooledBodies.bytes.Add(int64(cap(*buf)))
 	return b
 }
 
@@ -98,7 +102,7 @@ func (b *pooledBody) hold() bool {
 // drop gives a reference back, releasing the buffer with the last one.
 func (b *pooledBody) drop() {
 	if b.refs.Add(-1) == 0 {
-		pooledBodies.released.Add(1)
+		pooledBodies.bytes.Add(-int64(cap(*b.buf)))
 		b.put(b.buf)
 	}
 }

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2/caddytest"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 )
 
 func TestBodyClass(t *testing.T) {
@@ -210,7 +211,7 @@ func TestPooledBodiesConcurrent(t *testing.T) {
 	client := newLoadClient(true)
 	defer client.CloseIdleConnections()
 	waitProxyAnswers(t, client)
-	taken, released := pooledBodies.taken.Load(), pooledBodies.released.Load()
+	taken, held := pooledBodies.taken.Load(), pooledBodies.bytes.Load()
 
 	var wg sync.WaitGroup
 	var answered, cancelled atomic.Int64
@@ -264,14 +265,18 @@ func TestPooledBodiesConcurrent(t *testing.T) {
 	}
 	waitInflightZero(t, a.dial, b.dial)
 	deadline := time.Now().Add(5 * time.Second)
-	for pooledBodies.taken.Load()-taken != pooledBodies.released.Load()-released && time.Now().Before(deadline) {
+	for pooledBodies.bytes.Load() != held && time.Now().Before(deadline) {
 		time.Sleep(10 * time.Millisecond)
 	}
-	nt, nr := pooledBodies.taken.Load()-taken, pooledBodies.released.Load()-released
-	if nt != nr || nt < answered.Load() {
-		t.Errorf("pooled bodies: %d taken, %d released, %d requests answered: want taken = released >= answered", nt, nr, answered.Load())
+	nt, left := pooledBodies.taken.Load()-taken, pooledBodies.bytes.Load()-held
+	if left != 0 || nt < answered.Load() {
+		t.Errorf("pooled bodies: %d taken, %d bytes still held, %d requests answered: want none held, taken >= answered", nt, left, answered.Load())
 	}
-	t.Logf("%d answered, %d cancelled by their clients; %d pooled bodies taken, %d released", answered.Load(), cancelled.Load(), nt, nr)
+	// The metrics report the same figures.
+	if got := testutil.ToFloat64(bodyBytesHeld); got != float64(held) {
+		t.Errorf("caddy_llm_request_body_bytes_held = %v, want %d", got, held)
+	}
+	t.Logf("%d answered, %d cancelled by their clients; %d pooled bodies taken, all released", answered.Load(), cancelled.Load(), nt)
 }
 
 // testBody is request id's body in TestPooledBodiesConcurrent: a chat request of 0.5-40 KB.

@@ -46,7 +46,10 @@ func (MatchLLM) CaddyModule() caddy.ModuleInfo {
 }
 
 // Provision sets up the matcher.
-func (m *MatchLLM) Provision(caddy.Context) error {
+func (m *MatchLLM) Provision(ctx caddy.Context) error {
+	if err := registerBodyMetrics(ctx); err != nil {
+		return err
+	}
 	if m.Tokenizer == "" {
 		m.Tokenizer = "cl100k_base"
 	}

@@ -72,7 +72,7 @@ var resumeCounters = func() (cs [len(resumeOutcomeNames)]prometheus.Counter) {
 
 // registerResumeMetrics adds llm_resume's collector to the config's registry.
 func registerResumeMetrics(ctx caddy.Context) error {
-	return registerCollectors(ctx, resumesTotal)
+	return registerCollectors(ctx, resumesTotal, bodiesTotal, bodyBytesHeld)
 }
 
 // decisionCounters are the reason-labelled counters, resolved once so Select does not look labels up.
@@ -86,9 +86,28 @@ var decisionCounters = func() map[selection.Reason]prometheus.Counter {
 
 var fallbackDecisions = decisionsTotal.WithLabelValues("fallback")
 
+// The request bodies read into pooled buffers (body.go), by whichever of the matcher, the policy and
+// llm_resume read them first.
+var (
+	bodiesTotal = prometheus.NewCounterFunc(prometheus.CounterOpts{
+		Namespace: "caddy", Subsystem: "llm", Name: "request_bodies_total",
+		Help: "Request bodies read into pooled buffers (by the llm matcher, policy or llm_resume).",
+	}, func() float64 { return float64(pooledBodies.taken.Load()) })
+	bodyBytesHeld = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Namespace: "caddy", Subsystem: "llm", Name: "request_body_bytes_held",
+		Help: "Bytes of pooled request-body buffers not yet released: their requests are in flight. Zero when idle.",
+	}, func() float64 { return float64(pooledBodies.bytes.Load()) })
+)
+
 // registerMetrics adds every collector to the config's registry.
 func registerMetrics(ctx caddy.Context) error {
-	return registerCollectors(ctx, decisionsTotal, promptTokens, matchedTokens, tokenizeSeconds, saturationsTotal, stateCollector{})
+	return registerCollectors(ctx, decisionsTotal, promptTokens, matchedTokens, tokenizeSeconds, saturationsTotal, stateCollector{},
+		bodiesTotal, bodyBytesHeld)
+}
+
+// registerBodyMetrics adds the request-body collectors alone (the matcher's).
+func registerBodyMetrics(ctx caddy.Context) error {
+	return registerCollectors(ctx, bodiesTotal, bodyBytesHeld)
 }
 
 // registerCollectors registers cs on the config's registry; a collector already there (a second policy or

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -176,9 +177,25 @@ func TestAdminEndpointAndMetrics(t *testing.T) {
 	if got := ups[dial].Routes; got == nil || *got == 0 {
 		t.Errorf("/llm/upstreams shows no learned routes for %s", dial)
 	}
+	// The request's body is held in a pooled buffer while it is in flight, and released after.
+	body := len(chatBody("m", 500, false))
+	heldInFlight := metricValue(t, "caddy_llm_request_body_bytes_held")
+	if heldInFlight < float64(body) {
+		t.Errorf("caddy_llm_request_body_bytes_held = %v while a %d-byte body is in flight", heldInFlight, body)
+	}
 	close(hold)
 	<-done
 	waitInflightZero(t, a.dial, b.dial)
+	deadline := time.Now().Add(5 * time.Second)
+	for metricValue(t, "caddy_llm_request_body_bytes_held") > heldInFlight-float64(body) && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if got := metricValue(t, "caddy_llm_request_body_bytes_held"); got > heldInFlight-float64(body) {
+		t.Errorf("caddy_llm_request_body_bytes_held = %v after the request ended, want at most %v", got, heldInFlight-float64(body))
+	}
+	if got := metricValue(t, "caddy_llm_request_bodies_total"); got < 1 {
+		t.Errorf("caddy_llm_request_bodies_total = %v after a request, want at least 1", got)
+	}
 
 	res, got := doRequest(t, http.MethodDelete, adminURL+"/llm/routes")
 	if res.StatusCode != http.StatusOK || !strings.Contains(got, `"routes": 0`) {
@@ -200,6 +217,23 @@ func TestAdminEndpointAndMetrics(t *testing.T) {
 			t.Errorf("/metrics lacks %s", want)
 		}
 	}
+}
+
+// metricValue is the value of an unlabelled metric on Caddy's /metrics (the test fails when it is absent).
+func metricValue(t *testing.T, name string) float64 {
+	t.Helper()
+	_, metrics := doRequest(t, http.MethodGet, adminURL+"/metrics")
+	for _, line := range strings.Split(metrics, "\n") {
+		if v, ok := strings.CutPrefix(line, name+" "); ok {
+			f, err := strconv.ParseFloat(v, 64)
+			if err != nil {
+				t.Fatalf("/metrics: %s", line)
+			}
+			return f
+		}
+	}
+	t.Fatalf("/metrics lacks %s", name)
+	return 0
 }
 
 func doRequest(t *testing.T, method, url string) (*http.Response, string) {
