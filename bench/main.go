@@ -86,8 +86,8 @@ type options struct {
 	restartKeep []string
 	shareFlush  time.Duration
 	setups      []string // of -instances: one, shared, unshared
-	// rejudge (-rejudge FILE) judges the runs of an earlier -matrix results.json again and writes its
-	// report into out, running nothing (matrix.go).
+	// rejudge (-rejudge FILE[,FILE...]) judges the runs of earlier -matrix results.json again, pooled,
+	// and writes their report into out, running nothing (matrix.go).
 	rejudge string
 	// compare (-compare BASE,NEW) compares two -matrix results.json, cell by cell and policy by policy,
 	// running nothing (matrix.go).
@@ -160,7 +160,7 @@ func parseOptions(args []string) (options, error) {
 	fs.StringVar(&setups, "setups", "one,shared,unshared", "with -instances: which setups to run")
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the run to this file")
 	fs.StringVar(&o.compare, "compare", "", "BASE.json,NEW.json: compare two -matrix results.json (nothing is run): each cell's median TTFT p50, p99 and hit rate of NEW over BASE per policy, the same seed by seed (geometric mean of the per-seed ratios, seeds worse), and their geometric means")
-	fs.StringVar(&o.rejudge, "rejudge", "", "judge the runs of an earlier -matrix results.json again (nothing is run) and write its report, results.json and matrix.svg into -out")
+	fs.StringVar(&o.rejudge, "rejudge", "", "judge the runs of an earlier -matrix results.json again (nothing is run) and write its report, results.json and matrix.svg into -out; several comma-separated files of different seeds are pooled, as one run of all their seeds")
 	fs.StringVar(&o.dump, "dump", "", "write every run's requests (timings, tokens, the backend that answered) as JSON lines into this directory, one file per run")
 	fs.BoolVar(&o.observe, "observe", false, "run every llm policy behind transport llm (it reads each response's cached tokens and corrects the routes)")
 	if err := fs.Parse(args); err != nil {

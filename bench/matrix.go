@@ -787,8 +787,8 @@ func writeMatrixMarkdown(out io.Writer, mr MatrixResults) {
 // rejudgeMatrix reads an earlier -matrix results.json, judges its runs again (the verdict's rules may
 // have changed since, e.g. seeds passing) and writes the outputs into dir; nothing is run. command is
 // recorded in the notes; the original command, start time and machine stay the run's.
-func rejudgeMatrix(path, dir, command string) error {
-	mr, err := readMatrix(path)
+func rejudgeMatrix(paths, dir, command string) error {
+	mr, err := readMatrices(strings.Split(paths, ","))
 	if err != nil {
 		return err
 	}
@@ -805,6 +805,50 @@ func rejudgeMatrix(path, dir, command string) error {
 		fmt.Println(v)
 	}
 	return writeMatrixOutputs(dir, mr)
+}
+
+// readMatrices reads one or more -matrix results.json and pools their runs, as if one run had made
+// them all: more seeds per cell from runs made apart (`-seed 4 -seeds 3` after the default 1-3). The
+// header (command, machine, regimes) is the first file's, the seeds are all of them, and a note names
+// every file; a run that two files both hold (the same regime, workload, seed and load) is an error,
+// not a seed counted twice.
+func readMatrices(paths []string) (MatrixResults, error) {
+	var mr MatrixResults
+	type runKey struct {
+		regime, workload string
+		seed             int64
+		load             float64
+	}
+	from := map[runKey]string{}
+	for i, path := range paths {
+		m, err := readMatrix(path)
+		if err != nil {
+			return mr, err
+		}
+		for _, r := range m.Runs {
+			k := runKey{r.Regime, r.Workload, r.Seed, r.Load}
+			if other, ok := from[k]; ok {
+				return mr, fmt.Errorf("%s and %s both hold %s/%s seed %d load %g: pool runs of different seeds", other, path, r.Regime, r.Workload, r.Seed, r.Load)
+			}
+			from[k] = path
+		}
+		if i == 0 {
+			mr = m
+			continue
+		}
+		mr.Runs = append(mr.Runs, m.Runs...)
+		for _, seed := range m.Seeds {
+			if !slices.Contains(mr.Seeds, seed) {
+				mr.Seeds = append(mr.Seeds, seed)
+			}
+		}
+		mr.WallSeconds += m.WallSeconds
+	}
+	if len(paths) > 1 {
+		slices.Sort(mr.Seeds)
+		mr.Notes = append(mr.Notes, fmt.Sprintf("runs pooled from %s", strings.Join(paths, ", ")))
+	}
+	return mr, nil
 }
 
 // readMatrix reads a -matrix results.json that holds runs.

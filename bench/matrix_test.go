@@ -494,6 +494,33 @@ func TestRejudge(t *testing.T) {
 	if _, err := parseOptions([]string{"-rejudge", in, "-matrix"}); err == nil {
 		t.Error("-rejudge with -matrix: no error")
 	}
+
+	// Two runs of other seeds pool into one judgement of all four; the same seed twice is an error.
+	more := mr
+	more.Seeds = []int64{3, 4}
+	more.Runs = []MatrixRun{mr.Runs[0], mr.Runs[0]}
+	more.Runs[0].Seed, more.Runs[1].Seed = 3, 4
+	raw, err = json.Marshal(more)
+	if err != nil {
+		t.Fatal(err)
+	}
+	in2 := filepath.Join(dir, "in2.json")
+	if err := os.WriteFile(in2, raw, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := run([]string{"-rejudge", in + "," + in2, "-out", out}); err != nil {
+		t.Fatal(err)
+	}
+	got = MatrixResults{}
+	if b, err := os.ReadFile(filepath.Join(out, "results.json")); err != nil || json.Unmarshal(b, &got) != nil {
+		t.Fatalf("results.json: %v", err)
+	}
+	if len(got.Cells) != 1 || got.Cells[0].Seeds != 4 || got.Cells[0].SeedsPassing != 3 || !slices.Equal(got.Seeds, []int64{1, 2, 3, 4}) {
+		t.Errorf("pooled %+v, want one cell passing on 3 of 4 seeds 1-4", got)
+	}
+	if err := run([]string{"-rejudge", in + "," + in, "-out", out}); err == nil || !strings.Contains(err.Error(), "both hold") {
+		t.Errorf("pooling a file with itself: %v, want an error naming the run both hold", err)
+	}
 }
 
 // TestCompare: -compare prints each common cell's ratios, new over base, and each policy's geometric
