@@ -809,7 +809,7 @@ func rejudgeMatrix(paths, dir, command string) error {
 
 // readMatrices reads one or more -matrix results.json and pools their runs, as if one run had made
 // them all: more seeds per cell from runs made apart (`-seed 4 -seeds 3` after the default 1-3). The
-// header (command, machine, regimes) is the first file's, the seeds are all of them, and a note names
+// header (command, machine) is the first file's, the seeds and regimes are all of them, and a note names
 // every file; a run that two files both hold (the same regime, workload, seed and load) is an error,
 // not a seed counted twice.
 func readMatrices(paths []string) (MatrixResults, error) {
@@ -837,6 +837,11 @@ func readMatrices(paths []string) (MatrixResults, error) {
 			continue
 		}
 		mr.Runs = append(mr.Runs, m.Runs...)
+		for _, r := range m.Regimes { // a later file may have run regimes the first did not
+			if !slices.ContainsFunc(mr.Regimes, func(x RegimeInfo) bool { return x.Name == r.Name }) {
+				mr.Regimes = append(mr.Regimes, r)
+			}
+		}
 		for _, seed := range m.Seeds {
 			if !slices.Contains(mr.Seeds, seed) {
 				mr.Seeds = append(mr.Seeds, seed)
