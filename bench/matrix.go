@@ -811,7 +811,7 @@ func rejudgeMatrix(paths, dir, command string) error {
 // them all: more seeds per cell from runs made apart (`-seed 4 -seeds 3` after the default 1-3). The
 // header (command, machine) is the first file's, the seeds and regimes are all of them, and a note names
 // every file; a run that two files both hold (the same regime, workload, seed and load) is an error,
-// not a seed counted twice.
+// not a seed counted twice. One file alone is judged as it stands, as before pooling.
 func readMatrices(paths []string) (MatrixResults, error) {
 	var mr MatrixResults
 	type runKey struct {
@@ -819,18 +819,18 @@ func readMatrices(paths []string) (MatrixResults, error) {
 		seed             int64
 		load             float64
 	}
-	from := map[runKey]string{}
+	from := map[runKey]int{} // the file (index in paths) that holds each run
 	for i, path := range paths {
 		m, err := readMatrix(path)
 		if err != nil {
 			return mr, err
 		}
-		for _, r := range m.Runs {
+		for _, r := range m.Runs { // against the files before it: one file is judged as it stands
 			k := runKey{r.Regime, r.Workload, r.Seed, r.Load}
-			if other, ok := from[k]; ok {
-				return mr, fmt.Errorf("%s and %s both hold %s/%s seed %d load %g: pool runs of different seeds", other, path, r.Regime, r.Workload, r.Seed, r.Load)
+			if other, ok := from[k]; ok && other != i {
+				return mr, fmt.Errorf("%s and %s both hold %s/%s seed %d load %g: pool runs of different seeds", paths[other], path, r.Regime, r.Workload, r.Seed, r.Load)
 			}
-			from[k] = path
+			from[k] = i
 		}
 		if i == 0 {
 			mr = m

@@ -521,6 +521,20 @@ func TestRejudge(t *testing.T) {
 	if err := run([]string{"-rejudge", in + "," + in, "-out", out}); err == nil || !strings.Contains(err.Error(), "both hold") {
 		t.Errorf("pooling a file with itself: %v, want an error naming the run both hold", err)
 	}
+	// One file is judged as it stands, whatever it holds: the check is between files.
+	twice := mr
+	twice.Runs = []MatrixRun{mr.Runs[0], mr.Runs[0]}
+	raw, err = json.Marshal(twice)
+	if err != nil {
+		t.Fatal(err)
+	}
+	in3 := filepath.Join(dir, "in3.json")
+	if err := os.WriteFile(in3, raw, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := run([]string{"-rejudge", in3, "-out", out}); err != nil {
+		t.Errorf("re-judging one file that holds a run twice: %v, want it judged as before pooling", err)
+	}
 }
 
 // TestCompare: -compare prints each common cell's ratios, new over base, and each policy's geometric
