@@ -104,12 +104,11 @@ func (m MatchLLM) Match(r *http.Request) bool {
 // MatchWithError returns whether r matches m, or an HTTP 400/413/415 error for an LLM request whose body
 // cannot be read. Non-LLM requests never error.
 func (m MatchLLM) MatchWithError(r *http.Request) (bool, error) {
-	lr := inspectRequest(r, m.MaxBodyBytes)
-	if !lr.hold() {
+	lr, ok := holdRequest(r, m.MaxBodyBytes)
+	if !ok {
 		return false, nil // the request has ended, its client gone
 	}
 	defer lr.drop()
-	lr.installBody(r)
 	if lr.api == tokenize.APIUnknown {
 		return false, nil
 	}

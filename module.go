@@ -339,12 +339,11 @@ func (s *LLMSelection) Cleanup() error {
 
 // Select chooses an upstream for r.
 func (s *LLMSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter) *reverseproxy.Upstream {
-	lr := inspectRequest(r, s.MaxBodyBytes)
-	if !lr.hold() {
+	lr, ok := holdRequest(r, s.MaxBodyBytes)
+	if !ok {
 		return nil // the request has ended, its client gone: there is nothing to send
 	}
 	defer lr.drop()
-	lr.installBody(r)
 	if lr.api == tokenize.APIUnknown {
 		if lr.sniffed {
 			// A POST to an LLM endpoint whose body did not declare JSON and is not an OpenAI request

@@ -87,6 +87,19 @@ func inspectRequest(r *http.Request, maxBody int64) *llmRequest {
 	return lr
 }
 
+// holdRequest returns r's llmRequest (inspectRequest) holding its body's bytes, with the body put back
+// into r for the upstream (installBody, which hands out readers of the held buffer and so must come
+// after the hold). ok is false once the request has ended, its client gone: then nothing is held and the
+// caller gives up on it. Every ok has exactly one lr.drop.
+func holdRequest(r *http.Request, maxBody int64) (lr *llmRequest, ok bool) {
+	lr = inspectRequest(r, maxBody)
+	if !lr.hold() {
+		return lr, false
+	}
+	lr.installBody(r)
+	return lr, true
+}
+
 // read reads and decodes r's body into lr, if r is an LLM request. It returns the pooled buffer that
 // lr.body is in, or nil when lr.body is not pooled.
 func (lr *llmRequest) read(r *http.Request, maxBody int64) (pooled *[]byte) {

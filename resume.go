@@ -116,12 +116,11 @@ func (h *LLMResume) Validate() error {
 
 // ServeHTTP sends r through next until an attempt succeeds or max_attempts have failed.
 func (h *LLMResume) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
-	lr := inspectRequest(r, h.MaxBodyBytes)
-	if !lr.hold() {
+	lr, ok := holdRequest(r, h.MaxBodyBytes)
+	if !ok {
 		return next.ServeHTTP(w, r) // the request has ended, its client gone: the policy says so
 	}
 	defer lr.drop() // orig, below, is the received body's bytes
-	lr.installBody(r)
 	if lr.api == tokenize.APIUnknown || lr.body == nil || lr.decoded == nil {
 		return next.ServeHTTP(w, r)
 	}
