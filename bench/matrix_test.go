@@ -461,14 +461,7 @@ func TestRejudge(t *testing.T) {
 		{Regime: "r", Workload: "w", Seed: 1, Requests: 110, Warmup: 10, Policies: []Summary{summaryOf("least_conn", 100, 1000), summaryOf("llm", 50, 500)}},
 		{Regime: "r", Workload: "w", Seed: 2, Requests: 110, Warmup: 10, Policies: []Summary{summaryOf("least_conn", 100, 1000), summaryOf("llm", 50, 2000)}},
 	}}
-	raw, err := json.Marshal(mr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	in := filepath.Join(dir, "in.json")
-	if err := os.WriteFile(in, raw, 0o644); err != nil {
-		t.Fatal(err)
-	}
+	in := writeMatrixFile(t, filepath.Join(dir, "in.json"), mr)
 	out := filepath.Join(dir, "out")
 	if err := run([]string{"-rejudge", in, "-out", out}); err != nil {
 		t.Fatal(err)
@@ -500,14 +493,7 @@ func TestRejudge(t *testing.T) {
 	more.Seeds = []int64{3, 4}
 	more.Runs = []MatrixRun{mr.Runs[0], mr.Runs[0]}
 	more.Runs[0].Seed, more.Runs[1].Seed = 3, 4
-	raw, err = json.Marshal(more)
-	if err != nil {
-		t.Fatal(err)
-	}
-	in2 := filepath.Join(dir, "in2.json")
-	if err := os.WriteFile(in2, raw, 0o644); err != nil {
-		t.Fatal(err)
-	}
+	in2 := writeMatrixFile(t, filepath.Join(dir, "in2.json"), more)
 	if err := run([]string{"-rejudge", in + "," + in2, "-out", out}); err != nil {
 		t.Fatal(err)
 	}
@@ -524,17 +510,23 @@ func TestRejudge(t *testing.T) {
 	// One file is judged as it stands, whatever it holds: the check is between files.
 	twice := mr
 	twice.Runs = []MatrixRun{mr.Runs[0], mr.Runs[0]}
-	raw, err = json.Marshal(twice)
-	if err != nil {
-		t.Fatal(err)
-	}
-	in3 := filepath.Join(dir, "in3.json")
-	if err := os.WriteFile(in3, raw, 0o644); err != nil {
-		t.Fatal(err)
-	}
+	in3 := writeMatrixFile(t, filepath.Join(dir, "in3.json"), twice)
 	if err := run([]string{"-rejudge", in3, "-out", out}); err != nil {
 		t.Errorf("re-judging one file that holds a run twice: %v, want it judged as before pooling", err)
 	}
+}
+
+// writeMatrixFile writes mr as a -matrix results.json at path and returns path.
+func writeMatrixFile(t *testing.T, path string, mr MatrixResults) string {
+	t.Helper()
+	raw, err := json.Marshal(mr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(path, raw, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return path
 }
 
 // TestCompare: -compare prints each common cell's ratios, new over base, and each policy's geometric
@@ -542,15 +534,7 @@ func TestRejudge(t *testing.T) {
 func TestCompare(t *testing.T) {
 	dir := t.TempDir()
 	write := func(name string, runs ...MatrixRun) string {
-		raw, err := json.Marshal(MatrixResults{Runs: runs})
-		if err != nil {
-			t.Fatal(err)
-		}
-		path := filepath.Join(dir, name)
-		if err := os.WriteFile(path, raw, 0o644); err != nil {
-			t.Fatal(err)
-		}
-		return path
+		return writeMatrixFile(t, filepath.Join(dir, name), MatrixResults{Runs: runs})
 	}
 	cell := func(regime string, llm50, llm99 float64) MatrixRun {
 		return MatrixRun{Regime: regime, Workload: "w", Seed: 1, Policies: []Summary{summaryOf("least_conn", 100, 1000), summaryOf("llm", llm50, llm99)}}
