@@ -514,7 +514,11 @@ func (s *Server) applyLocked(batch []stepItem, d time.Duration) {
 			continue // more prefill chunks to come
 		}
 		if r.target > 0 && r.computed == r.target {
-			s.promptTotal += int64(r.target)
+			if r.generated.Load() == 0 {
+				// vLLM v1 counts a prompt once, at the request's first token: a preempted request
+				// recomputing its prompt and output is not prefilling again by that count.
+				s.promptTotal += int64(r.promptTokens)
+			}
 			r.target = 0 // prefill done: decodes from now on
 		}
 		n := r.generated.Add(1)

@@ -251,6 +251,14 @@ func TestPreemptionUnderKVPressure(t *testing.T) {
 	if st.Preemptions == 0 {
 		t.Error("no preemption under KV pressure")
 	}
+	// vllm:prompt_tokens_total counts each prompt once, at its first token, as vLLM v1 does: not again
+	// when a preempted request recomputes it.
+	s.mu.Lock()
+	prefilled, finished := s.promptTotal, s.finishedPrompt
+	s.mu.Unlock()
+	if prefilled != finished {
+		t.Errorf("prompt tokens counted prefilled %d, finished %d: want each prompt once", prefilled, finished)
+	}
 	if st.UsedBlocks != 0 || st.PendingPrefillTokens != 0 || st.Running != 0 || st.Waiting != 0 {
 		t.Errorf("idle state %+v", st)
 	}
