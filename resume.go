@@ -176,7 +176,10 @@ func (h *LLMResume) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddy
 			if attempt < h.MaxAttempts && rl.resumable() {
 				done, err := rl.prepareNext(orig, lr)
 				if err == nil && done {
+					// Every token it asked for was sent; only the end was lost, its finish reason
+					// with it: the limit ended it.
 					resumeCounters[resumeContinued].Inc()
+					rl.sendFinish("length")
 					return rl.finishWithDone()
 				}
 				if err == nil {
@@ -549,6 +552,48 @@ func parsedPromptTokens(lr *llmRequest, orig []byte) int {
 		return req.PromptTokens
 	}
 	return 0
+}
+
+// sendFinish sends the client the chunk that ends the stream's choice with reason, unless one was sent:
+// a stream cut after its last token but before its finish reason must still end with one (the OpenAI
+// clients report a missing finish reason as an incomplete answer).
+func (rl *relay) sendFinish(reason string) {
+	if rl.finished {
+		return
+	}
+	var chunk []byte
+	var err error
+	if rl.req.api == tokenize.APIChat {
+		type choice struct {
+			Index        int      `json:"index"`
+			Delta        struct{} `json:"delta"`
+			FinishReason string   `json:"finish_reason"`
+		}
+		chunk, err = json.Marshal(struct {
+			ID      string   `json:"id"`
+			Object  string   `json:"object"`
+			Created int64    `json:"created"`
+			Model   string   `json:"model"`
+			Choices []choice `json:"choices"`
+		}{rl.id, "chat.completion.chunk", rl.created, rl.model, []choice{{FinishReason: reason}}})
+	} else {
+		type choice struct {
+			Index        int    `json:"index"`
+			Text         string `json:"text"`
+			FinishReason string `json:"finish_reason"`
+		}
+		chunk, err = json.Marshal(struct {
+			ID      string   `json:"id"`
+			Object  string   `json:"object"`
+			Created int64    `json:"created"`
+			Model   string   `json:"model"`
+			Choices []choice `json:"choices"`
+		}{rl.id, "text_completion", rl.created, rl.model, []choice{{FinishReason: reason}}})
+	}
+	if err == nil {
+		rl.writeClient(append(append([]byte("data: "), chunk...), "\n\n"...))
+		rl.finished = true
+	}
 }
 
 // finishWithDone ends a stream whose content is complete but whose end was lost: the usage chunk, if the

@@ -977,6 +977,28 @@ func TestResumeHandlerLastEventUnterminated(t *testing.T) {
 	}
 }
 
+// TestResumeHandlerCutAfterLastToken: a stream cut after its last token but before its finish reason is
+// not continued (nothing is left to ask for); the client gets the finish reason the limit gave it, the
+// usage it asked for and [DONE] (TestResumeBackendKilled hit this: a stream ended without a finish
+// reason when its upstream died between the two).
+func TestResumeHandlerCutAfterLastToken(t *testing.T) {
+	next := &fakeProxy{script: []func(http.ResponseWriter, string) error{func(w http.ResponseWriter, _ string) error {
+		return sse(w, true, chatChunk("a", `{"role":"assistant","content":""}`, ""),
+			chatChunk("a", `{"content":"x"}`, ""), chatChunk("a", `{"content":"y"}`, ""))
+	}}}
+	rec := httptest.NewRecorder()
+	serveResume(t, `{"stream":true,"max_tokens":2,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"hi"}]}`, rec, next)
+	got := rec.Body.String()
+	sr := readSSE(http.StatusOK, strings.NewReader(got))
+	if len(next.bodies) != 1 || sr.finishSeen != 1 || sr.done != 1 || len(sr.errors) > 0 || sr.content != "xy" ||
+		sr.usage == nil || sr.usage.CompletionTokens != 2 || len(sr.ids) != 1 {
+		t.Errorf("after %d attempts the client got %+v, want one attempt, xy, one finish reason, usage and [DONE]", len(next.bodies), sr)
+	}
+	if !strings.Contains(got, `"finish_reason":"length"`) {
+		t.Errorf("client got %q, want finish_reason length", got)
+	}
+}
+
 // TestResumeBackendKilled: an upstream dies (its engine stopped, every connection closed, the port shut)
 // while streams to it are open. Each of them is continued on the other upstream, and the client sees
 // every stream complete.
