@@ -662,7 +662,17 @@ func TestPersistProcessRestart(t *testing.T) {
 	}
 	send(false)
 	// What each upstream that answered has learned of its speed (its requests' durations): the restarted
-	// process must start from it, not from the prior.
+	// process must start from it, not from the prior. A request ends in the proxy (and teaches its
+	// model) a moment after its client has read the whole answer: read the models once none is in
+	// flight, or the last one's end lands after the read and the saved model differs from it.
+	waitFor(t, "the requests to end in the proxy", func() bool {
+		for _, u := range adminUpstreamsAt(t, p.Admin) {
+			if u.InflightRequests != 0 {
+				return false
+			}
+		}
+		return true
+	})
 	learned := make(map[string]serviceModel)
 	for up, u := range adminUpstreamsAt(t, p.Admin) {
 		if slices.Contains(slices.Collect(maps.Values(where)), up) {
