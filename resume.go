@@ -561,39 +561,47 @@ func (rl *relay) sendFinish(reason string) {
 	if rl.finished {
 		return
 	}
-	var chunk []byte
-	var err error
+	var choice any = struct {
+		Index        int    `json:"index"`
+		Text         string `json:"text"`
+		FinishReason string `json:"finish_reason"`
+	}{FinishReason: reason}
 	if rl.req.api == tokenize.APIChat {
-		type choice struct {
+		choice = struct {
 			Index        int      `json:"index"`
 			Delta        struct{} `json:"delta"`
 			FinishReason string   `json:"finish_reason"`
-		}
-		chunk, err = json.Marshal(struct {
-			ID      string   `json:"id"`
-			Object  string   `json:"object"`
-			Created int64    `json:"created"`
-			Model   string   `json:"model"`
-			Choices []choice `json:"choices"`
-		}{rl.id, "chat.completion.chunk", rl.created, rl.model, []choice{{FinishReason: reason}}})
-	} else {
-		type choice struct {
-			Index        int    `json:"index"`
-			Text         string `json:"text"`
-			FinishReason string `json:"finish_reason"`
-		}
-		chunk, err = json.Marshal(struct {
-			ID      string   `json:"id"`
-			Object  string   `json:"object"`
-			Created int64    `json:"created"`
-			Model   string   `json:"model"`
-			Choices []choice `json:"choices"`
-		}{rl.id, "text_completion", rl.created, rl.model, []choice{{FinishReason: reason}}})
+		}{FinishReason: reason}
 	}
-	if err == nil {
-		rl.writeClient(append(append([]byte("data: "), chunk...), "\n\n"...))
+	if rl.writeOwnChunk([]any{choice}, nil) {
 		rl.finished = true
 	}
+}
+
+// ownChunk is a chunk of the stream that this handler writes itself, under the stream's id, creation time
+// and model: a finish reason or the usage.
+type ownChunk struct {
+	ID      string `json:"id"`
+	Object  string `json:"object"`
+	Created int64  `json:"created"`
+	Model   string `json:"model"`
+	Choices []any  `json:"choices"`
+	Usage   any    `json:"usage,omitempty"`
+}
+
+// writeOwnChunk writes the client a chunk of the stream with choices and usage (nil: none), and reports
+// whether it did.
+func (rl *relay) writeOwnChunk(choices []any, usage any) bool {
+	object := "text_completion"
+	if rl.req.api == tokenize.APIChat {
+		object = "chat.completion.chunk"
+	}
+	chunk, err := json.Marshal(ownChunk{rl.id, object, rl.created, rl.model, choices, usage})
+	if err != nil {
+		return false
+	}
+	rl.writeClient(append(append([]byte("data: "), chunk...), "\n\n"...))
+	return true
 }
 
 // finishWithDone ends a stream whose content is complete but whose end was lost: the usage chunk, if the
@@ -601,27 +609,12 @@ func (rl *relay) sendFinish(reason string) {
 // [DONE].
 func (rl *relay) finishWithDone() error {
 	if rl.req.includeUsage && !rl.usageSent {
-		object := "text_completion"
-		if rl.req.api == tokenize.APIChat {
-			object = "chat.completion.chunk"
-		}
 		type usage struct {
 			PromptTokens     int `json:"prompt_tokens"`
 			CompletionTokens int `json:"completion_tokens"`
 			TotalTokens      int `json:"total_tokens"`
 		}
-		chunk, err := json.Marshal(struct {
-			ID      string   `json:"id"`
-			Object  string   `json:"object"`
-			Created int64    `json:"created"`
-			Model   string   `json:"model"`
-			Choices []string `json:"choices"`
-			Usage   usage    `json:"usage"`
-		}{rl.id, object, rl.created, rl.model, []string{},
-			usage{rl.promptTokens, rl.sentTokens, rl.promptTokens + rl.sentTokens}})
-		if err == nil {
-			rl.writeClient(append(append([]byte("data: "), chunk...), "\n\n"...))
-		}
+		rl.writeOwnChunk([]any{}, usage{rl.promptTokens, rl.sentTokens, rl.promptTokens + rl.sentTokens})
 	}
 	rl.writeClient([]byte("data: [DONE]\n\n"))
 	rl.flushClient()
