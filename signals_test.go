@@ -113,6 +113,10 @@ func TestScrapedQueueSteersRequests(t *testing.T) {
 			mode least_tokens
 			metrics {
 				interval 200ms
+				# A scrape slower than the interval fails; on a loaded machine (-race, the whole package
+				# at once) a few in a row made B's snapshot stale within the default 1s, its queue was
+				# no longer counted, and a request went there to wait behind it.
+				stale_after 30s
 			}
 		}
 	}
@@ -504,10 +508,18 @@ func TestFallbackCounted(t *testing.T) {
 // operator tells a failure that is over (the backend answers its metrics again; the error is older than
 // the snapshot) from one that is not.
 func TestScrapeErrorAgeInAdmin(t *testing.T) {
-	sim, dial := simBackend(t, vllmsim.Config{TimeScale: 1000, Seed: 1, MetricsFail: true})
+	// The metrics answer first: an upstream whose metrics never answered is taken after a few failed
+	// scrapes for one without usable metrics and no longer scraped (checkUsable), and on a busy machine
+	// the failures below could outnumber the admin polls that see them.
+	sim, dial := simBackend(t, vllmsim.Config{TimeScale: 1000, Seed: 1})
 	tester := caddytest.NewTester(t)
 	tester.InitServer(fastScrapeConfig(dial, ""), "caddyfile")
 	post(t, tester.Client, "/v1/chat/completions", chatBody("sim-model", 10, false)) // starts the scrapes
+	waitFor(t, "a good scrape", func() bool {
+		m := adminUpstreams(t)[dial].Metrics
+		return m != nil && m.Fresh
+	})
+	sim.SetFaults(vllmsim.Faults{MetricsFail: true})
 	waitFor(t, "a failed scrape", func() bool {
 		m := adminUpstreams(t)[dial].Metrics
 		return m != nil && m.Errors > 0 && m.LastError != "" && m.LastErrorAgeSeconds != nil
