@@ -600,7 +600,7 @@ func (rl *relay) writeOwnChunk(choices []any, usage any) bool {
 	if err != nil {
 		return false
 	}
-	rl.writeClient(append(append([]byte("data: "), chunk...), "\n\n"...))
+	rl.writeClient(sseEvent(chunk))
 	return true
 }
 
@@ -634,7 +634,7 @@ func (rl *relay) fail(attempts int) error {
 		if event == nil {
 			event = appendOpenAIError(nil, status, msg)
 		}
-		rl.writeClient(append(append([]byte("data: "), event...), "\n\n"...))
+		rl.writeClient(sseEvent(event))
 		rl.flushClient()
 		return nil
 	}
@@ -1018,6 +1018,11 @@ func rewriteChunk(data []byte, edit func(fields map[string]json.RawMessage)) []b
 			data = b
 		}
 	}
+	return sseEvent(data)
+}
+
+// sseEvent frames data as one server-sent event: "data: ", data, a blank line.
+func sseEvent(data []byte) []byte {
 	return append(append([]byte("data: "), data...), "\n\n"...)
 }
 
