@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -38,6 +39,9 @@ func TestMain(m *testing.M) {
 	caddytest.Default.TestRequestTimeout = time.Minute
 	code := m.Run()
 	os.RemoveAll(dir)
+	if caddyBinary != "" { // built by buildCaddy: 100 MB a run, left in the temporary directory otherwise
+		os.RemoveAll(filepath.Dir(caddyBinary))
+	}
 	os.Exit(code)
 }
 
