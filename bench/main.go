@@ -47,6 +47,10 @@ import (
 // warmupFraction is the share of requests, in send order, left out of the statistics.
 const warmupFraction = 0.10
 
+// lateFraction is the share of requests, in send order, before the ones a matrix's late verdict is on
+// (Summary.LateTTFTP50).
+const lateFraction = 0.25
+
 // options are the command-line settings.
 type options struct {
 	quick      bool

@@ -47,8 +47,12 @@ type PolicyMedian struct {
 	// (Summary.NetTTFTP50), and ProxyP50 that time's median in wall milliseconds; zero when unknown.
 	NetTTFTP50 float64 `json:"net_ttft_p50_ms,omitempty"`
 	NetTTFTP99 float64 `json:"net_ttft_p99_ms,omitempty"`
-	ProxyP50   float64 `json:"proxy_p50_wall_ms,omitempty"`
-	HitRate    float64 `json:"cache_hit_rate"`
+	// LateTTFTP50 and LateTTFTP99 are those of the requests sent after each run's first quarter
+	// (Summary.LateTTFTP50); zero when unknown (results.json written before they were).
+	LateTTFTP50 float64 `json:"late_ttft_p50_ms,omitempty"`
+	LateTTFTP99 float64 `json:"late_ttft_p99_ms,omitempty"`
+	ProxyP50    float64 `json:"proxy_p50_wall_ms,omitempty"`
+	HitRate     float64 `json:"cache_hit_rate"`
 	// MaxShare is the busiest backend's requests divided by its fair share, the share its
 	// estimated capacity gives it (equal shares on a uniform cluster).
 	MaxShare float64 `json:"max_backend_share"`
@@ -70,6 +74,10 @@ type MatrixCell struct {
 	// time-scale times (Summary.NetTTFTP50): the decision, without the harness's magnification of
 	// the time the policy takes to read and tokenize a request. Nil when the runs do not have it.
 	Net *Verdict `json:"net,omitempty"`
+	// Late is the same verdict on the requests sent after each run's first quarter
+	// (Summary.LateTTFTP50): the start from cold caches and unlearned models left out. Nil when the
+	// runs do not have it.
+	Late *Verdict `json:"late,omitempty"`
 }
 
 // Verdict is llm's standing in a cell on one kind of TTFT figure: the best stock policy's p50 and
@@ -109,6 +117,10 @@ var (
 	netTTFT = ttftFigures{
 		run:    func(s Summary) (float64, float64) { return s.NetTTFTP50, s.NetTTFTP99 },
 		median: func(p PolicyMedian) (float64, float64) { return p.NetTTFTP50, p.NetTTFTP99 },
+	}
+	lateTTFT = ttftFigures{
+		run:    func(s Summary) (float64, float64) { return s.LateTTFTP50, s.LateTTFTP99 },
+		median: func(p PolicyMedian) (float64, float64) { return p.LateTTFTP50, p.LateTTFTP99 },
 	}
 )
 
@@ -179,9 +191,7 @@ func runMatrixMode(ctx context.Context, o options, res Results, started time.Tim
 		fmt.Println()
 		writeMatrixTable(os.Stdout, mr.Cells)
 		fmt.Println(matrixVerdict(mr.Cells))
-		if v := netVerdict(mr.Cells); v != "" {
-			fmt.Println(v)
-		}
+		printSubVerdicts(mr.Cells)
 	}
 	mr.WallSeconds = round3(time.Since(started).Seconds())
 	if err := writeMatrixOutputs(o.out, mr); err != nil {
@@ -351,16 +361,18 @@ func judgeCell(regime, workload string, runs []MatrixRun) MatrixCell {
 			return round3(median(xs))
 		}
 		pm := PolicyMedian{
-			Policy:     name,
-			Seeds:      len(ss),
-			TTFTP50:    pick(func(s Summary) float64 { return s.TTFTP50 }),
-			TTFTP99:    pick(func(s Summary) float64 { return s.TTFTP99 }),
-			E2EP50:     pick(func(s Summary) float64 { return s.E2EP50 }),
-			NetTTFTP50: pick(func(s Summary) float64 { return s.NetTTFTP50 }),
-			NetTTFTP99: pick(func(s Summary) float64 { return s.NetTTFTP99 }),
-			ProxyP50:   pick(func(s Summary) float64 { return s.ProxyP50 }),
-			HitRate:    pick(func(s Summary) float64 { return s.CacheHitRate }),
-			MaxShare:   round3(median(shares[name])),
+			Policy:      name,
+			Seeds:       len(ss),
+			TTFTP50:     pick(func(s Summary) float64 { return s.TTFTP50 }),
+			TTFTP99:     pick(func(s Summary) float64 { return s.TTFTP99 }),
+			E2EP50:      pick(func(s Summary) float64 { return s.E2EP50 }),
+			NetTTFTP50:  pick(func(s Summary) float64 { return s.NetTTFTP50 }),
+			NetTTFTP99:  pick(func(s Summary) float64 { return s.NetTTFTP99 }),
+			LateTTFTP50: pick(func(s Summary) float64 { return s.LateTTFTP50 }),
+			LateTTFTP99: pick(func(s Summary) float64 { return s.LateTTFTP99 }),
+			ProxyP50:    pick(func(s Summary) float64 { return s.ProxyP50 }),
+			HitRate:     pick(func(s Summary) float64 { return s.CacheHitRate }),
+			MaxShare:    round3(median(shares[name])),
 		}
 		for _, s := range ss {
 			pm.Failed += s.Failed
@@ -370,6 +382,9 @@ func judgeCell(regime, workload string, runs []MatrixRun) MatrixCell {
 	c.Verdict = c.judge(runs, rawTTFT)
 	if net := c.judge(runs, netTTFT); net.Judged {
 		c.Net = &net
+	}
+	if late := c.judge(runs, lateTTFT); late.Judged {
+		c.Late = &late
 	}
 	return c
 }
@@ -490,20 +505,33 @@ func matrixVerdict(cells []MatrixCell) string {
 // netVerdict is the one-line summary of the verdicts on TTFT net of the proxy's own time (empty when
 // no cell has them).
 func netVerdict(cells []MatrixCell) string {
+	return subVerdict(cells, func(c MatrixCell) *Verdict { return c.Net }, "net of the proxy's own time (counted once, not time-scale times)")
+}
+
+// lateVerdict is the one-line summary of the verdicts on the requests sent after each run's first
+// quarter (empty when no cell has them).
+func lateVerdict(cells []MatrixCell) string {
+	return subVerdict(cells, func(c MatrixCell) *Verdict { return c.Late }, fmt.Sprintf("after the first %.0f%% of each run", 100*lateFraction))
+}
+
+// subVerdict is the one-line summary of the cells' verdicts of one kind, of, said to be on what
+// label names (empty when no cell has one).
+func subVerdict(cells []MatrixCell, of func(MatrixCell) *Verdict, label string) string {
 	judged, passed, every, none := 0, 0, 0, 0
 	var failed []string
 	for _, c := range cells {
-		if c.Net == nil {
+		v := of(c)
+		if v == nil {
 			continue
 		}
 		judged++
-		switch c.Net.SeedsPassing {
+		switch v.SeedsPassing {
 		case c.Seeds:
 			every++
 		case 0:
 			none++
 		}
-		if c.Net.Pass {
+		if v.Pass {
 			passed++
 		} else {
 			failed = append(failed, c.Regime+"/"+c.Workload)
@@ -512,7 +540,7 @@ func netVerdict(cells []MatrixCell) string {
 	if judged == 0 {
 		return ""
 	}
-	v := fmt.Sprintf("net of the proxy's own time (counted once, not time-scale times): %s passes %d of %d cells", judgedPolicy, passed, judged)
+	v := fmt.Sprintf("%s: %s passes %d of %d cells", label, judgedPolicy, passed, judged)
 	if len(failed) > 0 {
 		v += "; fails " + strings.Join(failed, ", ")
 	}
@@ -626,6 +654,48 @@ func writeTargetsMarkdown(out io.Writer, cells []MatrixCell) {
 	}
 }
 
+// printSubVerdicts prints the one-line summaries net of the proxy's time and after each run's first
+// quarter, those the cells have.
+func printSubVerdicts(cells []MatrixCell) {
+	for _, v := range []string{netVerdict(cells), lateVerdict(cells)} {
+		if v != "" {
+			fmt.Println(v)
+		}
+	}
+}
+
+// writeLateMarkdown writes the section on the requests sent after each run's first quarter: the
+// verdicts without the start from cold caches and unlearned models.
+func writeLateMarkdown(out io.Writer, mr MatrixResults) {
+	v := lateVerdict(mr.Cells)
+	if v == "" {
+		return
+	}
+	fmt.Fprintf(out, "\n## After the first %.0f%% of each run\n\n**%s**\n\n", 100*lateFraction, v)
+	fmt.Fprintf(out, "Every run starts from cold: empty caches on the backends, and a bare `llm` policy that has learned nothing of them (their slot counts "+
+		"from its scrapes, their speeds from requests that end). Here each run's TTFTs are those of the requests sent after its first %.0f%% (in send order): "+
+		"how the policies compare once each has seen traffic. A run of the matrix's own length spends much of that quarter with queues still forming; "+
+		"`-length` makes the later part longer.\n\n", 100*lateFraction)
+	fmt.Fprintf(out, "| regime | workload | llm p50 | best stock p50 | p50 ratio | llm p99 | best stock p99 | p99 ratio | p99 / least_conn | seeds passing | verdict |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+	for _, c := range mr.Cells {
+		if c.Late == nil {
+			continue
+		}
+		llm, _ := c.policy(judgedPolicy)
+		lc := "-"
+		if p, ok := c.policy("least_conn"); ok && p.LateTTFTP99 > 0 {
+			lc = fmt.Sprintf("%.2f", llm.LateTTFTP99/p.LateTTFTP99)
+		}
+		word := "FAIL"
+		if c.Late.Pass {
+			word = "PASS"
+		}
+		fmt.Fprintf(out, "| %s | %s | %s | %s (%s) | %.2f | %s | %s (%s) | %.2f | %s | %d/%d | %s |\n", c.Regime, c.Workload,
+			f0(llm.LateTTFTP50), f0(c.Late.BestP50), c.Late.BestP50Policy, c.Late.P50Ratio,
+			f0(llm.LateTTFTP99), f0(c.Late.BestP99), c.Late.BestP99Policy, c.Late.P99Ratio, lc, c.Late.SeedsPassing, c.Seeds, word)
+	}
+}
+
 // writeNetMarkdown writes the section on the harness's time compression: each policy's proxy time and
 // the verdicts on TTFT with that time counted once.
 func writeNetMarkdown(out io.Writer, mr MatrixResults) {
@@ -724,6 +794,7 @@ func writeMatrixMarkdown(out io.Writer, mr MatrixResults) {
 			fmt.Fprintf(out, "| %s |\n", strings.Join(r, " | "))
 		}
 		writeNetMarkdown(out, mr)
+		writeLateMarkdown(out, mr)
 		writeTargetsMarkdown(out, mr.Cells)
 		fmt.Fprintf(out, "\n## Every policy, medians over seeds (TTFT p50 / p99 ms, hit rate)\n\n")
 		var pols []string
@@ -801,9 +872,7 @@ func rejudgeMatrix(paths, dir, command string) error {
 	}
 	writeMatrixTable(os.Stdout, mr.Cells)
 	fmt.Println(matrixVerdict(mr.Cells))
-	if v := netVerdict(mr.Cells); v != "" {
-		fmt.Println(v)
-	}
+	printSubVerdicts(mr.Cells)
 	return writeMatrixOutputs(dir, mr)
 }
 

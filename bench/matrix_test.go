@@ -240,6 +240,38 @@ func TestJudgeCellNet(t *testing.T) {
 	}
 }
 
+// The late verdict is judged on its own figures too, and a results.json written before runs had them
+// (no late figures) has none.
+func TestJudgeCellLate(t *testing.T) {
+	withLate := func(s Summary, p50, p99 float64) Summary { s.LateTTFTP50, s.LateTTFTP99 = p50, p99; return s }
+	runs := []MatrixRun{{Policies: []Summary{
+		withLate(summaryOf("least_conn", 100, 1000), 60, 500),
+		withLate(summaryOf("round_robin", 110, 900), 70, 450),
+		withLate(summaryOf("llm", 100, 1200), 61, 300),
+	}}}
+	c := judgeCell("r", "w", runs)
+	if c.Pass || c.Late == nil {
+		t.Fatalf("pass %v late %+v: want a loss on the whole run and a late verdict", c.Pass, c.Late)
+	}
+	if l := c.Late; !l.Pass || l.SeedsPassing != 1 || l.BestP50Policy != "least_conn" || l.BestP99Policy != "round_robin" || l.P99Ratio != 0.667 {
+		t.Errorf("late verdict %+v, want a pass on least_conn's p50 60 and round_robin's p99 450 (0.667x)", *l)
+	}
+	if v := lateVerdict([]MatrixCell{c}); !strings.Contains(v, "after the first 25% of each run: llm passes 1 of 1") {
+		t.Errorf("lateVerdict = %q, want 1 of 1 after the first 25%%", v)
+	}
+	var md strings.Builder
+	writeLateMarkdown(&md, MatrixResults{Cells: []MatrixCell{c}})
+	if !strings.Contains(md.String(), "| r | w | 61 | 60 (least_conn) | 1.02 | 300 | 450 (round_robin) | 0.67 | 0.60 | 1/1 | PASS |") {
+		t.Errorf("late section:\n%s\nwant llm's row with its ratio to least_conn's p99 (0.60)", md.String())
+	}
+	for i := range runs[0].Policies {
+		runs[0].Policies[i].LateTTFTP50, runs[0].Policies[i].LateTTFTP99 = 0, 0
+	}
+	if c := judgeCell("r", "w", runs); c.Late != nil || lateVerdict([]MatrixCell{c}) != "" {
+		t.Errorf("late verdict %+v without late figures, want none", c.Late)
+	}
+}
+
 func TestMaxShare(t *testing.T) {
 	tests := []struct {
 		name     string

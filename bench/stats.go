@@ -116,8 +116,14 @@ type Summary struct {
 	// much faster than real time, but the proxy and the policy in it do not. ProxyP50 and ProxyP99
 	// are that wall time's percentiles (wall milliseconds). Zero when the backends do not say when a
 	// request arrived.
-	NetTTFTP50       float64 `json:"net_ttft_p50_ms,omitempty"`
-	NetTTFTP99       float64 `json:"net_ttft_p99_ms,omitempty"`
+	NetTTFTP50 float64 `json:"net_ttft_p50_ms,omitempty"`
+	NetTTFTP99 float64 `json:"net_ttft_p99_ms,omitempty"`
+	// LateTTFTP50 and LateTTFTP99 are the TTFT percentiles of the requests sent after the run's first
+	// quarter (lateFraction, in send order, warm-up included): what the policies do once every one of
+	// them has seen traffic, the caches are warm and the llm policy's service models are learned (a
+	// bare policy learns a backend's slot count from its scrapes, its speeds from requests that end).
+	LateTTFTP50      float64 `json:"late_ttft_p50_ms,omitempty"`
+	LateTTFTP99      float64 `json:"late_ttft_p99_ms,omitempty"`
 	ProxyP50         float64 `json:"proxy_p50_wall_ms,omitempty"`
 	ProxyP99         float64 `json:"proxy_p99_wall_ms,omitempty"`
 	E2EP50           float64 `json:"e2e_p50_ms"`
@@ -152,7 +158,8 @@ type Summary struct {
 // wall durations to simulated ones.
 func summarize(policy string, results []requestResult, scale float64) Summary {
 	s := Summary{Policy: policy}
-	var ttft, e2e, tpot, lag, net, proxy []float64
+	var ttft, e2e, tpot, lag, net, proxy, late []float64
+	lateFrom := int(float64(len(results)) * lateFraction)
 	var first, last time.Time
 	outTokens, prompt, cached := 0, 0, 0
 	var predicted, confirmed float64
@@ -176,6 +183,9 @@ func summarize(policy string, results []requestResult, scale float64) Summary {
 			last = r.End
 		}
 		ttft = append(ttft, ms(r.TTFT)*scale)
+		if r.Seq >= lateFrom {
+			late = append(late, ms(r.TTFT)*scale)
+		}
 		if r.Proxy > 0 {
 			proxy = append(proxy, ms(r.Proxy))
 			net = append(net, ms(r.TTFT-r.Proxy)*scale+ms(r.Proxy))
@@ -219,10 +229,14 @@ func summarize(policy string, results []requestResult, scale float64) Summary {
 		n, x := newDistribution(net), newDistribution(proxy)
 		s.NetTTFTP50, s.NetTTFTP99, s.ProxyP50, s.ProxyP99 = n.P50, n.P99, x.P50, x.P99
 	}
+	if len(late) > 0 {
+		d := newDistribution(late)
+		s.LateTTFTP50, s.LateTTFTP99 = d.P50, d.P99
+	}
 	s.ttft = t.sorted
 	for _, f := range []*float64{&s.TTFTP50, &s.TTFTP90, &s.TTFTP99, &s.TTFTMean, &s.E2EP50, &s.E2EP90, &s.E2EP99,
 		&s.E2EMean, &s.TPOTP50, &s.TPOTP99, &s.TPOTMean, &s.OutputTokensPerS, &s.RequestsPerS, &s.ClientCachedRate,
-		&s.LagP50, &s.LagP99, &s.LagMax, &s.NetTTFTP50, &s.NetTTFTP99, &s.ProxyP50, &s.ProxyP99} {
+		&s.LagP50, &s.LagP99, &s.LagMax, &s.NetTTFTP50, &s.NetTTFTP99, &s.LateTTFTP50, &s.LateTTFTP99, &s.ProxyP50, &s.ProxyP99} {
 		*f = round3(*f)
 	}
 	return s

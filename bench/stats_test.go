@@ -90,6 +90,24 @@ func TestSummarizeNetOfProxy(t *testing.T) {
 	}
 }
 
+// The late figures are those of the requests sent after the run's first quarter, warm-up included in the
+// count: here 8 requests, the first 2 left out (one of them warm-up), the slow start not in them.
+func TestSummarizeLate(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	var res []requestResult
+	for i, ttft := range []int{900, 800, 10, 20, 30, 40, 50, 60} {
+		d := time.Duration(ttft) * time.Millisecond
+		res = append(res, requestResult{Seq: i, Warmup: i == 0, Sent: t0, End: t0.Add(d), TTFT: d, E2E: d})
+	}
+	s := summarize("p", res, 1)
+	if s.LateTTFTP50 != 35 || s.LateTTFTP99 < 59 || s.LateTTFTP99 > 60 {
+		t.Errorf("late TTFT p50 %v p99 %v, want 35 and ~60 (requests 2-7)", s.LateTTFTP50, s.LateTTFTP99)
+	}
+	if s.TTFTP50 != 40 || s.TTFTP99 < 700 {
+		t.Errorf("TTFT p50 %v p99 %v, want 40 and over 700 (requests 1-7)", s.TTFTP50, s.TTFTP99)
+	}
+}
+
 func TestSummarizeEmptyIsValidJSON(t *testing.T) {
 	s := summarize("p", nil, 1)
 	for name, v := range map[string]float64{"ttft": s.TTFTP99, "e2e": s.E2EMean, "tpot": s.TPOTP50} {
