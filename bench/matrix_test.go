@@ -210,65 +210,61 @@ func TestJudgeCell(t *testing.T) {
 	}
 }
 
-// The verdict net of the proxy's time is judged like the other, on its own figures: here llm loses on
-// TTFT as measured (its proxy time counted ten times) and passes net of it; without net figures on
-// every policy there is no net verdict.
-func TestJudgeCellNet(t *testing.T) {
-	withNet := func(s Summary, p50, p99 float64) Summary { s.NetTTFTP50, s.NetTTFTP99 = p50, p99; return s }
-	runs := []MatrixRun{{Policies: []Summary{
-		withNet(summaryOf("least_conn", 100, 1000), 99, 990),
-		withNet(summaryOf("header", 90, 1100), 89, 1090),
-		withNet(summaryOf("llm", 120, 990), 91, 960),
-	}}}
-	c := judgeCell("r", "w", runs)
-	if c.Pass || c.Net == nil {
-		t.Fatalf("pass %v net %+v: want a raw loss and a net verdict", c.Pass, c.Net)
-	}
-	if n := c.Net; !n.Pass || n.SeedsPassing != 1 || n.BestP50Policy != "header" || n.BestP99Policy != "least_conn" || n.P50Ratio != 1.022 || n.P99Ratio != 0.97 {
-		t.Errorf("net verdict %+v, want a pass on header's p50 89 (1.022x) and least_conn's p99 990 (0.97x)", *n)
-	}
-	if v := netVerdict([]MatrixCell{c}); !strings.Contains(v, "passes 1 of 1") {
-		t.Errorf("netVerdict = %q, want 1 of 1", v)
-	}
-	runs[0].Policies[1].NetTTFTP50, runs[0].Policies[1].NetTTFTP99 = 0, 0 // header's backends did not say
-	if c := judgeCell("r", "w", runs); c.Net == nil || c.Net.BestP50Policy != "least_conn" {
-		t.Errorf("net verdict %+v, want it on least_conn alone", c.Net)
-	}
-	runs[0].Policies[2].NetTTFTP50 = 0
-	if c := judgeCell("r", "w", runs); c.Net != nil || netVerdict([]MatrixCell{c}) != "" {
-		t.Errorf("net verdict %+v without llm's net figures, want none", c.Net)
+// The verdicts net of the proxy's time and after each run's first quarter are judged like the main one,
+// each on its own figures: here llm loses on TTFT as measured and passes on the other figures; without
+// them on a stock policy the verdict is on the others, and without llm's there is none.
+func TestJudgeCellSubVerdicts(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		set     func(s *Summary, p50, p99 float64)
+		of      func(MatrixCell) *Verdict
+		summary func([]MatrixCell) string
+		says    string
+	}{
+		{"net", func(s *Summary, p50, p99 float64) { s.NetTTFTP50, s.NetTTFTP99 = p50, p99 },
+			func(c MatrixCell) *Verdict { return c.Net }, netVerdict, "net of the proxy's own time (counted once, not time-scale times): llm passes 1 of 1"},
+		{"late", func(s *Summary, p50, p99 float64) { s.LateTTFTP50, s.LateTTFTP99 = p50, p99 },
+			func(c MatrixCell) *Verdict { return c.Late }, lateVerdict, "after the first 25% of each run: llm passes 1 of 1"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			runs := []MatrixRun{{Policies: []Summary{summaryOf("least_conn", 100, 1000), summaryOf("header", 90, 1100), summaryOf("llm", 120, 990)}}}
+			for i, f := range [][2]float64{{99, 990}, {89, 1090}, {91, 960}} {
+				tc.set(&runs[0].Policies[i], f[0], f[1])
+			}
+			c := judgeCell("r", "w", runs)
+			v := tc.of(c)
+			if c.Pass || v == nil {
+				t.Fatalf("pass %v, %s verdict %+v: want a loss as measured and a %s verdict", c.Pass, tc.name, v, tc.name)
+			}
+			if !v.Pass || v.SeedsPassing != 1 || v.BestP50Policy != "header" || v.BestP99Policy != "least_conn" || v.P50Ratio != 1.022 || v.P99Ratio != 0.97 {
+				t.Errorf("%s verdict %+v, want a pass on header's p50 89 (1.022x) and least_conn's p99 990 (0.97x)", tc.name, *v)
+			}
+			if got := tc.summary([]MatrixCell{c}); !strings.Contains(got, tc.says) {
+				t.Errorf("summary %q, want %q", got, tc.says)
+			}
+			tc.set(&runs[0].Policies[1], 0, 0) // header's runs do not have these figures
+			if v := tc.of(judgeCell("r", "w", runs)); v == nil || v.BestP50Policy != "least_conn" {
+				t.Errorf("%s verdict %+v, want it on least_conn alone", tc.name, v)
+			}
+			tc.set(&runs[0].Policies[2], 0, 0)
+			if c := judgeCell("r", "w", runs); tc.of(c) != nil || tc.summary([]MatrixCell{c}) != "" {
+				t.Errorf("%s verdict %+v without llm's figures, want none", tc.name, tc.of(c))
+			}
+		})
 	}
 }
 
-// The late verdict is judged on its own figures too, and a results.json written before runs had them
-// (no late figures) has none.
-func TestJudgeCellLate(t *testing.T) {
-	withLate := func(s Summary, p50, p99 float64) Summary { s.LateTTFTP50, s.LateTTFTP99 = p50, p99; return s }
-	runs := []MatrixRun{{Policies: []Summary{
-		withLate(summaryOf("least_conn", 100, 1000), 60, 500),
-		withLate(summaryOf("round_robin", 110, 900), 70, 450),
-		withLate(summaryOf("llm", 100, 1200), 61, 300),
-	}}}
-	c := judgeCell("r", "w", runs)
-	if c.Pass || c.Late == nil {
-		t.Fatalf("pass %v late %+v: want a loss on the whole run and a late verdict", c.Pass, c.Late)
-	}
-	if l := c.Late; !l.Pass || l.SeedsPassing != 1 || l.BestP50Policy != "least_conn" || l.BestP99Policy != "round_robin" || l.P99Ratio != 0.667 {
-		t.Errorf("late verdict %+v, want a pass on least_conn's p50 60 and round_robin's p99 450 (0.667x)", *l)
-	}
-	if v := lateVerdict([]MatrixCell{c}); !strings.Contains(v, "after the first 25% of each run: llm passes 1 of 1") {
-		t.Errorf("lateVerdict = %q, want 1 of 1 after the first 25%%", v)
+// The late section's row: llm's figures, the best stock ones, and llm's p99 over least_conn's, the
+// hot-prefix target's baseline, even where least_conn is not the best.
+func TestLateMarkdown(t *testing.T) {
+	runs := []MatrixRun{{Policies: []Summary{summaryOf("least_conn", 100, 1000), summaryOf("round_robin", 110, 900), summaryOf("llm", 100, 1200)}}}
+	for i, f := range [][2]float64{{60, 500}, {70, 450}, {61, 300}} {
+		runs[0].Policies[i].LateTTFTP50, runs[0].Policies[i].LateTTFTP99 = f[0], f[1]
 	}
 	var md strings.Builder
-	writeLateMarkdown(&md, MatrixResults{Cells: []MatrixCell{c}})
+	writeLateMarkdown(&md, MatrixResults{Cells: []MatrixCell{judgeCell("r", "w", runs)}})
 	if !strings.Contains(md.String(), "| r | w | 61 | 60 (least_conn) | 1.02 | 300 | 450 (round_robin) | 0.67 | 0.60 | 1/1 | PASS |") {
-		t.Errorf("late section:\n%s\nwant llm's row with its ratio to least_conn's p99 (0.60)", md.String())
-	}
-	for i := range runs[0].Policies {
-		runs[0].Policies[i].LateTTFTP50, runs[0].Policies[i].LateTTFTP99 = 0, 0
-	}
-	if c := judgeCell("r", "w", runs); c.Late != nil || lateVerdict([]MatrixCell{c}) != "" {
-		t.Errorf("late verdict %+v without late figures, want none", c.Late)
+		t.Errorf("late section:\n%s\nwant llm's row with its p99 over least_conn's (0.60)", md.String())
 	}
 }
 
