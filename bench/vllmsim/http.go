@@ -223,6 +223,12 @@ func (s *Server) serveStream(w http.ResponseWriter, r *http.Request, rs *respons
 			if drop {
 				end = min(end, dropAt)
 			}
+			if end == rs.p.maxTokens && !done {
+				// The last chunk carries the finish reason, which needs done: the engine counts the
+				// last token before it closes done, and a chunk written in between, with no finish
+				// reason, left nothing to carry it.
+				break
+			}
 			buf = rs.appendChunk(buf, sent, end, done && end == rs.p.maxTokens)
 			sent = end
 		}
