@@ -459,45 +459,63 @@ func (c MatrixCell) policy(name string) (PolicyMedian, bool) {
 	return PolicyMedian{}, false
 }
 
-// verdictWord is PASS, FAIL or "-" (not judged).
-func (c MatrixCell) verdictWord() string {
+// verdictWord is PASS, FAIL or "-" (not judged); a cell's is its main verdict's.
+func (v Verdict) verdictWord() string {
 	switch {
-	case !c.Judged:
+	case !v.Judged:
 		return "-"
-	case c.Pass:
+	case v.Pass:
 		return "PASS"
 	}
 	return "FAIL"
 }
 
-// matrixVerdict is the one-line summary: how many judged cells pass.
-func matrixVerdict(cells []MatrixCell) string {
-	judged, passed, every, none := 0, 0, 0, 0
-	var failed []string
+// verdictTally counts the cells' verdicts of one kind: how many were judged and passed, how many pass
+// on every seed and on none, and which fail (regime/workload).
+type verdictTally struct {
+	judged, passed, every, none int
+	failed                      []string
+}
+
+// tallyVerdicts counts the verdicts of returns for each cell (nil: the cell has none of that kind).
+func tallyVerdicts(cells []MatrixCell, of func(MatrixCell) *Verdict) verdictTally {
+	var t verdictTally
 	for _, c := range cells {
-		if !c.Judged {
+		v := of(c)
+		if v == nil {
 			continue
 		}
-		judged++
-		switch c.SeedsPassing {
+		t.judged++
+		switch v.SeedsPassing {
 		case c.Seeds:
-			every++
+			t.every++
 		case 0:
-			none++
+			t.none++
 		}
-		if c.Pass {
-			passed++
+		if v.Pass {
+			t.passed++
 		} else {
-			failed = append(failed, c.Regime+"/"+c.Workload)
+			t.failed = append(t.failed, c.Regime+"/"+c.Workload)
 		}
 	}
+	return t
+}
+
+// matrixVerdict is the one-line summary: how many judged cells pass.
+func matrixVerdict(cells []MatrixCell) string {
+	t := tallyVerdicts(cells, func(c MatrixCell) *Verdict {
+		if !c.Judged {
+			return nil
+		}
+		return &c.Verdict
+	})
 	v := fmt.Sprintf("verdict: %s passes %d of %d cells (TTFT p99 <= %.2fx and p50 <= %.2fx the best of %s)",
-		judgedPolicy, passed, judged, passP99Ratio, passP50Ratio, strings.Join(stockPolicies, "/"))
-	if len(failed) > 0 {
-		v += "; fails " + strings.Join(failed, ", ")
+		judgedPolicy, t.passed, t.judged, passP99Ratio, passP50Ratio, strings.Join(stockPolicies, "/"))
+	if len(t.failed) > 0 {
+		v += "; fails " + strings.Join(t.failed, ", ")
 	}
-	if judged > 0 {
-		v += fmt.Sprintf(". Seed by seed: passes on every seed in %d cells, on none in %d, the seeds disagree in %d", every, none, judged-every-none)
+	if t.judged > 0 {
+		v += fmt.Sprintf(". Seed by seed: passes on every seed in %d cells, on none in %d, the seeds disagree in %d", t.every, t.none, t.judged-t.every-t.none)
 	}
 	return v
 }
@@ -517,34 +535,15 @@ func lateVerdict(cells []MatrixCell) string {
 // subVerdict is the one-line summary of the cells' verdicts of one kind, of, said to be on what
 // label names (empty when no cell has one).
 func subVerdict(cells []MatrixCell, of func(MatrixCell) *Verdict, label string) string {
-	judged, passed, every, none := 0, 0, 0, 0
-	var failed []string
-	for _, c := range cells {
-		v := of(c)
-		if v == nil {
-			continue
-		}
-		judged++
-		switch v.SeedsPassing {
-		case c.Seeds:
-			every++
-		case 0:
-			none++
-		}
-		if v.Pass {
-			passed++
-		} else {
-			failed = append(failed, c.Regime+"/"+c.Workload)
-		}
-	}
-	if judged == 0 {
+	t := tallyVerdicts(cells, of)
+	if t.judged == 0 {
 		return ""
 	}
-	v := fmt.Sprintf("%s: %s passes %d of %d cells", label, judgedPolicy, passed, judged)
-	if len(failed) > 0 {
-		v += "; fails " + strings.Join(failed, ", ")
+	v := fmt.Sprintf("%s: %s passes %d of %d cells", label, judgedPolicy, t.passed, t.judged)
+	if len(t.failed) > 0 {
+		v += "; fails " + strings.Join(t.failed, ", ")
 	}
-	return v + fmt.Sprintf(". Seed by seed: every seed in %d cells, none in %d, the seeds disagree in %d", every, none, judged-every-none)
+	return v + fmt.Sprintf(". Seed by seed: every seed in %d cells, none in %d, the seeds disagree in %d", t.every, t.none, t.judged-t.every-t.none)
 }
 
 // The workload targets the regime matrix was built to show, each against least_conn in the same
@@ -686,13 +685,9 @@ func writeLateMarkdown(out io.Writer, mr MatrixResults) {
 		if p, ok := c.policy("least_conn"); ok && p.LateTTFTP99 > 0 {
 			lc = fmt.Sprintf("%.2f", llm.LateTTFTP99/p.LateTTFTP99)
 		}
-		word := "FAIL"
-		if c.Late.Pass {
-			word = "PASS"
-		}
 		fmt.Fprintf(out, "| %s | %s | %s | %s (%s) | %.2f | %s | %s (%s) | %.2f | %s | %d/%d | %s |\n", c.Regime, c.Workload,
 			f0(llm.LateTTFTP50), f0(c.Late.BestP50), c.Late.BestP50Policy, c.Late.P50Ratio,
-			f0(llm.LateTTFTP99), f0(c.Late.BestP99), c.Late.BestP99Policy, c.Late.P99Ratio, lc, c.Late.SeedsPassing, c.Seeds, word)
+			f0(llm.LateTTFTP99), f0(c.Late.BestP99), c.Late.BestP99Policy, c.Late.P99Ratio, lc, c.Late.SeedsPassing, c.Seeds, c.Late.verdictWord())
 	}
 }
 
@@ -720,12 +715,8 @@ func writeNetMarkdown(out io.Writer, mr MatrixResults) {
 				stock = min(stock, p.ProxyP50)
 			}
 		}
-		word := "FAIL"
-		if c.Net.Pass {
-			word = "PASS"
-		}
 		fmt.Fprintf(out, "| %s | %s | %.2f | %.2f | %.2f | %.2f | %d/%d | %s |\n", c.Regime, c.Workload, llm.ProxyP50, stock,
-			c.Net.P50Ratio, c.Net.P99Ratio, c.Net.SeedsPassing, c.Seeds, word)
+			c.Net.P50Ratio, c.Net.P99Ratio, c.Net.SeedsPassing, c.Seeds, c.Net.verdictWord())
 	}
 }
 
