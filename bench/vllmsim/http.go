@@ -229,7 +229,7 @@ func (s *Server) serveStream(w http.ResponseWriter, r *http.Request, rs *respons
 				// reason, left nothing to carry it.
 				break
 			}
-			buf = rs.appendChunk(buf, sent, end, done && end == rs.p.maxTokens)
+			buf = rs.appendChunk(buf, sent, end, end == rs.p.maxTokens) // done: the last chunk waits for it
 			sent = end
 		}
 		if len(buf) > 0 {
