@@ -75,6 +75,10 @@ type upstreamLoad struct {
 	pendingOurs    []*reservation
 	waitingOurs    int
 	foreignWaiting float64
+	// backendUncached is the backend's own mean uncached prompt per request, in this proxy's tokens, from
+	// the counters of its last scrape (backendMeanUncached): the size of other clients' waiting requests
+	// where this proxy has sent none of its own to size them by. 0: not reported.
+	backendUncached float64
 
 	// Cache trust: the share of its predicted cache hits the backend's own prefix-cache counters confirm.
 	// predicted and prompt add up what this proxy predicted cached and sent there; at each scrape their
@@ -362,7 +366,8 @@ type upstreamView struct {
 //
 // Without a fresh scrape, the queued prefill is this proxy's virtual queue, a prediction. With one, it
 // is what the backend itself shows waiting at the time of the scrape (its own requests and everyone
-// else's, at the mean uncached prompt of this proxy's requests there) plus what this proxy sent since,
+// else's, at the mean uncached prompt of this proxy's requests there, or the backend's own where this
+// proxy sent none) plus what this proxy sent since,
 // still before its first token; what the scrape showed waiting drains at the upstream's prefill speed
 // since: truth up to one scrape old, and this proxy's own changes since, so a burst is never sent to an
 // upstream because it looked idle at the last scrape, nor a prefix kept off its home for a queue it has
@@ -555,7 +560,7 @@ func (l *upstreamLoad) arrivalRateLocked(now int64) float64 {
 // in arrival order, so its waiting requests are the newest it received, and this proxy's requests sent
 // before the scrape, newest first, stand for as many of them as they can, with their own uncached prompts
 // (until their first token is observed or they end). The rest are other clients', at the mean uncached
-// prompt of this proxy's requests there. Ahead of that backlog is what is left of the prefill of this
+// prompt of this proxy's requests there, or the backend's own where it has none (foreignUncachedLocked). Ahead of that backlog is what is left of the prefill of this
 // proxy's requests the scrape counts as running that have no first token yet: with chunked prefill a
 // backend admits a long prompt into its batch at once and prefills it over many steps (a 20k-token
 // prompt at 8k tokens/s runs for 2.5 s with nothing waiting), and without them an upstream two seconds
@@ -574,7 +579,7 @@ func (l *upstreamLoad) fromScrapeLocked(snap *scraper.Snapshot, now int64, spt f
 	if l.foreignAt != at {
 		l.scrapedLocked(snap, at)
 	}
-	backlog := l.foreignWaiting * l.meanUncached
+	backlog := l.foreignWaiting * l.foreignUncachedLocked()
 	for _, r := range l.pendingOurs[:l.waitingOurs] {
 		if r.index >= 0 && !r.firstToken {
 			backlog += float64(r.uncached)
@@ -638,6 +643,7 @@ func (l *upstreamLoad) scrapedLocked(snap *scraper.Snapshot, at int64) {
 	l.updateTrustLocked(snap)
 	n, prompt, ok := l.completedAsOfLocked(at)
 	l.scale.fromScrape(snap, n, prompt, ok, l.observed.prompt.Load())
+	l.backendUncached = backendMeanUncached(snap) / l.tokenScaleLocked()
 	// A scrape taken before the engine finished another step shows the batch of the last one again: a
 	// second look at one state, not a second observation of where the backend queues. One long prefill
 	// step (8k tokens at 2k tokens/s: 4 s) outlasts several scrapes, and three of them at 6 running with
@@ -650,6 +656,33 @@ func (l *upstreamLoad) scrapedLocked(snap *scraper.Snapshot, at int64) {
 		l.model.ObserveQueue(snap.Running, snap.Waiting, snap.KVUsage)
 	}
 	l.observeBusyLocked(snap)
+}
+
+// foreignUncachedLocked is the uncached prompt tokens at which other clients' waiting requests there are
+// counted: the mean of this proxy's own requests there, or, where it has sent none, the backend's own
+// mean (backendUncached). Sized by this proxy's mean alone, another client's queue on an upstream this
+// proxy never used counted as no prefill at all, and that upstream, looking idle, drew the next burst.
+// The caller holds l.mu.
+func (l *upstreamLoad) foreignUncachedLocked() float64 {
+	if l.meanUncached > 0 {
+		return l.meanUncached
+	}
+	return l.backendUncached
+}
+
+// backendMeanUncached is the mean prompt tokens a request finished on the backend of snap had to
+// prefill, in the backend's tokens, over its lifetime: its finished requests' prompt tokens per request,
+// less the share its prefix cache answered when it reports one (vLLM's prefix-cache counters; SGLang has
+// none, and its whole prompts are an upper bound). 0 when the backend reports no finished requests.
+func backendMeanUncached(snap *scraper.Snapshot) float64 {
+	if !(snap.FinishedRequests > 0) || !(snap.FinishedPrompt > 0) {
+		return 0
+	}
+	mean := snap.FinishedPrompt / snap.FinishedRequests
+	if snap.PrefixQueries > 0 && snap.PrefixHits >= 0 && snap.PrefixHits <= snap.PrefixQueries {
+		mean *= 1 - snap.PrefixHits/snap.PrefixQueries
+	}
+	return mean
 }
 
 // observeBusyLocked teaches the service model what the backend did since the snapshot the current busy

@@ -164,6 +164,46 @@ func TestScrapedWaitingAreTheNewest(t *testing.T) {
 	}
 }
 
+// TestForeignQueueOnUnusedUpstream: another client's waiting requests on an upstream this proxy never
+// sent to are sized at the backend's own mean uncached prompt (its finished requests' prompts less what
+// its prefix cache answered), in this proxy's tokens; sized at this proxy's mean there, none, that
+// queue counted as no prefill and the upstream looked idle.
+func TestForeignQueueOnUnusedUpstream(t *testing.T) {
+	spt := selection.Prior.PrefillSecondsPerToken
+	at := time.Unix(1_700_000_000, 0)
+	for _, c := range []struct {
+		name string
+		snap scraper.Snapshot
+		per  float64 // uncached tokens each waiting request is counted at
+	}{
+		{"vLLM: prompts less cache hits", scraper.Snapshot{FinishedRequests: 10, FinishedPrompt: 20000, PrefixQueries: 20000, PrefixHits: 5000}, 1500},
+		{"SGLang: no prefix-cache counters, whole prompts", scraper.Snapshot{FinishedRequests: 4, FinishedPrompt: 8000}, 2000},
+		{"nothing finished yet", scraper.Snapshot{PrefixQueries: 100, PrefixHits: 10}, 0},
+		{"counters that make no sense", scraper.Snapshot{FinishedRequests: 10, FinishedPrompt: 20000, PrefixQueries: 100, PrefixHits: 500}, 2000},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			lt := newTestLoads()
+			const dial = "10.0.0.2:8000"
+			snap := c.snap
+			snap.Running, snap.Waiting, snap.At = 8, 4, at
+			v := lt.view(dial, at.UnixNano(), &snap)
+			if want := 4 * c.per * spt; math.Abs(v.queued-want) > 1e-9 {
+				t.Errorf("queued = %.4f s, want %.4f: 4 waiting at %v tokens each", v.queued, want, c.per)
+			}
+			if v.requests != 12 {
+				t.Errorf("requests = %v, want the 12 the backend shows", v.requests)
+			}
+			// Once this proxy has sent there, its own mean sizes them.
+			lt.reserve(dial, work{uncached: 100}, at.UnixNano()).release(at.Add(time.Millisecond).UnixNano(), false)
+			at2 := at.Add(time.Second)
+			snap.At = at2
+			if v, want := lt.view(dial, at2.UnixNano(), &snap), 4*100*spt; math.Abs(v.queued-want) > 1e-9 {
+				t.Errorf("after one of ours: queued = %.4f s, want %.4f", v.queued, want)
+			}
+		})
+	}
+}
+
 // TestScrapedRunningStillPrefill: a request the scrape counts as running is not done prefilling (chunked
 // prefill admits a long prompt into the batch at once and prefills it over several steps): what is left
 // of its predicted prefill comes before the waiting ones. A 20k-token prompt sent 0.5 s before a scrape
