@@ -367,8 +367,7 @@ type upstreamView struct {
 // Without a fresh scrape, the queued prefill is this proxy's virtual queue, a prediction. With one, it
 // is what the backend itself shows waiting at the time of the scrape (its own requests and everyone
 // else's, at the mean uncached prompt of this proxy's requests there, or the backend's own where this
-// proxy sent none) plus what this proxy sent since,
-// still before its first token; what the scrape showed waiting drains at the upstream's prefill speed
+// proxy sent none) plus what this proxy sent since, still before its first token; what the scrape showed waiting drains at the upstream's prefill speed
 // since: truth up to one scrape old, and this proxy's own changes since, so a burst is never sent to an
 // upstream because it looked idle at the last scrape, nor a prefix kept off its home for a queue it has
 // prefilled since. Its running and waiting requests beyond this proxy's own at the time of the scrape
@@ -560,8 +559,9 @@ func (l *upstreamLoad) arrivalRateLocked(now int64) float64 {
 // in arrival order, so its waiting requests are the newest it received, and this proxy's requests sent
 // before the scrape, newest first, stand for as many of them as they can, with their own uncached prompts
 // (until their first token is observed or they end). The rest are other clients', at the mean uncached
-// prompt of this proxy's requests there, or the backend's own where it has none (foreignUncachedLocked). Ahead of that backlog is what is left of the prefill of this
-// proxy's requests the scrape counts as running that have no first token yet: with chunked prefill a
+// prompt of this proxy's requests there, or the backend's own where it has none (foreignUncachedLocked).
+// Ahead of that backlog is what is left of the prefill of this proxy's requests the scrape counts as
+// running that have no first token yet: with chunked prefill a
 // backend admits a long prompt into its batch at once and prefills it over many steps (a 20k-token
 // prompt at 8k tokens/s runs for 2.5 s with nothing waiting), and without them an upstream two seconds
 // into a new agent session's prefill looked idle and took the next new session too (large-batch agentic:
