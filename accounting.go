@@ -367,10 +367,10 @@ type upstreamView struct {
 // Without a fresh scrape, the queued prefill is this proxy's virtual queue, a prediction. With one, it
 // is what the backend itself shows waiting at the time of the scrape (its own requests and everyone
 // else's, at the mean uncached prompt of this proxy's requests there, or the backend's own where this
-// proxy sent none) plus what this proxy sent since, still before its first token; what the scrape showed waiting drains at the upstream's prefill speed
-// since: truth up to one scrape old, and this proxy's own changes since, so a burst is never sent to an
-// upstream because it looked idle at the last scrape, nor a prefix kept off its home for a queue it has
-// prefilled since. Its running and waiting requests beyond this proxy's own at the time of the scrape
+// proxy sent none) plus what this proxy sent since, still before its first token; what the scrape
+// showed waiting drains at the upstream's prefill speed since: truth up to one scrape old, and this
+// proxy's own changes since, so a burst is never sent to an upstream because it looked idle at the last
+// scrape, nor a prefix kept off its home for a queue it has prefilled since. Its running and waiting requests beyond this proxy's own at the time of the scrape
 // are added to the requests in flight, once.
 //
 // The overrun of this proxy's requests there (overdueLocked) is reported only where the proxy's own
