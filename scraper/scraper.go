@@ -76,6 +76,11 @@ type Options struct {
 	// Logger receives scrape failures with the target URL (password redacted): the first failure
 	// after a success at warn level, the following ones at debug. Default: no logging.
 	Logger *zap.Logger
+	// OnScrape, when set, is called with each good snapshot once it is published, on the poller's
+	// goroutine, for as long as the handle is live: a user that learns from every scrape, not only
+	// from those it happens to Load. It must return quickly (the next scrape waits for it) and not
+	// call back into the Registry.
+	OnScrape func(Snapshot)
 }
 
 // withDefaults returns o with every zero field set to its default.
@@ -408,20 +413,38 @@ func (p *poller) scrape(ctx context.Context) (err error) {
 		return fmt.Errorf("scraping %s: %w", p.logURL, err)
 	}
 	s.At = start
-	p.publish(&s)
+	if p.publish(&s) {
+		p.notify(s)
+	}
 	return nil
 }
 
-// publish stores s unless a newer snapshot (from a concurrent scrape) is already there.
-func (p *poller) publish(s *Snapshot) {
+// publish stores s unless a newer snapshot (from a concurrent scrape) is already there, and reports
+// whether it did.
+func (p *poller) publish(s *Snapshot) bool {
 	for {
 		old := p.last.Load()
 		if old != nil && old.At.After(s.At) {
-			return
+			return false
 		}
 		if p.last.CompareAndSwap(old, s) {
-			return
+			return true
 		}
+	}
+}
+
+// notify calls the OnScrape of every live handle that set one with s, outside the lock.
+func (p *poller) notify(s Snapshot) {
+	p.mu.Lock()
+	var calls []func(Snapshot)
+	for _, h := range p.handles {
+		if h.opts.OnScrape != nil {
+			calls = append(calls, h.opts.OnScrape)
+		}
+	}
+	p.mu.Unlock()
+	for _, f := range calls {
+		f(s)
 	}
 }
 

@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -329,6 +330,67 @@ func TestSharedPollerAndRelease(t *testing.T) {
 	}
 	if _, fresh := h2.Load(); !fresh {
 		t.Errorf("Load() after Release should still answer with the last snapshot")
+	}
+}
+
+// TestOnScrape: a handle's OnScrape sees every good scrape once, the snapshot Load then returns, none
+// that failed, and nothing after the handle is released; a handle without one is unaffected.
+func TestOnScrape(t *testing.T) {
+	b := newBackend(t, nil)
+	b.set(func(w http.ResponseWriter, r *http.Request) { http.NotFound(w, r) })
+	r := NewRegistry()
+	clock := newFakeClock()
+	var mu sync.Mutex
+	var seen []Snapshot
+	o := slowOptions(clock)
+	o.OnScrape = func(s Snapshot) {
+		mu.Lock()
+		seen = append(seen, s)
+		mu.Unlock()
+	}
+	calls := func() []Snapshot {
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Clone(seen)
+	}
+	watching := r.Acquire(b.target(), o)
+	plain := r.Acquire(b.target(), slowOptions(clock))
+	defer plain.Release()
+	deadline := time.Now().Add(5 * time.Second)
+	for st, _ := r.Status(b.target()); st.Errors == 0; st, _ = r.Status(b.target()) { // the first scrape, failed
+		if time.Now().After(deadline) {
+			t.Fatal("the initial background scrape never ran")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if got := calls(); len(got) != 0 {
+		t.Fatalf("OnScrape called %d times for a failed scrape", len(got))
+	}
+
+	b.set(serveBody(readTestdata(t, "vllm_v1_two_engines.txt")))
+	for i := range 2 {
+		clock.Advance(time.Second)
+		if err := plain.ScrapeOnce(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		got := calls()
+		want, _ := watching.Load()
+		if len(got) != i+1 || got[i] != want || got[i].Running != 12 {
+			t.Fatalf("after good scrape %d OnScrape saw %+v; want %d snapshots, the last %+v", i+1, got, i+1, want)
+		}
+	}
+	b.set(func(w http.ResponseWriter, r *http.Request) { http.Error(w, "down", http.StatusServiceUnavailable) })
+	if err := plain.ScrapeOnce(context.Background()); err == nil {
+		t.Fatal("a 503 scrape succeeded")
+	}
+	watching.Release()
+	b.set(serveBody(readTestdata(t, "vllm_v1_two_engines.txt")))
+	clock.Advance(time.Second)
+	if err := plain.ScrapeOnce(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if got := calls(); len(got) != 2 {
+		t.Errorf("OnScrape saw %d snapshots, want 2: none for the failed scrape, none after Release", len(got))
 	}
 }
 
