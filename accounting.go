@@ -614,6 +614,21 @@ func (l *upstreamLoad) fromScrapeLocked(snap *scraper.Snapshot, now int64, spt f
 	return l.foreign, scraped + float64(since)*spt, scraped + float64(sinceLeft)/1e9, kvSince
 }
 
+// observeScrape reads a new snapshot of dial's metrics as it arrives (scraper.Options.OnScrape), as a
+// decision would (noteScrape, then what view reads once per snapshot), so that what it teaches (a restart,
+// the service model's queue and busy intervals, the cache trust, the token scale) does not wait for the
+// next decision; a decision that reads it later finds it read.
+func (t *loadTable) observeScrape(dial string, snap *scraper.Snapshot) {
+	now := time.Now().UnixNano()
+	t.noteScrape(dial, snap, now)
+	l := t.entry(dial, now)
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if at := snap.At.UnixNano(); l.foreignAt != at {
+		l.scrapedLocked(snap, at)
+	}
+}
+
 // scrapedLocked reads a new snapshot taken at (unix nanoseconds): the requests beyond this proxy's own,
 // which of this proxy's are the waiting ones, the service model's queue and the cache trust. The caller
 // holds l.mu.
@@ -688,12 +703,12 @@ func backendMeanUncached(snap *scraper.Snapshot) float64 {
 // observeBusyLocked teaches the service model what the backend did since the snapshot the current busy
 // interval started at: the prefill it did (prefix-cache queries not hit) and the tokens it generated, over
 // the time between the scrapes. An interval lasts while the backend is running requests at every scrape
-// (vLLM steps while anything runs) and ends once it spans minBusySteps engine steps: counters move only
-// when a step ends, and one prefill step can outlast a scrape interval (8k tokens at 2k tokens/s), so a
-// shorter interval would credit a step's work to less than its time. A scrape with nothing running, or
-// counters that went back (a restart), starts a new interval. A backend without prefix-cache counters
-// (SGLang) shows no prefill this way, and an interval without prefill does not pin the prefill speed
-// (ObserveBusy). The caller holds l.mu.
+// (vLLM steps while anything runs) and ends once it spans minBusySteps engine steps and minBusyRequests
+// finished requests: counters move only when a step ends, and one prefill step can outlast a scrape
+// interval (8k tokens at 2k tokens/s), so a shorter interval would credit a step's work to less than its
+// time. A scrape with nothing running, or counters that went back (a restart), starts a new interval. A
+// backend without prefix-cache counters (SGLang) shows no prefill this way, and an interval without
+// prefill does not pin the prefill speed (ObserveBusy). The caller holds l.mu.
 func (l *upstreamLoad) observeBusyLocked(snap *scraper.Snapshot) {
 	from := &l.busyFrom
 	if from.At.IsZero() || !snap.At.After(from.At) || snap.Running < 1 || from.Running < 1 ||
@@ -712,6 +727,9 @@ func (l *upstreamLoad) observeBusyLocked(snap *scraper.Snapshot) {
 	if steps < minBusySteps {
 		return // not enough steps ended yet: the interval goes on
 	}
+	if snap.FinishedRequests > 0 && snap.FinishedRequests-from.FinishedRequests < minBusyRequests {
+		return // too few prompts in it for the ones at its edges to be a small part of it
+	}
 	if uncached >= 0 {
 		// In this proxy's tokens, the ones the decision multiplies the prefill speed by.
 		l.model.ObserveBusy(snap.At.Sub(from.At).Seconds(), uncached/l.tokenScaleLocked(), steps)
@@ -725,6 +743,16 @@ func (l *upstreamLoad) observeBusyLocked(snap *scraper.Snapshot) {
 // 2k-tokens/s backend), the next one look slow to step. Over 64 steps a prompt at the edges is a small
 // part of the work.
 const minBusySteps = 64
+
+// minBusyRequests is how many requests the backend must have finished within a busy interval, when it
+// counts them (vLLM's prompt-token histogram, SGLang's counters), for the interval to be observed. A
+// prompt's prefix-cache queries count when it is scheduled and its prefill runs over the steps after:
+// 64 steps hold many short prompts but not one 30k-token agentic context (15 s of prefill at 2k
+// tokens/s), which, scheduled at an interval's end, made a second of busy time look like thousands of
+// tokens prefilled. With eight finished, the one prompt at each edge is a small part of the interval.
+// It matters since every scrape is observed as it arrives (loadTable.observeScrape): an interval then
+// ends at the first scrape 64 steps on, not at the next one a decision happens to read.
+const minBusyRequests = 8
 
 // minTrustPrompt is how many prompt tokens this proxy must have sent an upstream between two scrapes
 // for their counters to say anything about its predictions.

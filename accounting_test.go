@@ -475,6 +475,53 @@ func TestBusyIntervalsTeachPrefill(t *testing.T) {
 	}
 }
 
+// TestBusyIntervalsNeedFinishedRequests: where the backend counts finished requests, a busy interval
+// ends only once it holds minBusyRequests of them, however many steps it spans: a long prompt is counted
+// when scheduled and prefilled after, and an interval of a few prompts is mostly its edges. Scrapes are
+// observed as they arrive (observeScrape, as the scraper's OnScrape calls it), not through a decision.
+func TestBusyIntervalsNeedFinishedRequests(t *testing.T) {
+	const (
+		dial     = "10.0.0.1:8000"
+		step     = 0.005
+		perToken = 1.0 / 2000
+		running  = 8
+	)
+	lt := newTestLoads()
+	at := time.Unix(1_700_000_000, 0)
+	snap := scraper.Snapshot{Running: running, FinishedRequests: 100, FinishedPrompt: 100 * 3000}
+	// second observes one second of work, steps decode steps and the prefill that fills the rest, in which
+	// the backend finished finished requests.
+	second := func(steps int, finished float64) {
+		t.Helper()
+		snap.PrefixQueries += (1 - float64(steps)*step) / perToken
+		snap.GenerationTokens += float64(steps * running)
+		snap.FinishedRequests += finished
+		at = at.Add(time.Second)
+		snap.At = at
+		s := snap
+		lt.observeScrape(dial, &s)
+	}
+	busy := func() selection.Service { return lt.lookup(dial).model.Service() }
+
+	snap.At = at
+	first := snap
+	lt.observeScrape(dial, &first)
+	second(80, 3)
+	if n := busy().BusyIntervals; n != 0 {
+		t.Fatalf("%d busy intervals after 80 steps and 3 finished requests, want 0 (the interval goes on)", n)
+	}
+	second(80, minBusyRequests-3)
+	if n := busy().BusyIntervals; n != 1 {
+		t.Fatalf("%d busy intervals once %d requests finished, want 1", n, minBusyRequests)
+	}
+	for _, steps := range []int{150, 100} {
+		second(steps, minBusyRequests)
+	}
+	if s := busy(); s.BusyIntervals != 3 || math.Abs(s.PrefillSecondsPerToken-perToken) > 0.15*perToken {
+		t.Errorf("after 3 busy intervals: %d, %.0f tokens/s, want 3 and about %.0f", s.BusyIntervals, 1/s.PrefillSecondsPerToken, 1/perToken)
+	}
+}
+
 // TestSlotsLearnedOncePerStep: scrapes taken while one long prefill step runs (no counter moved) show one
 // state, not several observations of where the backend queues: five of them at 6 running with requests
 // waiting teach no slot count. Steps that end between scrapes do; so does every scrape of a backend that

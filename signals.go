@@ -193,7 +193,12 @@ func (sc *scrapes) acquire(dial string) *scraper.Handle {
 		sc.handles[dial] = nil
 		return nil
 	}
-	h := scraper.Default.Acquire(t, sc.opts)
+	opts := sc.opts
+	// Every scrape teaches the upstream's load and service model as it arrives: read only at decisions,
+	// a scrape taken while no request was routed taught nothing (a backend another client keeps full
+	// showed its slot count only to the requests that came after it).
+	opts.OnScrape = func(snap scraper.Snapshot) { loads.observeScrape(dial, &snap) }
+	h := scraper.Default.Acquire(t, opts)
 	sc.handles[dial] = h
 	return h
 }

@@ -159,6 +159,60 @@ func TestScrapedQueueSteersRequests(t *testing.T) {
 	}
 }
 
+// TestScrapesTeachWhileIdle: every scrape teaches the service model as it arrives, not only the ones a
+// decision happens to read. Another client keeps backend B full (one slot, four waiting) while this
+// proxy routes nothing; B's slot count is learned from its metrics alone, and the first requests, in the
+// default mode (where a cache claim could otherwise draw one to B, its wait not yet priced), all go to A.
+func TestScrapesTeachWhileIdle(t *testing.T) {
+	fast := vllmsim.Config{TimeScale: 1000, Seed: 1}
+	slow := vllmsim.Config{TimeScale: 1, MaxNumSeqs: 1, DecodeStep: 300 * time.Millisecond, Seed: 2}
+	simA, a := simBackend(t, fast)
+	simB, b := simBackend(t, slow)
+	sims := map[string]*vllmsim.Server{a: simA, b: simB}
+
+	tester := caddytest.NewTester(t)
+	tester.InitServer(globalOptions+fmt.Sprintf(`
+%s {
+	reverse_proxy %s %s {
+		lb_policy llm {
+			metrics {
+				interval 100ms
+				stale_after 30s
+			}
+		}
+	}
+}
+`, site, a, b), "caddyfile")
+
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	defer func() { cancel(); wg.Wait() }()
+	for range 5 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+b+"/v1/chat/completions",
+				strings.NewReader(`{"model":"sim-model","max_tokens":1000,"messages":[{"role":"user","content":"hold"}]}`))
+			if res, err := http.DefaultClient.Do(req); err == nil {
+				io.Copy(io.Discard, res.Body)
+				res.Body.Close()
+			}
+		}()
+	}
+	waitFor(t, "B's slot count learned from its scrapes alone", func() bool {
+		m := adminUpstreams(t)[b].Model
+		return m != nil && m.Slots == 1
+	})
+	if n := simA.State().Requests + simB.State().Requests; n != 5 {
+		t.Fatalf("the backends saw %d requests before any was sent through the proxy, want the other client's 5", n)
+	}
+	for i := range 10 {
+		if got := sendCounting(t, tester.Client, chatBody("sim-model", 10+i, false), sims); got != a {
+			t.Fatalf("request %d went to the full backend %s", i, got)
+		}
+	}
+}
+
 // TestAdminEndpointAndMetrics: GET /llm/upstreams shows in-flight work and learned routes, DELETE
 // /llm/routes clears them, and the Prometheus metrics are on Caddy's /metrics.
 func TestAdminEndpointAndMetrics(t *testing.T) {
