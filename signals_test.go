@@ -96,14 +96,48 @@ func sendCounting(t *testing.T, client *http.Client, body string, sims map[strin
 	return ""
 }
 
+// fastAndSlow starts two simulated backends: a, fast, and b, with one slot and a decode step of step in
+// real time.
+func fastAndSlow(t *testing.T, step time.Duration) (a, b string, sims map[string]*vllmsim.Server) {
+	simA, a := simBackend(t, vllmsim.Config{TimeScale: 1000, Seed: 1})
+	simB, b := simBackend(t, vllmsim.Config{TimeScale: 1, MaxNumSeqs: 1, DecodeStep: step, Seed: 2})
+	return a, b, map[string]*vllmsim.Server{a: simA, b: simB}
+}
+
+// loadDirectly sends n requests straight to the simulated backend at dial, not through Caddy (another
+// client), each generating 1,000 tokens; they are cancelled when the test ends.
+func loadDirectly(t *testing.T, dial string, n int) {
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	t.Cleanup(func() { cancel(); wg.Wait() })
+	for range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+dial+"/v1/chat/completions",
+				strings.NewReader(`{"model":"sim-model","max_tokens":1000,"messages":[{"role":"user","content":"hold"}]}`))
+			if res, err := http.DefaultClient.Do(req); err == nil {
+				io.Copy(io.Discard, res.Body)
+				res.Body.Close()
+			}
+		}()
+	}
+}
+
+// sendAllTo sends n chat requests through the proxy and fails unless every one went to want.
+func sendAllTo(t *testing.T, client *http.Client, sims map[string]*vllmsim.Server, want string, n int) {
+	t.Helper()
+	for i := range n {
+		if got := sendCounting(t, client, chatBody("sim-model", 10+i, false), sims); got != want {
+			t.Fatalf("request %d went to %s, not %s", i, got, want)
+		}
+	}
+}
+
 // TestScrapedQueueSteersRequests: a backend loaded from outside Caddy (as if by another proxy) shows a
 // long waiting queue in its /metrics; with metrics scraping on, new requests go to the other backend.
 func TestScrapedQueueSteersRequests(t *testing.T) {
-	fast := vllmsim.Config{TimeScale: 1000, Seed: 1}
-	slow := vllmsim.Config{TimeScale: 1, MaxNumSeqs: 1, DecodeStep: time.Second, Seed: 2}
-	simA, a := simBackend(t, fast)
-	simB, b := simBackend(t, slow)
-	sims := map[string]*vllmsim.Server{a: simA, b: simB}
+	a, b, sims := fastAndSlow(t, time.Second)
 
 	tester := caddytest.NewTester(t)
 	tester.InitServer(globalOptions+fmt.Sprintf(`
@@ -132,31 +166,13 @@ func TestScrapedQueueSteersRequests(t *testing.T) {
 	})
 
 	// Another client loads B directly: one request running, four waiting.
-	ctx, cancel := context.WithCancel(context.Background())
-	var wg sync.WaitGroup
-	defer func() { cancel(); wg.Wait() }()
-	for range 5 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+b+"/v1/chat/completions",
-				strings.NewReader(`{"model":"sim-model","max_tokens":1000,"messages":[{"role":"user","content":"hold"}]}`))
-			if res, err := http.DefaultClient.Do(req); err == nil {
-				io.Copy(io.Discard, res.Body)
-				res.Body.Close()
-			}
-		}()
-	}
+	loadDirectly(t, b, 5)
 	waitFor(t, "the scraped queue on B", func() bool {
 		m := adminUpstreams(t)[b].Metrics
 		return m != nil && m.Fresh && m.Waiting >= 4
 	})
 
-	for i := range 10 {
-		if got := sendCounting(t, tester.Client, chatBody("sim-model", 10+i, false), sims); got != a {
-			t.Fatalf("request %d went to the queued backend %s", i, got)
-		}
-	}
+	sendAllTo(t, tester.Client, sims, a, 10)
 }
 
 // TestScrapesTeachWhileIdle: every scrape teaches the service model as it arrives, not only the ones a
@@ -164,11 +180,7 @@ func TestScrapedQueueSteersRequests(t *testing.T) {
 // proxy routes nothing; B's slot count is learned from its metrics alone, and the first requests, in the
 // default mode (where a cache claim could otherwise draw one to B, its wait not yet priced), all go to A.
 func TestScrapesTeachWhileIdle(t *testing.T) {
-	fast := vllmsim.Config{TimeScale: 1000, Seed: 1}
-	slow := vllmsim.Config{TimeScale: 1, MaxNumSeqs: 1, DecodeStep: 300 * time.Millisecond, Seed: 2}
-	simA, a := simBackend(t, fast)
-	simB, b := simBackend(t, slow)
-	sims := map[string]*vllmsim.Server{a: simA, b: simB}
+	a, b, sims := fastAndSlow(t, 300*time.Millisecond)
 
 	tester := caddytest.NewTester(t)
 	tester.InitServer(globalOptions+fmt.Sprintf(`
@@ -184,33 +196,15 @@ func TestScrapesTeachWhileIdle(t *testing.T) {
 }
 `, site, a, b), "caddyfile")
 
-	ctx, cancel := context.WithCancel(context.Background())
-	var wg sync.WaitGroup
-	defer func() { cancel(); wg.Wait() }()
-	for range 5 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+b+"/v1/chat/completions",
-				strings.NewReader(`{"model":"sim-model","max_tokens":1000,"messages":[{"role":"user","content":"hold"}]}`))
-			if res, err := http.DefaultClient.Do(req); err == nil {
-				io.Copy(io.Discard, res.Body)
-				res.Body.Close()
-			}
-		}()
-	}
+	loadDirectly(t, b, 5)
 	waitFor(t, "B's slot count learned from its scrapes alone", func() bool {
 		m := adminUpstreams(t)[b].Model
 		return m != nil && m.Slots == 1
 	})
-	if n := simA.State().Requests + simB.State().Requests; n != 5 {
+	if n := sims[a].State().Requests + sims[b].State().Requests; n != 5 {
 		t.Fatalf("the backends saw %d requests before any was sent through the proxy, want the other client's 5", n)
 	}
-	for i := range 10 {
-		if got := sendCounting(t, tester.Client, chatBody("sim-model", 10+i, false), sims); got != a {
-			t.Fatalf("request %d went to the full backend %s", i, got)
-		}
-	}
+	sendAllTo(t, tester.Client, sims, a, 10)
 }
 
 // TestAdminEndpointAndMetrics: GET /llm/upstreams shows in-flight work and learned routes, DELETE
