@@ -576,9 +576,7 @@ func (l *upstreamLoad) arrivalRateLocked(now int64) float64 {
 // multi-turn, one backend took no request and TTFT p50 went from 96 to 121 ms.)
 func (l *upstreamLoad) fromScrapeLocked(snap *scraper.Snapshot, now int64, spt float64) (foreign, queued, settled, kvSince float64) {
 	at := snap.At.UnixNano()
-	if l.foreignAt != at {
-		l.scrapedLocked(snap, at)
-	}
+	l.scrapedLocked(snap)
 	backlog := l.foreignWaiting * l.foreignUncachedLocked()
 	for _, r := range l.pendingOurs[:l.waitingOurs] {
 		if r.index >= 0 && !r.firstToken {
@@ -624,15 +622,17 @@ func (t *loadTable) observeScrape(dial string, snap *scraper.Snapshot) {
 	l := t.entry(dial, now)
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if at := snap.At.UnixNano(); l.foreignAt != at {
-		l.scrapedLocked(snap, at)
-	}
+	l.scrapedLocked(snap)
 }
 
-// scrapedLocked reads a new snapshot taken at (unix nanoseconds): the requests beyond this proxy's own,
-// which of this proxy's are the waiting ones, the service model's queue and the cache trust. The caller
-// holds l.mu.
-func (l *upstreamLoad) scrapedLocked(snap *scraper.Snapshot, at int64) {
+// scrapedLocked reads snap once, whoever sees it first (its arrival or a decision): the requests beyond
+// this proxy's own, which of this proxy's are the waiting ones, the service model's queue and the cache
+// trust. A snapshot already read is skipped. The caller holds l.mu.
+func (l *upstreamLoad) scrapedLocked(snap *scraper.Snapshot) {
+	at := snap.At.UnixNano()
+	if l.foreignAt == at {
+		return
+	}
 	// Ours at the time of the scrape: those in flight that had started, and those ended since.
 	ours := 0
 	clear(l.pendingOurs)
