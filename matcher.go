@@ -26,7 +26,8 @@ type MatchLLM struct {
 	MaxTokens int `json:"max_tokens,omitempty"`
 	// Stream, when set, matches only streaming (true) or non-streaming (false) requests.
 	Stream *bool `json:"stream,omitempty"`
-	// APIs limits the match to "chat" (/v1/chat/completions) and/or "completions" (/v1/completions).
+	// APIs limits the match to "chat" (/v1/chat/completions), "completions" (/v1/completions) and/or
+	// "responses" (/v1/responses).
 	APIs []string `json:"apis,omitempty"`
 	// Tokenizer counts prompt tokens for the token bounds, as in the policy. Default cl100k_base.
 	Tokenizer string `json:"tokenizer,omitempty"`
@@ -72,13 +73,14 @@ func (m *MatchLLM) Provision(ctx caddy.Context) error {
 	return nil
 }
 
-var apiByName = map[string]tokenize.API{"chat": tokenize.APIChat, "completions": tokenize.APICompletions}
+var apiByName = map[string]tokenize.API{"chat": tokenize.APIChat, "completions": tokenize.APICompletions,
+	"responses": tokenize.APIResponses}
 
 // Validate checks the configuration.
 func (m *MatchLLM) Validate() error {
 	for _, name := range m.APIs {
 		if _, ok := apiByName[name]; !ok {
-			return fmt.Errorf("unknown api %q (want chat or completions)", name)
+			return fmt.Errorf("unknown api %q (want chat, completions or responses)", name)
 		}
 	}
 	if !tokenize.ValidEncoding(m.Tokenizer) {

@@ -401,7 +401,13 @@ func (s *LLMSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, w
 	sc := scratchPool.Get().(*scratch)
 	defer scratchPool.Put(sc)
 	sc.reset()
-	sc.gather(pool, lr.tried, start.UnixNano())
+	storedThere := false
+	if dial, ok := stored.upstream(req.PreviousResponseID, start.UnixNano()); ok {
+		storedThere = sc.gatherStored(pool, dial)
+	}
+	if !storedThere {
+		sc.gather(pool, lr.tried, start.UnixNano())
+	}
 	if len(sc.keys) == 0 {
 		lr.acct.swap(nil)
 		return nil
@@ -417,6 +423,9 @@ func (s *LLMSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, w
 	q.retry = len(lr.tried) > 0
 	sc.cands = slices.Grow(sc.cands[:0], len(sc.keys))[:len(sc.keys)]
 	d := s.decider.choose(q, sc.keys, sc.cands, sc.floats[:0])
+	if storedThere {
+		d.Reason = selection.ReasonConversation
+	}
 	up := sc.upstreams[d.Index]
 	lr.acct.swap(s.decider.commit(q, up.Dial, d))
 	lr.tried = append(lr.tried, up.Dial)
@@ -569,6 +578,20 @@ func (sc *scratch) gather(pool reverseproxy.UpstreamPool, tried []string, now in
 	}
 	clear(sc.upstreams[kept:])
 	sc.upstreams, sc.keys = sc.upstreams[:kept], sc.keys[:kept]
+}
+
+// gatherStored makes the upstream of dial the only candidate, and reports whether it is in the pool and
+// available. A request continuing a response stored there can be answered nowhere else (any other
+// upstream answers 404), so it goes there even when it was tried already or answered 429: a retry
+// there may succeed.
+func (sc *scratch) gatherStored(pool reverseproxy.UpstreamPool, dial string) bool {
+	for _, u := range pool {
+		if u.Dial == dial && u.Available() {
+			sc.upstreams, sc.keys = append(sc.upstreams, u), append(sc.keys, u.Dial)
+			return true
+		}
+	}
+	return false
 }
 
 var scratchPool = sync.Pool{New: func() any {

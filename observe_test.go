@@ -27,7 +27,18 @@ const (
 	sseRole  = `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}` + "\n\n"
 	sseUsage = `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[],"usage":{"prompt_tokens":200,"total_tokens":203,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":96}}}` + "\n\n"
 	sseDone  = "data: [DONE]\n\n"
-	whole    = `{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"say \"cached_tokens\":5"},"finish_reason":"stop"}],"usage":{"prompt_tokens":200,"total_tokens":207,"completion_tokens":7,"prompt_tokens_details":{"cached_tokens":128}},"prompt_logprobs":null,"kv_transfer_params":null}`
+	// A Responses API stream (vLLM's event order): content in deltas only; the .done events and the
+	// final response repeat the whole text.
+	responsesStream = "event: response.created\n" + `data: {"type":"response.created","sequence_number":0,"response":{"id":"resp_1","object":"response","instructions":"Be brief.","output":[],"status":"in_progress","text":{"format":{"type":"text"}},"usage":null}}` + "\n\n" +
+		"event: response.content_part.added\n" + `data: {"type":"response.content_part.added","item_id":"msg_1","output_index":0,"content_index":0,"part":{"type":"output_text","text":"","annotations":[]}}` + "\n\n" +
+		"event: response.output_text.delta\n" + `data: {"type":"response.output_text.delta","item_id":"msg_1","output_index":0,"content_index":0,"delta":"Hel"}` + "\n\n" +
+		"event: response.output_text.delta\n" + `data: {"type":"response.output_text.delta","item_id":"msg_1","output_index":0,"content_index":0,"delta":"lo"}` + "\n\n" +
+		"event: response.output_text.delta\n" + `data: {"type":"response.output_text.delta","item_id":"msg_1","output_index":0,"content_index":0,"delta":"!"}` + "\n\n" +
+		"event: response.output_text.done\n" + `data: {"type":"response.output_text.done","item_id":"msg_1","output_index":0,"content_index":0,"text":"Hello!"}` + "\n\n" +
+		"event: response.content_part.done\n" + `data: {"type":"response.content_part.done","item_id":"msg_1","output_index":0,"content_index":0,"part":{"type":"output_text","text":"Hello!","annotations":[]}}` + "\n\n" +
+		"event: response.completed\n" + `data: {"type":"response.completed","response":{"id":"resp_1","object":"response","output":[{"type":"message","role":"assistant","content":[{"type":"output_text","text":"Hello!"}]}],"status":"completed","usage":{"input_tokens":200,"input_tokens_details":{"cached_tokens":96},"output_tokens":3,"output_tokens_details":{"reasoning_tokens":0},"total_tokens":203},"user":null}}` + "\n\n"
+	responsesWhole = `{"id":"resp_1","object":"response","output":[{"type":"message","role":"assistant","content":[{"type":"output_text","text":"say \"output_tokens\":9","annotations":[]}]}],"usage":{"input_tokens":200,"input_tokens_details":{"cached_tokens":128},"output_tokens":7,"output_tokens_details":{"reasoning_tokens":0},"total_tokens":207},"user":null}`
+	whole          = `{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"say \"cached_tokens\":5"},"finish_reason":"stop"}],"usage":{"prompt_tokens":200,"total_tokens":207,"completion_tokens":7,"prompt_tokens_details":{"cached_tokens":128}},"prompt_logprobs":null,"kv_transfer_params":null}`
 )
 
 // observeAll reads body through an observer (piece 0: in one read, 1: byte by byte, 2: in halves) and
@@ -70,6 +81,8 @@ func TestObservedBody(t *testing.T) {
 				`data: {"choices":[{"index":0,"delta":{"content":"cde"}}],"usage":{"prompt_tokens":9,"completion_tokens":5}}` + "\n\n" + sseDone},
 		{name: "completions stream", body: `data: {"choices":[{"index":0,"text":"x"}]}` + "\n\n" + `data: {"choices":[{"index":0,"text":""}]}` + "\n\n" + sseDone, stream: true, wantTokens: 1, wantCached: -1},
 		{name: "whole answer", body: whole, wantTokens: 7, wantCached: 128, wantPrompt: 200},
+		{name: "responses stream", body: responsesStream, stream: true, wantTokens: 3, wantCached: 96, wantPrompt: 200},
+		{name: "responses whole answer", body: responsesWhole, wantTokens: 7, wantCached: 128, wantPrompt: 200},
 		{name: "whole answer without details", body: `{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1,"prompt_tokens_details":null}}`, wantTokens: 1, wantCached: -1},
 	}
 	for _, tt := range tests {

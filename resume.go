@@ -56,8 +56,9 @@ const (
 // the last failure (the upstream's JSON error, or an OpenAI-style JSON error with its status). A stream is
 // never silently truncated.
 //
-// Only POSTs of JSON to the chat/completions and completions endpoints are handled; other requests, bodies
-// over max_body_bytes and bodies that cannot be read pass through untouched. A streamed answer that holds
+// Only POSTs of JSON to the chat/completions and completions endpoints are handled; other requests (the
+// Responses API's included), bodies over max_body_bytes and bodies that cannot be read pass through
+// untouched. A streamed answer that holds
 // tool calls or reasoning, has several choices (n > 1), or uses structured output is retried only while
 // the client has received no content, since a continuation could not be joined to it.
 //
@@ -121,7 +122,9 @@ func (h *LLMResume) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddy
 		return next.ServeHTTP(w, r) // the request has ended, its client gone: the policy says so
 	}
 	defer lr.drop() // orig, below, is the received body's bytes
-	if lr.api == tokenize.APIUnknown || lr.body == nil || lr.decoded == nil {
+	// A response (/v1/responses) streams typed events and may continue server-side state
+	// (previous_response_id), which a continuation body cannot carry: relayed as is.
+	if lr.api == tokenize.APIUnknown || lr.api == tokenize.APIResponses || lr.body == nil || lr.decoded == nil {
 		return next.ServeHTTP(w, r)
 	}
 	req, err := parseResumable(lr.decoded, lr.api)

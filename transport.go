@@ -8,7 +8,10 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+
+	"github.com/tokenrouter/caddy-llm/tokenize"
 )
 
 func init() {
@@ -19,9 +22,10 @@ func init() {
 // policy, so the policy learns from them without a handler in front (a selection policy has no completion
 // hook): the first body byte of a whole answer, or the first content chunk of a stream, marks the
 // attempt's first token (its prefill is over; the upstream's service model learns the delay); a stream's
-// content chunks count its output tokens (one per chunk, or vLLM's continuous usage stats), a whole
-// answer's usage gives them at once; and the backend's usage.prompt_tokens_details.cached_tokens, read
-// from the last bytes of the answer or stream, is checked against what the policy predicted cached
+// content chunks count its output tokens (one per chunk, or vLLM's continuous usage stats; for the
+// Responses API one per delta event), a whole answer's usage gives them at once; and the backend's
+// usage.prompt_tokens_details.cached_tokens (a response's usage.input_tokens_details.cached_tokens),
+// read from the last bytes of the answer or stream, is checked against what the policy predicted cached
 // (observe.go).
 //
 // The relayed bytes are never buffered, delayed or changed: the observer looks at each chunk as it
@@ -55,6 +59,7 @@ func (t *LLMTransport) Provision(ctx caddy.Context) error {
 // attempt of the same request is selected, so the attempt it observes is req's current one.
 func (t *LLMTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	res := attemptOf(req)
+	lr, _ := caddyhttp.GetVar(req.Context(), varKey).(*llmRequest)
 	resp, err := t.HTTPTransport.RoundTrip(req)
 	if res == nil || err != nil || resp.StatusCode < 200 || resp.StatusCode > 299 || resp.Body == nil || resp.Body == http.NoBody {
 		return resp, err
@@ -67,6 +72,7 @@ func (t *LLMTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 		opaque: encoding != "" && encoding != "identity",
 		// The body starts on a new line.
 		lineEmpty: true,
+		stores:    lr != nil && lr.api == tokenize.APIResponses,
 	}
 	return resp, nil
 }
@@ -79,6 +85,8 @@ const (
 	// tailBytes of the body are kept to read the usage at its end: a whole answer ends with its usage
 	// object and a few short fields, a stream with its usage chunk and [DONE].
 	tailBytes = 1024
+	// headBytes of a whole Responses API answer are kept to read its id, its first field.
+	headBytes = 384
 )
 
 // observedBody passes a response body through unchanged while it observes it. It allocates nothing after
@@ -99,6 +107,13 @@ type observedBody struct {
 
 	tail    [tailBytes]byte
 	tailLen int
+
+	// stores: the answer is a Responses API response, whose id is remembered (responses.go); idSeen once
+	// it is. A whole answer's first bytes are kept to find it.
+	stores  bool
+	idSeen  bool
+	head    [headBytes]byte
+	headLen int
 }
 
 // Read reads from the body and observes what it read.
@@ -129,6 +144,9 @@ func (b *observedBody) observe(p []byte) {
 	}
 	b.keepTail(p)
 	if !b.stream {
+		if b.stores && b.headLen < headBytes {
+			b.headLen += copy(b.head[b.headLen:], p)
+		}
 		if !b.first {
 			b.first = true
 			b.res.noteFirstToken(time.Now().UnixNano())
@@ -178,6 +196,12 @@ var (
 	patPrompt     = []byte(`"prompt_tokens":`)
 	patCached     = []byte(`"cached_tokens":`)
 	patUsage      = []byte(`"usage":`)
+	// The Responses API's: its events are typed, its content comes in deltas (its .done events and the
+	// final response.completed repeat the whole text), and its usage names its counts differently.
+	patResponseEvent = []byte(`"type":"response.`)
+	patDelta         = []byte(`"delta":"`)
+	patOutput        = []byte(`"output_tokens":`)
+	patInput         = []byte(`"input_tokens":`)
 )
 
 // endEvent handles the complete event kept in b.event: a chunk with content (a non-empty delta content or
@@ -185,7 +209,14 @@ var (
 func (b *observedBody) endEvent() {
 	ev := b.event[:b.eventLen]
 	b.eventLen, b.lineEmpty = 0, true
-	if !hasNonEmptyString(ev, patContent) && !hasNonEmptyString(ev, patText) {
+	if b.stores && !b.idSeen {
+		b.remember(responseID(ev, true))
+	}
+	if bytes.Contains(ev, patResponseEvent) {
+		if !hasNonEmptyString(ev, patDelta) {
+			return
+		}
+	} else if !hasNonEmptyString(ev, patContent) && !hasNonEmptyString(ev, patText) {
 		return
 	}
 	tokens := 1
@@ -208,14 +239,30 @@ func (b *observedBody) end() {
 	}
 	b.ended = true
 	tail := b.tail[:b.tailLen]
+	if b.stores && !b.stream && !b.idSeen {
+		b.remember(responseID(b.head[:b.headLen], false))
+	}
 	if !b.stream {
 		if n, ok := lastInt(tail, patCompletion); ok {
+			b.res.observeTokens(observerTransport, n)
+		} else if n, ok := lastInt(tail, patOutput); ok {
 			b.res.observeTokens(observerTransport, n)
 		}
 	}
 	if cached, ok := lastInt(tail, patCached); ok {
-		prompt, _ := lastInt(tail, patPrompt)
+		prompt, ok := lastInt(tail, patPrompt)
+		if !ok {
+			prompt, _ = lastInt(tail, patInput)
+		}
 		b.res.observeCached(prompt, cached)
+	}
+}
+
+// remember records that the upstream of the observed attempt produced the response id (none: "").
+func (b *observedBody) remember(id string) {
+	if id != "" {
+		stored.add(id, b.res.dial, time.Now().UnixNano())
+		b.idSeen = true
 	}
 }
 

@@ -59,6 +59,9 @@ func (p *parser) count(enc *encoder, opts Options, keepAll bool) *Request {
 	if p.hasModel {
 		r.Model = string(p.bytes(p.model))
 	}
+	if p.hasPrevious {
+		r.PreviousResponseID = string(p.bytes(p.previous))
+	}
 	switch {
 	case p.hasCompl:
 		r.MaxTokens = int(p.maxCompl)
@@ -85,9 +88,9 @@ func (p *parser) count(enc *encoder, opts Options, keepAll bool) *Request {
 	p.stepsLeft = maxSteps
 	r.Boundaries = make([]Boundary, 0, kept+2+min(textBytes/StepBytes, maxSteps))
 
-	h := chain(boundaryHashStart, uint64(p.api))
+	h := chain(boundaryHashStart, uint64(p.template()))
 	pos := 0
-	if p.api == APIChat {
+	if p.chatLike() {
 		pos = chatPriming
 	}
 	var hits, misses uint64
@@ -114,7 +117,7 @@ func (p *parser) count(enc *encoder, opts Options, keepAll bool) *Request {
 		}
 		var n int
 		var exact, hit bool
-		if p.api == APIChat {
+		if p.chatLike() {
 			n, exact, hit = p.cached(enc, mh, &b, func() (int, bool) { return p.countChat(enc, m, &b) })
 		} else {
 			n, exact, hit = p.cached(enc, mh, &b, func() (int, bool) { return p.countPrompt(enc, m, &b) })
@@ -136,7 +139,7 @@ func (p *parser) count(enc *encoder, opts Options, keepAll bool) *Request {
 			j -= midEnd - midStart
 		}
 		r.Messages[j] = Message{Tokens: n, End: pos, Hash: mh,
-			Assistant: p.api == APIChat && m.hasRole && string(p.bytes(m.role)) == "assistant"}
+			Assistant: p.chatLike() && m.hasRole && string(p.bytes(m.role)) == "assistant"}
 	}
 	r.PromptTokens = pos
 	if hits > 0 {
@@ -340,7 +343,7 @@ func (p *parser) hashMessage(m *msg) uint64 {
 	d, w := &p.d, &p.pb
 	w.n, w.spilled = 0, false
 	m.text, m.charge = 0, 0
-	if p.api == APIChat {
+	if p.chatLike() {
 		w.piece(d, 'r', p.bytes(m.role))
 		if m.hasName {
 			w.piece(d, 'n', p.bytes(m.name))
@@ -415,7 +418,7 @@ func (p *parser) steps(bs []Boundary, m *msg, h uint64, start, n int) []Boundary
 	}
 	d := &p.d
 	d.ResetWithSeed(messageHashSeed)
-	if p.api == APIChat {
+	if p.chatLike() {
 		writePiece(d, 'r', p.bytes(m.role))
 		if m.hasName {
 			writePiece(d, 'n', p.bytes(m.name))

@@ -12,9 +12,15 @@ import (
 func FuzzParse(f *testing.F) {
 	f.Add([]byte(`{"model":"m","messages":[{"role":"user","content":"hello world"}]}`), uint8(1))
 	f.Add([]byte(`{"prompt":[[1,2],[3]],"max_tokens":4}`), uint8(2))
+	f.Add([]byte(`{"instructions":"be brief","input":[{"role":"user","content":[{"type":"input_text","text":"hi"}]},`+
+		`{"type":"function_call","call_id":"c","name":"f","arguments":"{}"},{"type":"function_call_output","call_id":"c","output":"ok"},`+
+		`{"type":"reasoning","summary":[]}]}`), uint8(4))
 	f.Fuzz(func(t *testing.T, body []byte, mode uint8) {
 		api := APIChat
-		if mode&1 == 0 {
+		switch {
+		case mode&4 != 0:
+			api = APIResponses
+		case mode&1 == 0:
 			api = APICompletions
 		}
 		encoding := "approx"

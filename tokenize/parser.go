@@ -76,6 +76,11 @@ type parser struct {
 	hasMax, hasCompl      bool
 	hasMessages, hasTools bool
 	hasPrompt             bool
+	instructions          span // a response's instructions
+	hasInstructions       bool
+	hasInput              bool
+	previous              span // a response's previous_response_id
+	hasPrevious           bool
 	tools                 span // raw JSON of the tools array
 	stepsLeft             int  // step boundaries this request may still add
 
@@ -260,8 +265,16 @@ func (p *parser) parseBody() error {
 			return p.hintInt(&p.maxCompl, &p.hasCompl)
 		case p.api == APIChat && string(k) == "messages":
 			return p.parseMessages()
-		case p.api == APIChat && string(k) == "tools":
+		case p.chatLike() && string(k) == "tools":
 			return p.parseTools()
+		case p.api == APIResponses && string(k) == "input":
+			return p.parseInput()
+		case p.api == APIResponses && string(k) == "instructions":
+			return p.optString(&p.instructions, &p.hasInstructions, "instructions", 0, 0)
+		case p.api == APIResponses && string(k) == "max_output_tokens":
+			return p.hintInt(&p.maxCompl, &p.hasCompl)
+		case p.api == APIResponses && string(k) == "previous_response_id":
+			return p.optString(&p.previous, &p.hasPrevious, "previous_response_id", 0, 0)
 		case p.api == APICompletions && string(k) == "prompt":
 			return p.parsePrompt()
 		}
@@ -281,8 +294,38 @@ func (p *parser) parseBody() error {
 		return fmt.Errorf("%w: messages must not be empty", ErrMalformed)
 	case p.api == APICompletions && !p.hasPrompt:
 		return fmt.Errorf("%w: prompt is required", ErrMalformed)
+	case p.api == APIResponses && !p.hasInput:
+		return fmt.Errorf("%w: input is required", ErrMalformed)
+	}
+	if p.api == APIResponses && p.hasInstructions && p.instructions.len() > 0 {
+		p.prependInstructions() // vLLM makes no system message of empty instructions
+	}
+	if p.api == APIResponses && len(p.msgs) == 0 {
+		return fmt.Errorf("%w: input must not be empty", ErrMalformed)
 	}
 	return nil
+}
+
+// chatLike reports whether the request's messages are rendered by the model's chat template: a chat
+// request's messages, and a response's instructions and input items.
+func (p *parser) chatLike() bool { return p.api == APIChat || p.api == APIResponses }
+
+// template is the API whose prompt layout the request's hashes describe. A response's items are
+// rendered as the chat messages they stand for, so a response and a chat request with the same
+// messages have the same prefix hashes, as the backend has the same cached blocks for them.
+func (p *parser) template() API {
+	if p.api == APIResponses {
+		return APIChat
+	}
+	return p.api
+}
+
+// list names the array of messages in errors: "messages", or a response's "input".
+func (p *parser) list() string {
+	if p.api == APIResponses {
+		return "input"
+	}
+	return "messages"
 }
 
 func (p *parser) parseTools() error {
@@ -331,7 +374,7 @@ func (p *parser) parseMessage(idx int) error {
 			return err
 		case string(k) == "content":
 			p.kill(int(m.segStart), fieldContent)
-			return p.parseContent(idx)
+			return p.parseContent(idx, "content")
 		case string(k) == "name":
 			return p.optString(&m.name, &m.hasName, "messages[%d].name", idx, 0)
 		case string(k) == "tool_call_id":
@@ -363,7 +406,9 @@ func (p *parser) kill(from int, field uint8) {
 	}
 }
 
-func (p *parser) parseContent(idx int) error {
+// parseContent reads a message's content (what names its key in errors: "content", or a response's
+// function_call_output item's "output", counted as its content).
+func (p *parser) parseContent(idx int, what string) error {
 	s := &p.s
 	switch s.peek() {
 	case '"':
@@ -378,18 +423,18 @@ func (p *parser) parseContent(idx int) error {
 	case '[':
 		part := 0
 		return s.array(3, func() error {
-			err := p.parseContentPart(idx, part)
+			err := p.parseContentPart(idx, part, what)
 			part++
 			return err
 		})
 	}
-	return s.typeErr("messages[%d].content must be a string, an array of content parts, or null", idx)
+	return s.typeErr("%s[%d].%s must be a string, an array of content parts, or null", p.list(), idx, what)
 }
 
-func (p *parser) parseContentPart(idx, part int) error {
+func (p *parser) parseContentPart(idx, part int, what string) error {
 	s := &p.s
 	if s.peek() != '{' {
-		return s.typeErr("messages[%d].content[%d] must be an object", idx, part)
+		return s.typeErr("%s[%d].%s[%d] must be an object", p.list(), idx, what, part)
 	}
 	start := s.i
 	var typ, text, refusal span
@@ -399,21 +444,21 @@ func (p *parser) parseContentPart(idx, part int) error {
 		switch {
 		case string(k) == "type":
 			if s.peek() != '"' {
-				return s.typeErr("messages[%d].content[%d].type must be a string", idx, part)
+				return s.typeErr("%s[%d].%s[%d].type must be a string", p.list(), idx, what, part)
 			}
 			sp, err := p.str()
 			typ, hasType = sp, true
 			return err
 		case string(k) == "text":
 			if s.peek() != '"' {
-				return s.typeErr("messages[%d].content[%d].text must be a string", idx, part)
+				return s.typeErr("%s[%d].%s[%d].text must be a string", p.list(), idx, what, part)
 			}
 			sp, err := p.str()
 			text, hasText = sp, true
 			return err
 		case string(k) == "refusal":
 			if s.peek() != '"' {
-				return s.typeErr("messages[%d].content[%d].refusal must be a string", idx, part)
+				return s.typeErr("%s[%d].%s[%d].refusal must be a string", p.list(), idx, what, part)
 			}
 			sp, err := p.str()
 			refusal, hasRefusal = sp, true
@@ -425,12 +470,12 @@ func (p *parser) parseContentPart(idx, part int) error {
 		return err
 	}
 	if !hasType {
-		return s.errorf("messages[%d].content[%d] must have a string type", idx, part)
+		return s.errorf("%s[%d].%s[%d] must have a string type", p.list(), idx, what, part)
 	}
 	switch t := p.bytes(typ); {
-	case string(t) == "text":
+	case string(t) == "text" || p.api == APIResponses && (string(t) == "input_text" || string(t) == "output_text"):
 		if !hasText {
-			return s.errorf("messages[%d].content[%d] of type text must have a string text", idx, part)
+			return s.errorf("%s[%d].%s[%d] of type %s must have a string text", p.list(), idx, what, part, t)
 		}
 		p.segs = append(p.segs, seg{kind: segText, field: fieldContent, sp: text})
 	case string(t) == "refusal" && hasRefusal:
@@ -439,6 +484,123 @@ func (p *parser) parseContentPart(idx, part int) error {
 		p.segs = append(p.segs, seg{kind: segPart, field: fieldContent, sp: span{off: int32(start), end: int32(s.i)}})
 	}
 	return nil
+}
+
+// parseInput reads a response's input: a string (one user message) or an array of input items.
+func (p *parser) parseInput() error {
+	s := &p.s
+	// A repeated "input" key replaces the earlier one, as in Python's json.
+	p.msgs, p.segs = p.msgs[:0], p.segs[:0]
+	p.hasInput = true
+	switch s.peek() {
+	case '"':
+		sp, err := p.str()
+		if err != nil {
+			return err
+		}
+		m := msg{role: p.scratch("user"), hasRole: true, segStart: int32(len(p.segs))}
+		p.segs = append(p.segs, seg{kind: segText, field: fieldContent, sp: sp})
+		p.appendMsg(m)
+		return nil
+	case '[':
+		return s.array(1, func() error { return p.parseItem(len(p.msgs)) })
+	}
+	return s.typeErr("input must be a string or an array of input items")
+}
+
+// parseItem reads one input item of a response as the chat message it stands for: a message (its
+// "type" "message" or absent) as a chat message; a function_call as the assistant's tool call (its
+// call_id, name and arguments, as a chat tool call's id, name and arguments); a function_call_output
+// as the tool's message (its call_id as the tool_call_id, its output as the content); and any other
+// item (reasoning, item_reference, a built-in tool's call, ...) as a message of that type whose text
+// is the item's JSON.
+func (p *parser) parseItem(idx int) error {
+	s := &p.s
+	if s.peek() != '{' {
+		return s.typeErr("input[%d] must be an object", idx)
+	}
+	start := s.i
+	m := msg{segStart: int32(len(p.segs))}
+	var typ, name, args span
+	var hasType, hasName, hasArgs bool
+	err := s.object(2, func(raw []byte, esc bool) error {
+		k := p.key(raw, esc)
+		switch {
+		case string(k) == "type":
+			if s.peek() != '"' {
+				return s.typeErr("input[%d].type must be a string", idx)
+			}
+			sp, err := p.str()
+			typ, hasType = sp, true
+			return err
+		case string(k) == "role":
+			if s.peek() != '"' {
+				return s.typeErr("input[%d].role must be a string", idx)
+			}
+			sp, err := p.str()
+			m.role, m.hasRole = sp, true
+			return err
+		case string(k) == "content" || string(k) == "output":
+			p.kill(int(m.segStart), fieldContent)
+			return p.parseContent(idx, string(k))
+		case string(k) == "call_id":
+			return p.optString(&m.callID, &m.hasCallID, "input[%d].call_id", idx, 0)
+		case string(k) == "name":
+			return p.optString(&name, &hasName, "input[%d].name", idx, 0)
+		case string(k) == "arguments":
+			return p.optString(&args, &hasArgs, "input[%d].arguments", idx, 0)
+		}
+		return s.skip(3)
+	})
+	if err != nil {
+		return err
+	}
+	switch t := p.bytes(typ); {
+	case !hasType || string(t) == "message":
+		if !m.hasRole {
+			return s.errorf("input[%d] must have a string role", idx)
+		}
+		m.hasCallID = false
+	case string(t) == "function_call":
+		// As a chat assistant message with one tool call: the call's three segments, no content.
+		p.segs = append(p.segs[:m.segStart],
+			seg{kind: segCallID, field: fieldToolCalls, sp: m.callID, absent: !m.hasCallID},
+			seg{kind: segCallName, field: fieldToolCalls, sp: name, absent: !hasName},
+			seg{kind: segCallArgs, field: fieldToolCalls, sp: args, absent: !hasArgs})
+		m.role, m.hasRole, m.hasCallID = p.scratch("assistant"), true, false
+	case string(t) == "function_call_output":
+		m.role, m.hasRole = p.scratch("tool"), true
+	default:
+		p.segs = append(p.segs[:m.segStart], seg{kind: segText, field: fieldContent, sp: span{off: int32(start), end: int32(s.i)}})
+		m.role, m.hasRole, m.hasCallID = typ, true, false
+	}
+	p.appendMsg(m)
+	return nil
+}
+
+// appendMsg ends m at the last segment and appends it, hashed.
+func (p *parser) appendMsg(m msg) {
+	m.segEnd = int32(len(p.segs))
+	m.hash, m.hashed = p.hashMessage(&m), true
+	p.msgs = append(p.msgs, m)
+}
+
+// prependInstructions puts a response's instructions first, as the system message the server makes of
+// them, wherever the key was in the body.
+func (p *parser) prependInstructions() {
+	m := msg{role: p.scratch("system"), hasRole: true, segStart: int32(len(p.segs))}
+	p.segs = append(p.segs, seg{kind: segText, field: fieldContent, sp: p.instructions})
+	p.appendMsg(m)
+	last := p.msgs[len(p.msgs)-1]
+	copy(p.msgs[1:], p.msgs[:len(p.msgs)-1])
+	p.msgs[0] = last
+}
+
+// scratch returns a span of text in the scratch buffer (a role the request does not spell out).
+func (p *parser) scratch(text string) span {
+	off := len(p.buf)
+	p.buf = append(p.buf, text...)
+	return span{off: int32(off), end: int32(len(p.buf)), scratch: true}
 }
 
 func (p *parser) parseToolCalls(idx int) error {

@@ -1,5 +1,5 @@
-// Package tokenize turns an OpenAI-compatible request body (/v1/chat/completions or
-// /v1/completions) into what token-aware routing needs: the model, the stream flag, the output
+// Package tokenize turns an OpenAI-compatible request body (/v1/chat/completions, /v1/completions
+// or the Responses API's /v1/responses) into what token-aware routing needs: the model, the stream flag, the output
 // limit, prompt token counts per message, and the prompt's boundaries with fixed-seed prefix
 // hashes. It does not import Caddy.
 //
@@ -15,8 +15,10 @@
 //	               + 85 per non-text content part (image, audio, file, ...)
 //	tools        = tokens(the "tools" array's JSON text as sent), when present
 //
-// so {"role":"user","content":"hello world"} counts 3+1+2+3 = 9 with cl100k_base. Completions count
-// the prompt text exactly (no overhead); a token-ID prompt counts its length.
+// so {"role":"user","content":"hello world"} counts 3+1+2+3 = 9 with cl100k_base. A response counts
+// as the chat request the server renders it as: its instructions as the system message, then one
+// message per input item (see Parse). Completions count the prompt text exactly (no overhead); a
+// token-ID prompt counts its length.
 //
 // # Bounds
 //
@@ -80,29 +82,37 @@ const (
 	APIUnknown API = iota
 	APIChat
 	APICompletions
+	// APIResponses is OpenAI's Responses API (POST /v1/responses), which vLLM and SGLang serve too: its
+	// "instructions" and "input" items are rendered by the same chat template as chat messages.
+	APIResponses
 )
 
-// String returns "chat", "completions" or "unknown".
+// String returns "chat", "completions", "responses" or "unknown".
 func (a API) String() string {
 	switch a {
 	case APIChat:
 		return "chat"
 	case APICompletions:
 		return "completions"
+	case APIResponses:
+		return "responses"
 	default:
 		return "unknown"
 	}
 }
 
 // APIForPath reports which API a URL path is: a path ending in "/chat/completions" is APIChat, one
-// ending in "/completions" otherwise is APICompletions (so /v1/..., /openai/v1/... work); any other
-// path reports false.
+// ending in "/completions" otherwise is APICompletions, one ending in "/responses" APIResponses (so
+// /v1/..., /openai/v1/... work; /v1/responses/{id} and its sub-paths are not requests to route by
+// their body); any other path reports false.
 func APIForPath(path string) (API, bool) {
 	switch {
 	case strings.HasSuffix(path, "/chat/completions"):
 		return APIChat, true
 	case strings.HasSuffix(path, "/completions"):
 		return APICompletions, true
+	case strings.HasSuffix(path, "/responses"):
+		return APIResponses, true
 	default:
 		return APIUnknown, false
 	}
@@ -137,15 +147,20 @@ type Request struct {
 	API    API
 	Model  string
 	Stream bool
-	// MaxTokens is max_completion_tokens if present, else max_tokens; 0 when absent.
+	// MaxTokens is max_completion_tokens (a response's max_output_tokens) if present, else max_tokens; 0
+	// when absent.
 	MaxTokens int
+	// PreviousResponseID is a response's previous_response_id: the stored response it continues, whose
+	// history the server prepends to its input (and which only the server that stored it has).
+	PreviousResponseID string
 	// PromptTokens is the whole prompt's count (see the package doc for the overhead rule).
 	PromptTokens int
 	// ToolsTokens is the part of PromptTokens spent on the request's "tools" definitions, which
 	// are counted as a pseudo-message before the first message (so Messages[0].End includes them).
 	ToolsTokens int
 	// Messages has one entry per chat message; for completions, one per prompt string or token
-	// array. A request of more than 256 messages keeps only the entries of its first 64 and its
+	// array; for a response, one for its instructions (first, as the system message the server makes
+	// of them) and one per input item (a string input is one user message). A request of more than 256 messages keeps only the entries of its first 64 and its
 	// last 192 messages (in order; Σ Tokens is then less than PromptTokens): the messages between
 	// are counted and hashed into every later boundary but not listed.
 	Messages []Message
@@ -170,8 +185,8 @@ type Message struct {
 	// and non-text parts, tool calls (id, function name, arguments) and tool_call_id. Key order
 	// and JSON escaping do not change it.
 	Hash uint64
-	// Assistant is true for a chat message of role "assistant": usually the answer a backend generated
-	// to the prompt before it, which that backend then holds in its cache too.
+	// Assistant is true for a chat message (or a response's input item) of role "assistant": usually the
+	// answer a backend generated to the prompt before it, which that backend then holds in its cache too.
 	Assistant bool
 }
 
@@ -181,9 +196,14 @@ type Message struct {
 // under 1000 levels, nothing but whitespace after it); chat needs a non-empty "messages" array of
 // objects with a string "role", "content" a string, null or an array of typed parts; completions
 // need "prompt" as a string, an array of strings, an array of token IDs or an array of non-empty
-// token-ID arrays; "model" (optional) must be a string. "stream", "max_tokens" and
-// "max_completion_tokens" are only routing hints and are read as vLLM's pydantic models read them
-// (true, 1 or "yes"; 100, 100.0 or "100"); any other value leaves them absent, for the backend to judge.
+// token-ID arrays; responses need "input" as a non-empty string or a non-empty array of item objects
+// (a message item has a string "role" and content as in chat, with "input_text" and "output_text"
+// parts counted as text; a "function_call" item is counted as the assistant's tool call, a
+// "function_call_output" item as the tool's message, and any other item by its raw JSON), and
+// "instructions" (optional) a string; "model" (optional) must be a string. "stream", "max_tokens",
+// "max_completion_tokens" and a response's "max_output_tokens" are only routing hints and are read as
+// vLLM's pydantic models read them (true, 1 or "yes"; 100, 100.0 or "100"); any other value leaves
+// them absent, for the backend to judge.
 // Unknown fields are ignored; a repeated key's last value wins.
 // Errors for bodies that are not valid requests wrap ErrMalformed and say what is wrong and where
 // ("messages[1].content must be a string, an array of content parts, or null, not a number at
@@ -193,7 +213,7 @@ type Message struct {
 // is linear in len(body) plus the bounded tokenizing described in the package doc; with a warm
 // cache a 20-message, 4k-token chat request takes a few tens of microseconds and four allocations.
 func Parse(body []byte, api API, opts Options) (*Request, error) {
-	if api != APIChat && api != APICompletions {
+	if api != APIChat && api != APICompletions && api != APIResponses {
 		return nil, fmt.Errorf("%w: unsupported API %q", ErrMalformed, api)
 	}
 	enc, err := encoderFor(opts.Encoding)

@@ -40,6 +40,10 @@ func TestAPIForPath(t *testing.T) {
 		{"/openai/v1/chat/completions", APIChat, true},
 		{"/v1/completions", APICompletions, true},
 		{"/completions", APICompletions, true},
+		{"/v1/responses", APIResponses, true},
+		{"/openai/v1/responses", APIResponses, true},
+		{"/v1/responses/resp_123", APIUnknown, false},
+		{"/v1/responses/resp_123/cancel", APIUnknown, false},
 		{"/v1/embeddings", APIUnknown, false},
 		{"/v1/chat/completions/", APIUnknown, false},
 		{"", APIUnknown, false},
@@ -50,7 +54,7 @@ func TestAPIForPath(t *testing.T) {
 			t.Errorf("APIForPath(%q) = %v, %v, want %v, %v", tt.path, got, ok, tt.want, tt.ok)
 		}
 	}
-	for a, want := range map[API]string{APIChat: "chat", APICompletions: "completions", APIUnknown: "unknown", 9: "unknown"} {
+	for a, want := range map[API]string{APIChat: "chat", APICompletions: "completions", APIResponses: "responses", APIUnknown: "unknown", 9: "unknown"} {
 		if a.String() != want {
 			t.Errorf("API(%d).String() = %q, want %q", a, a.String(), want)
 		}

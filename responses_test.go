@@ -1,0 +1,355 @@
+package caddyllm
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2/caddytest"
+	"github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/option"
+	"github.com/openai/openai-go/v3/responses"
+)
+
+// responsesBackend answers POST /v1/responses as vLLM does, whole or as a stream of typed events, with
+// "Sunny." and a usage; a response's id names the backend. It stores every response it produces, and
+// answers 404 to a request continuing one it did not (previous_response_id), as vLLM does. It has no
+// /metrics, as an OpenAI-compatible server other than vLLM or SGLang.
+type responsesBackend struct {
+	name     string
+	served   atomic.Int64
+	stored   sync.Map     // response ids it produced
+	failNext atomic.Int64 // answer this many requests 503 first
+}
+
+func (b *responsesBackend) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if r.Method != http.MethodPost || r.URL.Path != "/v1/responses" {
+		http.NotFound(w, r)
+		return
+	}
+	var req struct {
+		Stream   bool   `json:"stream"`
+		Previous string `json:"previous_response_id"`
+	}
+	if err := json.NewDecoder(r.Body).Decode(&req); err != nil {
+		http.Error(w, err.Error(), http.StatusBadRequest)
+		return
+	}
+	if b.failNext.Add(-1) >= 0 {
+		http.Error(w, `{"error":{"message":"busy"}}`, http.StatusServiceUnavailable)
+		return
+	}
+	b.failNext.Store(0)
+	if _, ok := b.stored.Load(req.Previous); req.Previous != "" && !ok {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusNotFound)
+		fmt.Fprintf(w, `{"error":{"message":"Response with id '%s' not found.","type":"invalid_request_error","param":null,"code":404}}`, req.Previous)
+		return
+	}
+	n := b.served.Add(1)
+	id := fmt.Sprintf("resp_%s_%d", b.name, n)
+	b.stored.Store(id, true)
+	const usage = `{"input_tokens":50,"input_tokens_details":{"cached_tokens":0},"output_tokens":2,"output_tokens_details":{"reasoning_tokens":0},"total_tokens":52}`
+	done := fmt.Sprintf(`{"id":%q,"object":"response","created_at":1,"status":"completed","model":"sim-model",`+
+		`"output":[{"type":"message","id":"msg_1","status":"completed","role":"assistant","content":[{"type":"output_text","text":"Sunny.","annotations":[]}]}],`+
+		`"parallel_tool_calls":true,"tool_choice":"auto","tools":[],"usage":%s}`, id, usage)
+	if !req.Stream {
+		w.Header().Set("Content-Type", "application/json")
+		io.WriteString(w, done)
+		return
+	}
+	w.Header().Set("Content-Type", "text/event-stream")
+	event := func(typ, data string) {
+		fmt.Fprintf(w, "event: %s\ndata: {\"type\":%q,%s}\n\n", typ, typ, data)
+	}
+	event("response.created", fmt.Sprintf(`"sequence_number":0,"response":{"id":%q,"object":"response","created_at":1,"status":"in_progress","model":"sim-model","output":[]}`, id))
+	for i, delta := range []string{"Sun", "ny."} {
+		event("response.output_text.delta", fmt.Sprintf(`"sequence_number":%d,"item_id":"msg_1","output_index":0,"content_index":0,"delta":%q,"logprobs":[]`, i+1, delta))
+	}
+	event("response.completed", `"sequence_number":3,"response":`+done)
+}
+
+// TestResponsesAPI drives lb_policy llm and the llm matcher with the official OpenAI Go client's
+// Responses API, as agents send it (store false, the whole history in every request): a conversation's
+// instructions and input items are read and counted, each later turn goes where its history was sent
+// (its prefix found cached there), whole and streamed, with function calls and their outputs in the
+// history; the matcher's api responses matches it; and llm_resume relays its typed events as they are
+// (a stream of them ends without chat's [DONE]).
+func TestResponsesAPI(t *testing.T) {
+	dials, backends := responsesBackends(t, 3)
+	tester := caddytest.NewTester(t)
+	tester.InitServer(globalOptions+fmt.Sprintf(`
+%s {
+	@responses llm {
+		api responses
+	}
+	header @responses X-Responses-Matched yes
+	llm_resume
+	reverse_proxy %s {
+		lb_policy llm
+		header_down X-LLM-API {http.llm.api}
+		header_down X-LLM-Prompt-Tokens {http.llm.prompt_tokens}
+		header_down X-LLM-Matched {http.llm.matched_tokens}
+		flush_interval -1
+	}
+}
+`, site, strings.Join(dials, " ")), "caddyfile")
+	client := openai.NewClient(option.WithBaseURL(proxyURL+"/v1/"), option.WithAPIKey("test"), option.WithMaxRetries(0))
+	ctx := context.Background()
+	instructions := "You are a weather assistant. " + strings.Repeat("Answer in one short sentence. ", 30)
+
+	// history is conversation conv's input items before its turn (0-2): the user's long question, then
+	// the function call the model made and its output, then the model's answer and a new question.
+	history := func(conv, turn int) responses.ResponseInputParam {
+		question := fmt.Sprintf("Conversation %d. %s What is the weather in Paris?", conv,
+			strings.Repeat(fmt.Sprintf("Context line %d of conversation %d. ", conv, conv), 80))
+		items := responses.ResponseInputParam{responses.ResponseInputItemParamOfMessage(question, responses.EasyInputMessageRoleUser)}
+		if turn >= 1 {
+			call := responses.ResponseInputItemParamOfFunctionCall(`{"city":"Paris"}`, fmt.Sprintf("call_%d", conv), "get_weather")
+			output := responses.ResponseInputItemParamOfFunctionCallOutput("18C, cloudy")
+			output.OfFunctionCallOutput.CallID = openai.String(fmt.Sprintf("call_%d", conv))
+			items = append(items, call, output)
+		}
+		if turn >= 2 {
+			items = append(items,
+				responses.ResponseInputItemParamOfMessage("It is 18C and cloudy.", responses.EasyInputMessageRoleAssistant),
+				responses.ResponseInputItemParamOfMessage("And tomorrow?", responses.EasyInputMessageRoleUser))
+		}
+		return items
+	}
+	// ask sends one turn and returns the backend that answered, the prompt tokens the policy counted and
+	// the cached tokens it predicted.
+	ask := func(t *testing.T, conv, turn int, stream bool) (backend string, prompt, matched int) {
+		t.Helper()
+		params := responses.ResponseNewParams{
+			Model:           "sim-model",
+			Instructions:    openai.String(instructions),
+			Input:           responses.ResponseNewParamsInputUnion{OfInputItemList: history(conv, turn)},
+			MaxOutputTokens: openai.Int(16),
+			Store:           openai.Bool(false),
+		}
+		var httpRes *http.Response
+		var id, text string
+		if stream {
+			s := client.Responses.NewStreaming(ctx, params, option.WithResponseInto(&httpRes))
+			completed := false
+			for s.Next() {
+				switch ev := s.Current(); ev.Type {
+				case "response.output_text.delta":
+					text += ev.Delta
+				case "response.completed":
+					completed, id = true, ev.Response.ID
+				}
+			}
+			if err := s.Err(); err != nil {
+				t.Fatal(err)
+			}
+			s.Close()
+			if !completed {
+				t.Fatal("the stream ended without response.completed")
+			}
+		} else {
+			res, err := client.Responses.New(ctx, params, option.WithResponseInto(&httpRes))
+			if err != nil {
+				t.Fatal(err)
+			}
+			id, text = res.ID, res.OutputText()
+			if res.Usage.OutputTokens != 2 {
+				t.Errorf("usage %+v, want the backend's", res.Usage)
+			}
+		}
+		if text != "Sunny." {
+			t.Errorf("answer %q, want Sunny.", text)
+		}
+		h := httpRes.Header
+		if h.Get("X-LLM-API") != "responses" || h.Get("X-Responses-Matched") != "yes" {
+			t.Errorf("api placeholder %q, matcher header %q: want responses, yes", h.Get("X-LLM-API"), h.Get("X-Responses-Matched"))
+		}
+		prompt, _ = strconv.Atoi(h.Get("X-LLM-Prompt-Tokens"))
+		matched, _ = strconv.Atoi(h.Get("X-LLM-Matched"))
+		parts := strings.Split(id, "_")
+		if len(parts) != 3 || backends[parts[1]] == nil {
+			t.Fatalf("response id %q names no backend", id)
+		}
+		return parts[1], prompt, matched
+	}
+
+	for conv := range 4 {
+		home, first, _ := ask(t, conv, 0, conv%2 == 1)
+		if first < 900 {
+			t.Errorf("conversation %d: first turn counted %d prompt tokens, want the instructions and the long question (900+)", conv, first)
+		}
+		last := first
+		for turn := 1; turn <= 2; turn++ {
+			got, prompt, matched := ask(t, conv, turn, (conv+turn)%2 == 1)
+			if got != home {
+				t.Errorf("conversation %d turn %d went to backend %s, its history to %s", conv, turn, got, home)
+			}
+			if prompt <= last || matched < first-64 {
+				t.Errorf("conversation %d turn %d: %d prompt tokens (the turn before %d), %d predicted cached: want more, and the history found", conv, turn, prompt, last, matched)
+			}
+			last = prompt
+		}
+	}
+	total := int64(0)
+	for _, b := range backends {
+		total += b.served.Load()
+	}
+	if total != 12 {
+		t.Errorf("backends answered %d requests, want 12", total)
+	}
+}
+
+// responsesBackends starts n responsesBackends and returns their dials and the backends by name.
+func responsesBackends(t *testing.T, n int) ([]string, map[string]*responsesBackend) {
+	t.Helper()
+	backends := map[string]*responsesBackend{}
+	var dials []string
+	for i := range n {
+		b := &responsesBackend{name: strconv.Itoa(i)}
+		srv := httptest.NewServer(b)
+		t.Cleanup(srv.Close)
+		dials = append(dials, strings.TrimPrefix(srv.URL, "http://"))
+		backends[b.name] = b
+	}
+	return dials, backends
+}
+
+// TestResponsesContinueWhereStored: with transport llm, a request continuing a stored response
+// (previous_response_id) goes to the upstream that produced it, whole and streamed, every turn of several
+// conversations; any other upstream would answer 404. The decision is reported as the conversation's.
+// A retry after that upstream failed goes there again, the only one that can answer.
+func TestResponsesContinueWhereStored(t *testing.T) {
+	dials, backends := responsesBackends(t, 3)
+	tester := caddytest.NewTester(t)
+	tester.InitServer(globalOptions+fmt.Sprintf(`
+%s {
+	reverse_proxy %s {
+		lb_policy llm
+		transport llm
+		lb_retries 1
+		lb_retry_match {
+			expression `+"`{rp.status_code} == 503`"+`
+		}
+		header_down X-LLM-Reason {http.llm.upstream_reason}
+		flush_interval -1
+	}
+}
+`, site, strings.Join(dials, " ")), "caddyfile")
+	client := openai.NewClient(option.WithBaseURL(proxyURL+"/v1/"), option.WithAPIKey("test"), option.WithMaxRetries(0))
+	ctx := context.Background()
+	send := func(t *testing.T, input, previous string, stream bool) (id, reason string) {
+		t.Helper()
+		params := responses.ResponseNewParams{
+			Model: "sim-model",
+			Input: responses.ResponseNewParamsInputUnion{OfString: openai.String(input)},
+		}
+		if previous != "" {
+			params.PreviousResponseID = openai.String(previous)
+		}
+		var httpRes *http.Response
+		if !stream {
+			res, err := client.Responses.New(ctx, params, option.WithResponseInto(&httpRes))
+			if err != nil {
+				t.Fatalf("continuing %q: %v", previous, err)
+			}
+			return res.ID, httpRes.Header.Get("X-LLM-Reason")
+		}
+		s := client.Responses.NewStreaming(ctx, params, option.WithResponseInto(&httpRes))
+		for s.Next() {
+			if ev := s.Current(); ev.Type == "response.completed" {
+				id = ev.Response.ID
+			}
+		}
+		if err := s.Err(); err != nil {
+			t.Fatalf("continuing %q: %v", previous, err)
+		}
+		s.Close()
+		return id, httpRes.Header.Get("X-LLM-Reason")
+	}
+	backendOf := func(id string) string { return strings.Split(id, "_")[1] }
+	homes := map[string]bool{}
+	for conv := range 6 {
+		id, _ := send(t, fmt.Sprintf("Conversation %d: %s", conv, strings.Repeat("some context ", 50)), "", conv%2 == 0)
+		home := backendOf(id)
+		homes[home] = true
+		for turn := 1; turn <= 3; turn++ {
+			if turn == 2 {
+				backends[home].failNext.Store(1) // the first attempt fails; the retry must go home again
+			}
+			next, reason := send(t, fmt.Sprintf("Turn %d of conversation %d: and then?", turn, conv), id, (conv+turn)%2 == 0)
+			if backendOf(next) != home || reason != "conversation" {
+				t.Errorf("conversation %d turn %d answered by backend %s (reason %q), its stored response by %s", conv, turn, backendOf(next), reason, home)
+			}
+			id = next
+		}
+	}
+	if len(homes) < 2 {
+		t.Errorf("the conversations started on %d backend(s): want them spread, so that staying is not chance", len(homes))
+	}
+	total := int64(0)
+	for _, b := range backends {
+		total += b.served.Load()
+	}
+	if total != 24 {
+		t.Errorf("backends answered %d requests, want 24", total)
+	}
+}
+
+func TestResponseID(t *testing.T) {
+	long := strings.Repeat("x", maxResponseIDLen+1)
+	tests := []struct {
+		name  string
+		body  string
+		event bool
+		want  string
+	}{
+		{"created event", `data: {"type":"response.created","sequence_number":0,"response":{"id":"resp_abc","object":"response"}}`, true, "resp_abc"},
+		{"another event", `data: {"type":"response.output_text.delta","item_id":"msg_1","delta":"x"}`, true, ""},
+		{"created event, id after other fields", `data: {"type":"response.created","response":{"object":"response","id":"resp_9"}}`, true, "resp_9"},
+		{"whole answer", `{"id":"resp_1","object":"response","output":[{"id":"msg_1"}]}`, false, "resp_1"},
+		{"escaped id", `{"id":"resp_\u0041","object":"response"}`, false, ""},
+		{"too long", `{"id":"` + long + `"}`, false, ""},
+		{"no id", `{"object":"response"}`, false, ""},
+		{"empty id", `{"id":""}`, false, ""},
+	}
+	for _, tt := range tests {
+		if got := responseID([]byte(tt.body), tt.event); got != tt.want {
+			t.Errorf("%s: responseID = %q, want %q", tt.name, got, tt.want)
+		}
+	}
+}
+
+func TestStoredResponsesBounded(t *testing.T) {
+	s := newStoredResponses(2)
+	now := time.Now().UnixNano()
+	s.add("a", "u:1", now)
+	s.add("b", "u:2", now)
+	if d, ok := s.upstream("a", now); !ok || d != "u:1" {
+		t.Errorf("a = %q, %v: want u:1", d, ok)
+	}
+	s.add("c", "u:3", now) // evicts b, the least recently used
+	if _, ok := s.upstream("b", now); ok {
+		t.Error("b kept beyond the capacity")
+	}
+	if d, ok := s.upstream("c", now+int64(storedResponseTTL)); !ok || d != "u:3" {
+		t.Errorf("c at its TTL = %q, %v: want u:3", d, ok)
+	}
+	if _, ok := s.upstream("a", now+int64(storedResponseTTL)+1); ok {
+		t.Error("a kept beyond its TTL")
+	}
+	s.add(strings.Repeat("x", maxResponseIDLen+1), "u:1", now)
+	s.add("", "u:1", now)
+	if s.lru.Len() != 1 {
+		t.Errorf("%d ids stored, want 1 (an empty or too long id is not stored; a expired)", s.lru.Len())
+	}
+}
