@@ -345,6 +345,13 @@ func (s *LLMSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, w
 	}
 	defer lr.drop()
 	if lr.api == tokenize.APIUnknown {
+		// A stored response's retrieval, cancellation or input items (GET /v1/responses/{id}, ...): where
+		// it was produced, the only upstream that has it.
+		if dial, ok := stored.upstream(responseIDInPath(r.URL.Path), time.Now().UnixNano()); ok {
+			if up := storedUpstream(pool, dial); up != nil {
+				return up
+			}
+		}
 		if lr.sniffed {
 			// A POST to an LLM endpoint whose body did not declare JSON and is not an OpenAI request
 			// (curl -d 'text'): routed by the fallback, and counted as such.
@@ -585,11 +592,9 @@ func (sc *scratch) gather(pool reverseproxy.UpstreamPool, tried []string, now in
 // upstream answers 404), so it goes there even when it was tried already or answered 429: a retry
 // there may succeed.
 func (sc *scratch) gatherStored(pool reverseproxy.UpstreamPool, dial string) bool {
-	for _, u := range pool {
-		if u.Dial == dial && u.Available() {
-			sc.upstreams, sc.keys = append(sc.upstreams, u), append(sc.keys, u.Dial)
-			return true
-		}
+	if u := storedUpstream(pool, dial); u != nil {
+		sc.upstreams, sc.keys = append(sc.upstreams, u), append(sc.keys, u.Dial)
+		return true
 	}
 	return false
 }

@@ -2,17 +2,20 @@ package caddyllm
 
 import (
 	"bytes"
+	"strings"
 	"sync"
 	"time"
 
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"github.com/hashicorp/golang-lru/v2/simplelru"
 )
 
 // Stored responses: the Responses API lets a request continue an earlier response by its id
 // (previous_response_id), whose history the server keeps in its own memory (vLLM's store, on by default
 // in OpenAI's clients). Only the upstream that produced it can answer such a request; any other answers
-// 404. transport llm reads each response's id as it relays the response, and a request continuing it
-// goes to that upstream while it is available (Select).
+// 404. transport llm reads each response's id as it relays the response, and a request continuing it,
+// or retrieving, cancelling or listing it (GET /v1/responses/{id}, POST .../{id}/cancel, GET
+// .../{id}/input_items, DELETE), goes to that upstream while it is available (Select).
 
 // storedResponseCap bounds how many response ids are remembered (about 100 bytes each), and
 // storedResponseTTL how long: a conversation's next turn comes within minutes, and a backend that
@@ -103,4 +106,28 @@ func responseID(p []byte, event bool) string {
 		return ""
 	}
 	return string(p[:end])
+}
+
+// storedUpstream returns the upstream of dial in pool when it is available, else nil.
+func storedUpstream(pool reverseproxy.UpstreamPool, dial string) *reverseproxy.Upstream {
+	for _, u := range pool {
+		if u.Dial == dial && u.Available() {
+			return u
+		}
+	}
+	return nil
+}
+
+// responseIDInPath returns the response id a Responses API path addresses (".../responses/{id}", and
+// its "/cancel" and "/input_items"), or "".
+func responseIDInPath(path string) string {
+	i := strings.LastIndex(path, "/responses/")
+	if i < 0 {
+		return ""
+	}
+	id, rest, _ := strings.Cut(path[i+len("/responses/"):], "/")
+	if rest != "" && rest != "cancel" && rest != "input_items" {
+		return ""
+	}
+	return id
 }

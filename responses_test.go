@@ -25,13 +25,30 @@ import (
 // answers 404 to a request continuing one it did not (previous_response_id), as vLLM does. It has no
 // /metrics, as an OpenAI-compatible server other than vLLM or SGLang.
 type responsesBackend struct {
-	name     string
-	served   atomic.Int64
-	stored   sync.Map     // response ids it produced
-	failNext atomic.Int64 // answer this many requests 503 first
+	name      string
+	served    atomic.Int64
+	stored    sync.Map     // response ids it produced
+	failNext  atomic.Int64 // answer this many requests 503 first
+	retrieved atomic.Int64 // stored responses retrieved or deleted
 }
 
 func (b *responsesBackend) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if id, ok := strings.CutPrefix(r.URL.Path, "/v1/responses/"); ok && (r.Method == http.MethodGet || r.Method == http.MethodDelete) {
+		// A stored response's retrieval or deletion: 404 unless it was stored here.
+		if _, ok := b.stored.Load(id); !ok {
+			http.Error(w, `{"error":{"message":"not found","code":404}}`, http.StatusNotFound)
+			return
+		}
+		b.retrieved.Add(1)
+		w.Header().Set("Content-Type", "application/json")
+		if r.Method == http.MethodDelete {
+			b.stored.Delete(id)
+			fmt.Fprintf(w, `{"id":%q,"object":"response.deleted","deleted":true}`, id)
+			return
+		}
+		fmt.Fprintf(w, `{"id":%q,"object":"response","created_at":1,"status":"completed","model":"sim-model","output":[]}`, id)
+		return
+	}
 	if r.Method != http.MethodPost || r.URL.Path != "/v1/responses" {
 		http.NotFound(w, r)
 		return
@@ -227,7 +244,8 @@ func responsesBackends(t *testing.T, n int) ([]string, map[string]*responsesBack
 // TestResponsesContinueWhereStored: with transport llm, a request continuing a stored response
 // (previous_response_id) goes to the upstream that produced it, whole and streamed, every turn of several
 // conversations; any other upstream would answer 404. The decision is reported as the conversation's.
-// A retry after that upstream failed goes there again, the only one that can answer.
+// A retry after that upstream failed goes there again, the only one that can answer, and so do the
+// stored response's retrieval and deletion.
 func TestResponsesContinueWhereStored(t *testing.T) {
 	dials, backends := responsesBackends(t, 3)
 	tester := caddytest.NewTester(t)
@@ -292,6 +310,12 @@ func TestResponsesContinueWhereStored(t *testing.T) {
 			}
 			id = next
 		}
+		if res, err := client.Responses.Get(ctx, id, responses.ResponseGetParams{}); err != nil || res.ID != id {
+			t.Errorf("retrieving %s: %v", id, err)
+		}
+		if err := client.Responses.Delete(ctx, id); err != nil {
+			t.Errorf("deleting %s: %v", id, err)
+		}
 	}
 	if len(homes) < 2 {
 		t.Errorf("the conversations started on %d backend(s): want them spread, so that staying is not chance", len(homes))
@@ -302,6 +326,29 @@ func TestResponsesContinueWhereStored(t *testing.T) {
 	}
 	if total != 24 {
 		t.Errorf("backends answered %d requests, want 24", total)
+	}
+	retrieved := int64(0)
+	for _, b := range backends {
+		retrieved += b.retrieved.Load()
+	}
+	if retrieved != 12 {
+		t.Errorf("%d retrievals and deletions answered, want 12", retrieved)
+	}
+}
+
+func TestResponseIDInPath(t *testing.T) {
+	for path, want := range map[string]string{
+		"/v1/responses/resp_1":             "resp_1",
+		"/openai/v1/responses/resp_1":      "resp_1",
+		"/v1/responses/resp_1/cancel":      "resp_1",
+		"/v1/responses/resp_1/input_items": "resp_1",
+		"/v1/responses/resp_1/other":       "",
+		"/v1/responses":                    "",
+		"/v1/chat/completions":             "",
+	} {
+		if got := responseIDInPath(path); got != want {
+			t.Errorf("responseIDInPath(%q) = %q, want %q", path, got, want)
+		}
 	}
 }
 
