@@ -175,6 +175,17 @@ func (p *parser) optString(dst *span, has *bool, what string, idx, sub int) erro
 	}
 }
 
+// reqString reads a string into *dst; anything else, null included, is an error naming the field (what,
+// formatted by fieldName with idx and sub).
+func (p *parser) reqString(dst *span, has *bool, what string, idx, sub int) error {
+	if p.s.peek() != '"' {
+		return p.s.typeErr("%s must be a string", fieldName(what, idx, sub))
+	}
+	sp, err := p.str()
+	*dst, *has = sp, true
+	return err
+}
+
 // The routing hints (stream, max_tokens, max_completion_tokens) are read as leniently as the servers
 // behind the proxy read them: vLLM and SGLang validate with pydantic in lax mode, which takes "true",
 // 1 or "yes" for a boolean and 100.0 or "100" for an integer. A value neither reads is left as absent
@@ -366,12 +377,7 @@ func (p *parser) parseMessage(idx int) error {
 		k := p.key(raw, esc)
 		switch {
 		case string(k) == "role":
-			if s.peek() != '"' {
-				return s.typeErr("messages[%d].role must be a string", idx)
-			}
-			sp, err := p.str()
-			m.role, m.hasRole = sp, true
-			return err
+			return p.reqString(&m.role, &m.hasRole, "messages[%d].role", idx, 0)
 		case string(k) == "content":
 			p.kill(int(m.segStart), fieldContent)
 			return p.parseContent(idx, "content")
@@ -527,19 +533,9 @@ func (p *parser) parseItem(idx int) error {
 		k := p.key(raw, esc)
 		switch {
 		case string(k) == "type":
-			if s.peek() != '"' {
-				return s.typeErr("input[%d].type must be a string", idx)
-			}
-			sp, err := p.str()
-			typ, hasType = sp, true
-			return err
+			return p.reqString(&typ, &hasType, "input[%d].type", idx, 0)
 		case string(k) == "role":
-			if s.peek() != '"' {
-				return s.typeErr("input[%d].role must be a string", idx)
-			}
-			sp, err := p.str()
-			m.role, m.hasRole = sp, true
-			return err
+			return p.reqString(&m.role, &m.hasRole, "input[%d].role", idx, 0)
 		case string(k) == "content" || string(k) == "output":
 			p.kill(int(m.segStart), fieldContent)
 			return p.parseContent(idx, string(k))
