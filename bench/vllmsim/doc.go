@@ -9,6 +9,11 @@
 // caching: full prompt blocks are identified by a chained xxhash, reused by later requests that share
 // the prefix, and evicted least-recently-used when unreferenced blocks are needed.
 //
+// The Responses API (POST /v1/responses) is served as vLLM serves it: instructions and input items are
+// templated as chat messages, a response is stored (unless "store": false) on this server alone, a
+// request continuing one (previous_response_id) prefills its conversation and is answered 404 by any
+// other server, and GET and DELETE /v1/responses/{id} retrieve and delete it.
+//
 // LoRA adapters (Config.LoRAAdapters) are served under their own model names from MaxLoRAs slots: the
 // step that admits a request whose adapter is not resident lasts LoRALoadTime longer, the least recently
 // used idle adapter is evicted for it, a request whose adapter finds no free slot is skipped until one

@@ -105,6 +105,8 @@ type Server struct {
 	loras          []loraSlot // resident LoRA adapters, at most MaxLoRAs
 	loraLoads      int64      // adapters loaded into a slot
 	started        time.Time  // the simulated process's start (process_start_time_seconds); Restart moves it
+
+	stored responseStore // the Responses API's stored responses
 }
 
 // New validates cfg, fills in defaults and starts the engine goroutine; Close stops it.

@@ -8,6 +8,7 @@ import (
 	"io"
 	"net/http"
 	"strconv"
+	"strings"
 	"time"
 )
 
@@ -19,16 +20,18 @@ const maxBodyBytes = 64 << 20
 var outputWords = [...]string{" the", " sim", " ran", " and", " one", " new", " day", " was", " fun", " yes"}
 
 // ServeHTTP serves the OpenAI-compatible API (POST /v1/chat/completions, POST /v1/completions,
-// GET /v1/models), GET /health and GET /metrics. Headers: "X-Sim-Status: <code>" answers that status
+// POST /v1/responses with GET and DELETE /v1/responses/{id}, GET /v1/models), GET /health and GET /metrics. Headers: "X-Sim-Status: <code>" answers that status
 // (codes >= 400 with an OpenAI error body), "X-Sim-Drop: mid-stream" drops the connection after some
 // output, "X-Sim-Cut-After: <n>" drops a stream's connection after n output tokens. The request goroutine waits on the engine through channels; it never holds the engine
 // mutex while writing.
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	switch r.URL.Path {
 	case "/v1/chat/completions":
-		s.serveCompletion(w, r, true)
+		s.serveCompletion(w, r, apiChat)
 	case "/v1/completions":
-		s.serveCompletion(w, r, false)
+		s.serveCompletion(w, r, apiCompletions)
+	case "/v1/responses":
+		s.serveCompletion(w, r, apiResponses)
 	case "/v1/models":
 		if !allowMethod(w, r, http.MethodGet) {
 			return
@@ -58,11 +61,24 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 		s.serveMetrics(w, r)
 	default:
+		if id := storedID(r.URL.Path); id != "" {
+			s.serveStored(w, r, id)
+			return
+		}
 		w.Header().Set("Content-Type", "application/json")
 		w.WriteHeader(http.StatusNotFound)
 		io.WriteString(w, `{"detail":"Not Found"}`)
 	}
 }
+
+// api is the endpoint a completion request came to.
+type api uint8
+
+const (
+	apiCompletions api = iota
+	apiChat
+	apiResponses
+)
 
 func allowMethod(w http.ResponseWriter, r *http.Request, method string) bool {
 	if r.Method == method || method == http.MethodGet && r.Method == http.MethodHead {
@@ -79,7 +95,7 @@ func allowMethod(w http.ResponseWriter, r *http.Request, method string) bool {
 // arrived (unix nanoseconds).
 const ArrivedHeader = "X-Sim-Arrived"
 
-func (s *Server) serveCompletion(w http.ResponseWriter, r *http.Request, chat bool) {
+func (s *Server) serveCompletion(w http.ResponseWriter, r *http.Request, kind api) {
 	if !allowMethod(w, r, http.MethodPost) {
 		return
 	}
@@ -103,8 +119,17 @@ func (s *Server) serveCompletion(w http.ResponseWriter, r *http.Request, chat bo
 			return
 		}
 	}
-	p, err := parseRequest(body, chat)
+	var p parsedRequest
+	if kind == apiResponses {
+		p, err = s.parseResponses(body)
+	} else {
+		p, err = parseRequest(body, kind == apiChat)
+	}
 	if err != nil {
+		if errors.Is(err, errNotFound) {
+			s.writeError(w, http.StatusNotFound, strings.TrimPrefix(err.Error(), errNotFound.Error()+": "))
+			return
+		}
 		s.writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
@@ -139,8 +164,8 @@ func (s *Server) serveCompletion(w http.ResponseWriter, r *http.Request, chat bo
 		cutAfter = v
 	}
 	rs := responseShape{
-		chat:    chat,
-		id:      s.responseID(chat),
+		chat:    kind == apiChat,
+		id:      s.responseID(kind),
 		created: time.Now().Unix(),
 		model:   s.modelJSON,
 		p:       &p,
@@ -156,10 +181,13 @@ func (s *Server) serveCompletion(w http.ResponseWriter, r *http.Request, chat bo
 	}
 }
 
-func (s *Server) responseID(chat bool) string {
+func (s *Server) responseID(kind api) string {
 	prefix := "cmpl-"
-	if chat {
+	switch kind {
+	case apiChat:
 		prefix = "chatcmpl-"
+	case apiResponses:
+		prefix = "resp_"
 	}
 	return fmt.Sprintf("%ssim%08x%08x", prefix, s.idBase, s.nextID.Add(1))
 }
@@ -246,10 +274,15 @@ func (s *Server) serveStream(w http.ResponseWriter, r *http.Request, rs *respons
 		}
 		if done {
 			buf = buf[:0]
-			if rs.p.includeUsage {
-				buf = rs.appendUsageChunk(buf)
+			switch {
+			case rs.p.responses:
+				s.storeResponse(rs)
+				buf = rs.appendDone(buf) // a response's stream has no [DONE]
+			case rs.p.includeUsage:
+				buf = append(rs.appendUsageChunk(buf), "data: [DONE]\n\n"...)
+			default:
+				buf = append(buf, "data: [DONE]\n\n"...)
 			}
-			buf = append(buf, "data: [DONE]\n\n"...)
 			_, _ = w.Write(buf)
 			_ = rc.Flush()
 			return
@@ -268,7 +301,13 @@ func (s *Server) serveWhole(w http.ResponseWriter, r *http.Request, rs *response
 		s.writeError(w, http.StatusServiceUnavailable, rs.req.err.Error())
 		return
 	}
-	body := rs.appendWhole(make([]byte, 0, 512+rs.p.maxTokens*bytesPerToken))
+	var body []byte
+	if rs.p.responses {
+		s.storeResponse(rs)
+		body = rs.appendResponse(make([]byte, 0, 1024+rs.p.maxTokens*bytesPerToken), true)
+	} else {
+		body = rs.appendWhole(make([]byte, 0, 512+rs.p.maxTokens*bytesPerToken))
+	}
 	w.Header().Set("Content-Type", "application/json")
 	if drop {
 		w.Header().Set("Content-Length", strconv.Itoa(len(body)))
@@ -324,6 +363,7 @@ type responseShape struct {
 	model   []byte // JSON string literal
 	p       *parsedRequest
 	req     *request
+	seq     int // the Responses API's next event sequence number
 }
 
 func (rs *responseShape) appendHead(buf []byte, object string) []byte {
@@ -353,6 +393,9 @@ func appendTokens(buf []byte, from, to int) []byte {
 
 // appendChunk appends one SSE event carrying output tokens [from, to).
 func (rs *responseShape) appendChunk(buf []byte, from, to int, last bool) []byte {
+	if rs.p.responses {
+		return rs.appendDeltas(buf, from, to)
+	}
 	buf = append(buf, "data: "...)
 	if rs.chat {
 		buf = rs.appendHead(buf, "chat.completion.chunk")

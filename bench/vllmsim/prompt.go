@@ -26,6 +26,12 @@ type parsedRequest struct {
 	includeUsage bool
 	maxTokens    int
 	maxTokensSet bool
+	// A Responses API request's: responses is set, store whether to keep it, previous the response it
+	// continues, conversation its prompt after the tools and instructions (what a continuation repeats).
+	responses    bool
+	store        bool
+	previous     string
+	conversation []byte
 }
 
 type chatBody struct {
@@ -165,7 +171,7 @@ func appendContent(buf *bytes.Buffer, raw rawContent) error {
 			if err := json.Unmarshal(part, &cp); err != nil {
 				return err
 			}
-			if cp.Type == "text" {
+			if cp.Type == "text" || cp.Type == "input_text" || cp.Type == "output_text" {
 				buf.WriteString(cp.Text)
 			} else {
 				buf.Write(part)

@@ -49,7 +49,8 @@ func openAINode(t *testing.T) (node, dir string) {
 
 // TestDemoWithOpenAINodeClient runs the official `openai` npm package against the demo config
 // (examples/Caddyfile): a non-streamed and a streamed chat completion through lb_policy llm to the
-// simulated backends, with usage.
+// simulated backends, with usage, and a stored response continued by previous_response_id for three
+// turns and retrieved, which only the backend that stored it can answer.
 func TestDemoWithOpenAINodeClient(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts Caddy and node")
@@ -95,6 +96,12 @@ func TestDemoWithOpenAINodeClient(t *testing.T) {
 		Usage        *usage `json:"usage"`
 		Chunks       int    `json:"chunks"`
 		IDs          int    `json:"ids"`
+		// The Responses API's
+		ResponseUsage *struct {
+			InputTokens  int `json:"input_tokens"`
+			OutputTokens int `json:"output_tokens"`
+		} `json:"response_usage"`
+		Retrieved bool `json:"retrieved"`
 	}
 	results := map[string]result{}
 	printed := stdout.String()
@@ -129,7 +136,17 @@ func TestDemoWithOpenAINodeClient(t *testing.T) {
 		t.Errorf("streamed usage %+v, want 20 completion tokens and a prompt", stream.Usage)
 	}
 
-	// Both went through lb_policy llm: it learned their prompt's prefixes.
+	resp, ok := results["responses"]
+	switch {
+	case !ok:
+		t.Error("no stored response continued")
+	case resp.IDs != 4 || resp.Chunks != 8 || len(resp.Content) != 4*8 || !resp.Retrieved:
+		t.Errorf("responses %+v: want 4 responses, the streamed one of 8 tokens, the last retrieved", resp)
+	case resp.ResponseUsage == nil || resp.ResponseUsage.OutputTokens != 8 || resp.ResponseUsage.InputTokens == 0:
+		t.Errorf("response usage %+v, want 8 output tokens and a prompt", resp.ResponseUsage)
+	}
+
+	// They went through lb_policy llm: it learned their prompt's prefixes.
 	res, err := http.Get(fmt.Sprintf("http://localhost:%d/llm/upstreams", admin))
 	if err != nil {
 		t.Fatal(err)

@@ -1,5 +1,5 @@
 // A client as Node applications write it: the official `openai` npm package, one non-streamed and one
-// streamed chat completion through the balancer. It prints one JSON line per completion for the Go
+// streamed chat completion through the balancer, and a stored response continued for three turns. It prints one JSON line per completion for the Go
 // test (cmd/caddy/demo_node_test.go) to check. Usage:
 //
 //   NODE_PATH=<dir>/node_modules OPENAI_BASE_URL=http://127.0.0.1:8080/v1 node openai_client.cjs
@@ -42,6 +42,36 @@ async function main() {
     if (chunk.usage) usage = chunk.usage;
   }
   console.log(JSON.stringify({ kind: 'stream', ids: ids.size, chunks, content, finish_reason: finish, usage }));
+
+  // The Responses API: a stored response continued by previous_response_id for three turns (the second
+  // streamed), then retrieved. The response is stored on the one backend that produced it, and any
+  // other answers 404 (which throws here): every request must reach that backend.
+  // (The continuations carry no instructions, so no prefix of theirs leads to that backend.)
+  const ask = { model: 'sim-model', max_output_tokens: 8 };
+  let resp = await client.responses.create({ ...ask, instructions: 'Be brief.', input: 'Say hello from Node.' });
+  const ids2 = [resp.id];
+  let streamed = '';
+  for (let turn = 1; turn <= 3; turn++) {
+    const params = { ...ask, previous_response_id: resp.id, input: [{ role: 'user', content: `Turn ${turn}: and then?` }] };
+    if (turn === 2) {
+      for await (const ev of await client.responses.create({ ...params, stream: true })) {
+        if (ev.type === 'response.output_text.delta') streamed += ev.delta;
+        if (ev.type === 'response.completed' || ev.type === 'response.incomplete') resp = ev.response;
+      }
+    } else {
+      resp = await client.responses.create(params);
+    }
+    ids2.push(resp.id);
+  }
+  const retrieved = await client.responses.retrieve(resp.id);
+  console.log(JSON.stringify({
+    kind: 'responses',
+    ids: new Set(ids2).size,
+    chunks: streamed.length / 4,
+    content: resp.output[0].content[0].text,
+    response_usage: resp.usage,
+    retrieved: retrieved.id === resp.id,
+  }));
 }
 
 main().catch((err) => {
