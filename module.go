@@ -347,7 +347,7 @@ func (s *LLMSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, w
 	if lr.api == tokenize.APIUnknown {
 		// A stored response's retrieval, cancellation or input items (GET /v1/responses/{id}, ...): where
 		// it was produced, the only upstream that has it.
-		if dial, ok := stored.upstream(responseIDInPath(r.URL.Path), time.Now().UnixNano()); ok {
+		if dial, ok := s.routes.Pinned(responsesPinModel, responseIDInPath(r.URL.Path)); ok {
 			if up := storedUpstream(pool, dial); up != nil {
 				return up
 			}
@@ -408,8 +408,9 @@ func (s *LLMSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, w
 	sc := scratchPool.Get().(*scratch)
 	defer scratchPool.Put(sc)
 	sc.reset()
+	lr.routes = s.routes
 	storedThere := false
-	if dial, ok := stored.upstream(req.PreviousResponseID, start.UnixNano()); ok {
+	if dial, ok := s.routes.Pinned(responsesPinModel, req.PreviousResponseID); ok {
 		storedThere = sc.gatherStored(pool, dial)
 	}
 	if !storedThere {

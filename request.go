@@ -14,6 +14,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 
+	"github.com/tokenrouter/caddy-llm/affinity"
 	"github.com/tokenrouter/caddy-llm/tokenize"
 )
 
@@ -57,6 +58,9 @@ type llmRequest struct {
 
 	acct  *reservationHolder // created by the first Select
 	tried []string           // dial addresses of the upstreams already selected for this request
+	// routes is the route table of the policy that routed it: a response it gets from the Responses API
+	// is pinned there (responses.go).
+	routes *affinity.Table
 }
 
 // String keeps the request (and its prompt) out of logs and placeholders such as {http.vars.llm.request}.

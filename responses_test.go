@@ -12,7 +12,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
-	"time"
 
 	"github.com/caddyserver/caddy/v2/caddytest"
 	"github.com/openai/openai-go/v3"
@@ -376,27 +375,58 @@ func TestResponseID(t *testing.T) {
 	}
 }
 
-func TestStoredResponsesBounded(t *testing.T) {
-	s := newStoredResponses(2)
-	now := time.Now().UnixNano()
-	s.add("a", "u:1", now)
-	s.add("b", "u:2", now)
-	if d, ok := s.upstream("a", now); !ok || d != "u:1" {
-		t.Errorf("a = %q, %v: want u:1", d, ok)
+// TestStoredResponsesPersist: the response ids are pins of the route table, so persist carries them over
+// a restart of the proxy: continuations after it still reach the backends that stored the responses.
+func TestStoredResponsesPersist(t *testing.T) {
+	dir := t.TempDir()
+	dials, backends := responsesBackends(t, 3)
+	config := strings.Replace(globalOptions, "{", "{\n\tstorage file_system "+dir, 1) + fmt.Sprintf(`
+%s {
+	reverse_proxy %s {
+		lb_policy llm {
+			persist 1h
+		}
+		transport llm
 	}
-	s.add("c", "u:3", now) // evicts b, the least recently used
-	if _, ok := s.upstream("b", now); ok {
-		t.Error("b kept beyond the capacity")
+}
+`, site, strings.Join(dials, " "))
+	tester := caddytest.NewTester(t)
+	tester.InitServer(config, "caddyfile")
+	client := openai.NewClient(option.WithBaseURL(proxyURL+"/v1/"), option.WithAPIKey("test"), option.WithMaxRetries(0))
+	ctx := context.Background()
+	ask := func(input, previous string) string {
+		t.Helper()
+		params := responses.ResponseNewParams{Model: "sim-model", Input: responses.ResponseNewParamsInputUnion{OfString: openai.String(input)}}
+		if previous != "" {
+			params.PreviousResponseID = openai.String(previous)
+		}
+		res, err := client.Responses.New(ctx, params)
+		if err != nil {
+			t.Fatalf("continuing %q: %v", previous, err)
+		}
+		return res.ID
 	}
-	if d, ok := s.upstream("c", now+int64(storedResponseTTL)); !ok || d != "u:3" {
-		t.Errorf("c at its TTL = %q, %v: want u:3", d, ok)
+	var ids []string
+	for conv := range 6 {
+		ids = append(ids, ask(fmt.Sprintf("Conversation %d: %s", conv, strings.Repeat("context ", 40)), ""))
 	}
-	if _, ok := s.upstream("a", now+int64(storedResponseTTL)+1); ok {
-		t.Error("a kept beyond its TTL")
+	// Unload (the table is dropped after its last snapshot), then start again from the snapshot.
+	tester.InitServer(globalOptions+site+" {\n\trespond ok\n}\n", "caddyfile")
+	if len(allRoutes()) != 0 {
+		t.Fatal("the route table outlived the last config using it")
 	}
-	s.add(strings.Repeat("x", maxResponseIDLen+1), "u:1", now)
-	s.add("", "u:1", now)
-	if s.lru.Len() != 1 {
-		t.Errorf("%d ids stored, want 1 (an empty or too long id is not stored; a expired)", s.lru.Len())
+	tester.InitServer(config, "caddyfile")
+	t.Cleanup(func() { tester.InitServer(globalOptions+site+" {\n\trespond ok\n}\n", "caddyfile") })
+	if p := adminState(t, adminURL).Tables[0].Persist; p == nil || p.RestoredPins < 6 {
+		t.Fatalf("persist after restart = %+v, want the 6 response ids restored as pins", p)
+	}
+	for conv, id := range ids {
+		next := ask(fmt.Sprintf("Turn 2 of conversation %d", conv), id)
+		if home, got := strings.Split(id, "_")[1], strings.Split(next, "_")[1]; got != home {
+			t.Errorf("conversation %d continued on backend %s after the restart, stored on %s", conv, got, home)
+		}
+	}
+	if n := backends["0"].served.Load() + backends["1"].served.Load() + backends["2"].served.Load(); n != 12 {
+		t.Errorf("backends answered %d requests, want 12", n)
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
+	"github.com/tokenrouter/caddy-llm/affinity"
 	"github.com/tokenrouter/caddy-llm/tokenize"
 )
 
@@ -72,7 +73,9 @@ func (t *LLMTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 		opaque: encoding != "" && encoding != "identity",
 		// The body starts on a new line.
 		lineEmpty: true,
-		stores:    lr != nil && lr.api == tokenize.APIResponses,
+	}
+	if lr != nil && lr.api == tokenize.APIResponses {
+		resp.Body.(*observedBody).routes = lr.routes
 	}
 	return resp, nil
 }
@@ -108,9 +111,9 @@ type observedBody struct {
 	tail    [tailBytes]byte
 	tailLen int
 
-	// stores: the answer is a Responses API response, whose id is remembered (responses.go); idSeen once
+	// routes, for a Responses API answer: the route table its id is pinned in (responses.go); idSeen once
 	// it is. A whole answer's first bytes are kept to find it.
-	stores  bool
+	routes  *affinity.Table
 	idSeen  bool
 	head    [headBytes]byte
 	headLen int
@@ -144,7 +147,7 @@ func (b *observedBody) observe(p []byte) {
 	}
 	b.keepTail(p)
 	if !b.stream {
-		if b.stores && b.headLen < headBytes {
+		if b.routes != nil && b.headLen < headBytes {
 			b.headLen += copy(b.head[b.headLen:], p)
 		}
 		if !b.first {
@@ -209,7 +212,7 @@ var (
 func (b *observedBody) endEvent() {
 	ev := b.event[:b.eventLen]
 	b.eventLen, b.lineEmpty = 0, true
-	if b.stores && !b.idSeen {
+	if b.routes != nil && !b.idSeen {
 		b.remember(responseID(ev, true))
 	}
 	if bytes.Contains(ev, patResponseEvent) {
@@ -239,7 +242,7 @@ func (b *observedBody) end() {
 	}
 	b.ended = true
 	tail := b.tail[:b.tailLen]
-	if b.stores && !b.stream && !b.idSeen {
+	if b.routes != nil && !b.stream && !b.idSeen {
 		b.remember(responseID(b.head[:b.headLen], false))
 	}
 	if !b.stream {
@@ -261,7 +264,7 @@ func (b *observedBody) end() {
 // remember records that the upstream of the observed attempt produced the response id (none: "").
 func (b *observedBody) remember(id string) {
 	if id != "" {
-		stored.add(id, b.res.dial, time.Now().UnixNano())
+		b.routes.Pin(responsesPinModel, id, b.res.dial)
 		b.idSeen = true
 	}
 }
