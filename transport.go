@@ -66,7 +66,7 @@ func (t *LLMTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 		return resp, err
 	}
 	encoding := strings.ToLower(resp.Header.Get("Content-Encoding"))
-	resp.Body = &observedBody{
+	ob := &observedBody{
 		body:   resp.Body,
 		res:    res,
 		stream: isEventStream(resp.Header.Get("Content-Type")),
@@ -75,8 +75,9 @@ func (t *LLMTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 		lineEmpty: true,
 	}
 	if lr != nil && lr.api == tokenize.APIResponses {
-		resp.Body.(*observedBody).routes = lr.routes
+		ob.routes = lr.routes // its id is pinned there
 	}
+	resp.Body = ob
 	return resp, nil
 }
 
