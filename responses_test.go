@@ -17,6 +17,8 @@ import (
 	"github.com/openai/openai-go/v3"
 	"github.com/openai/openai-go/v3/option"
 	"github.com/openai/openai-go/v3/responses"
+
+	"github.com/tokenrouter/caddy-llm/share/redistest"
 )
 
 // responsesBackend answers POST /v1/responses as vLLM does, whole or as a stream of typed events, with
@@ -424,6 +426,46 @@ func TestStoredResponsesPersist(t *testing.T) {
 		next := ask(fmt.Sprintf("Turn 2 of conversation %d", conv), id)
 		if home, got := strings.Split(id, "_")[1], strings.Split(next, "_")[1]; got != home {
 			t.Errorf("conversation %d continued on backend %s after the restart, stored on %s", conv, got, home)
+		}
+	}
+	if n := backends["0"].served.Load() + backends["1"].served.Load() + backends["2"].served.Load(); n != 12 {
+		t.Errorf("backends answered %d requests, want 12", n)
+	}
+}
+
+// TestStoredResponsesShared runs two Caddy processes sharing through redis-server: a response created
+// through one is continued through the other, which learned where it is stored from the pin the first
+// published (the continuation would get a 404 from any other backend).
+func TestStoredResponsesShared(t *testing.T) {
+	srv := redistest.Start(t)
+	dials, backends := responsesBackends(t, 3)
+	cfg := strings.NewReplacer("UPSTREAMS", strings.Join(dials, " "),
+		"OPTIONS", "share "+srv.URL()+" {\n\t\t\t\tflush_interval 20ms\n\t\t\t}",
+		"header_down X-LLM-Reason", "transport llm\n\t\theader_down X-LLM-Reason").Replace(processCaddyfile)
+	a, b := startCaddyProcess(t, t.TempDir(), cfg), startCaddyProcess(t, t.TempDir(), cfg)
+	for _, c := range []*caddyProcess{a, b} {
+		waitState(t, c, "connected", func(s stateResponse) bool { return s.Tables[0].Share.Connected })
+	}
+	clientOf := func(c *caddyProcess) openai.Client {
+		return openai.NewClient(option.WithBaseURL(c.URL+"/v1/"), option.WithAPIKey("test"), option.WithMaxRetries(0))
+	}
+	ca, cb := clientOf(a), clientOf(b)
+	ctx := context.Background()
+	for conv := range 6 {
+		pins := adminState(t, b.Admin).Tables[0].Pins
+		first, err := ca.Responses.New(ctx, responses.ResponseNewParams{Model: "sim-model",
+			Input: responses.ResponseNewParamsInputUnion{OfString: openai.String(fmt.Sprintf("Conversation %d: %s", conv, strings.Repeat("context ", 40)))}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		waitState(t, b, "the response's pin", func(s stateResponse) bool { return s.Tables[0].Pins > pins })
+		next, err := cb.Responses.New(ctx, responses.ResponseNewParams{Model: "sim-model", PreviousResponseID: openai.String(first.ID),
+			Input: responses.ResponseNewParamsInputUnion{OfString: openai.String(fmt.Sprintf("Turn 2 of conversation %d", conv))}})
+		if err != nil {
+			t.Fatalf("conversation %d continued through the other instance: %v", conv, err)
+		}
+		if home, got := strings.Split(first.ID, "_")[1], strings.Split(next.ID, "_")[1]; got != home {
+			t.Errorf("conversation %d continued on backend %s, stored on %s", conv, got, home)
 		}
 	}
 	if n := backends["0"].served.Load() + backends["1"].served.Load() + backends["2"].served.Load(); n != 12 {
