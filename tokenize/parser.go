@@ -397,9 +397,7 @@ func (p *parser) parseMessage(idx int) error {
 	if !m.hasRole {
 		return s.errorf("messages[%d] must have a string role", idx)
 	}
-	m.segEnd = int32(len(p.segs))
-	m.hash, m.hashed = p.hashMessage(&m), true
-	p.msgs = append(p.msgs, m)
+	p.appendMsg(m)
 	return nil
 }
 
@@ -558,11 +556,9 @@ func (p *parser) parseItem(idx int) error {
 		}
 		m.hasCallID = false
 	case string(t) == "function_call":
-		// As a chat assistant message with one tool call: the call's three segments, no content.
-		p.segs = append(p.segs[:m.segStart],
-			seg{kind: segCallID, field: fieldToolCalls, sp: m.callID, absent: !m.hasCallID},
-			seg{kind: segCallName, field: fieldToolCalls, sp: name, absent: !hasName},
-			seg{kind: segCallArgs, field: fieldToolCalls, sp: args, absent: !hasArgs})
+		// As a chat assistant message with one tool call: the call's segments, no content.
+		p.segs = p.segs[:m.segStart]
+		p.appendCall(m.callID, name, args, m.hasCallID, hasName, hasArgs)
 		m.role, m.hasRole, m.hasCallID = p.scratch("assistant"), true, false
 	case string(t) == "function_call_output":
 		m.role, m.hasRole = p.scratch("tool"), true
@@ -572,6 +568,15 @@ func (p *parser) parseItem(idx int) error {
 	}
 	p.appendMsg(m)
 	return nil
+}
+
+// appendCall appends a tool call's segments: always three per call, so that calls cannot run into each
+// other in the hash.
+func (p *parser) appendCall(id, name, args span, hasID, hasName, hasArgs bool) {
+	p.segs = append(p.segs,
+		seg{kind: segCallID, field: fieldToolCalls, sp: id, absent: !hasID},
+		seg{kind: segCallName, field: fieldToolCalls, sp: name, absent: !hasName},
+		seg{kind: segCallArgs, field: fieldToolCalls, sp: args, absent: !hasArgs})
 }
 
 // appendMsg ends m at the last segment and appends it, hashed.
@@ -640,11 +645,7 @@ func (p *parser) parseToolCalls(idx int) error {
 		if err != nil {
 			return err
 		}
-		// Always three segments per call, so that calls cannot run into each other in the hash.
-		p.segs = append(p.segs,
-			seg{kind: segCallID, field: fieldToolCalls, sp: id, absent: !hasID},
-			seg{kind: segCallName, field: fieldToolCalls, sp: name, absent: !hasName},
-			seg{kind: segCallArgs, field: fieldToolCalls, sp: args, absent: !hasArgs})
+		p.appendCall(id, name, args, hasID, hasName, hasArgs)
 		call++
 		return nil
 	})

@@ -1,7 +1,7 @@
 // Package tokenize turns an OpenAI-compatible request body (/v1/chat/completions, /v1/completions
-// or the Responses API's /v1/responses) into what token-aware routing needs: the model, the stream flag, the output
-// limit, prompt token counts per message, and the prompt's boundaries with fixed-seed prefix
-// hashes. It does not import Caddy.
+// or the Responses API's /v1/responses) into what token-aware routing needs: the model, the stream
+// flag, the output limit, prompt token counts per message, and the prompt's boundaries with
+// fixed-seed prefix hashes. It does not import Caddy.
 //
 // # Counting
 //
@@ -160,9 +160,10 @@ type Request struct {
 	ToolsTokens int
 	// Messages has one entry per chat message; for completions, one per prompt string or token
 	// array; for a response, one for its instructions (first, as the system message the server makes
-	// of them) and one per input item (a string input is one user message). A request of more than 256 messages keeps only the entries of its first 64 and its
-	// last 192 messages (in order; Σ Tokens is then less than PromptTokens): the messages between
-	// are counted and hashed into every later boundary but not listed.
+	// of them) and one per input item (a string input is one user message). A request of more than
+	// 256 messages keeps only the entries of its first 64 and its last 192 messages (in order;
+	// Σ Tokens is then less than PromptTokens): the messages between are counted and hashed into
+	// every later boundary but not listed.
 	Messages []Message
 	// Boundaries are the points where a cached prefix may end, in strictly increasing Tokens
 	// order: the end of the tools pseudo-message and of every message, plus a step every
