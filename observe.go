@@ -4,8 +4,6 @@ import (
 	"net/http"
 	"sync/atomic"
 	"time"
-
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
 // What the backends report about each response, checked against what the decision predicted.
@@ -166,11 +164,15 @@ func forgetRestarted(dial string, l *upstreamLoad) {
 
 // attemptOf returns the reservation of r's current attempt, or nil when the policy did not route it.
 // Call it on the request's goroutine (request variables are not locked).
-func attemptOf(r *http.Request) *reservation {
-	if lr, ok := caddyhttp.GetVar(r.Context(), varKey).(*llmRequest); ok && lr.acct != nil {
-		return lr.acct.attempt()
+func attemptOf(r *http.Request) *reservation { return llmRequestOf(r).currentAttempt() }
+
+// currentAttempt returns the reservation of lr's current attempt, or nil when lr is nil or the policy
+// did not route it.
+func (lr *llmRequest) currentAttempt() *reservation {
+	if lr == nil || lr.acct == nil {
+		return nil
 	}
-	return nil
+	return lr.acct.attempt()
 }
 
 // noteToken records tokens more output tokens relayed for r's current attempt, as seen by llm_resume

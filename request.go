@@ -72,12 +72,19 @@ type parseResult struct {
 	err  error
 }
 
+// llmRequestOf returns the llmRequest kept for r, or nil when the plugin has not inspected r. Call it on
+// the request's goroutine (request variables are not locked).
+func llmRequestOf(r *http.Request) *llmRequest {
+	lr, _ := caddyhttp.GetVar(r.Context(), varKey).(*llmRequest)
+	return lr
+}
+
 // inspectRequest returns the llmRequest for r, reading the body on first use. The body is read at most
 // maxBody+1 bytes far; what was read is always put back, so the upstream receives every byte: a body read
 // whole goes back into r when the caller, holding it (see hold), calls installBody. Code that reads the
 // body's bytes (parses it, keeps a slice of them) must hold it first.
 func inspectRequest(r *http.Request, maxBody int64) *llmRequest {
-	if lr, ok := caddyhttp.GetVar(r.Context(), varKey).(*llmRequest); ok {
+	if lr := llmRequestOf(r); lr != nil {
 		return lr
 	}
 	lr := new(llmRequest)
@@ -224,8 +231,8 @@ func (lr *llmRequest) installBody(r *http.Request) {
 // a changed body (a continuation); body must be plain JSON (the caller removes any Content-Encoding), and
 // must not be modified afterwards.
 func replaceRequestBody(r *http.Request, body []byte) {
-	lr, ok := caddyhttp.GetVar(r.Context(), varKey).(*llmRequest)
-	if !ok {
+	lr := llmRequestOf(r)
+	if lr == nil {
 		return
 	}
 	lr.body, lr.decoded, lr.bodyPooled = body, body, false

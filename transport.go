@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
 	"github.com/tokenrouter/caddy-llm/affinity"
@@ -59,8 +58,8 @@ func (t *LLMTransport) Provision(ctx caddy.Context) error {
 // successful response's body as it is relayed. It runs on the request's goroutine, before any other
 // attempt of the same request is selected, so the attempt it observes is req's current one.
 func (t *LLMTransport) RoundTrip(req *http.Request) (*http.Response, error) {
-	res := attemptOf(req)
-	lr, _ := caddyhttp.GetVar(req.Context(), varKey).(*llmRequest)
+	lr := llmRequestOf(req)
+	res := lr.currentAttempt()
 	resp, err := t.HTTPTransport.RoundTrip(req)
 	if res == nil || err != nil || resp.StatusCode < 200 || resp.StatusCode > 299 || resp.Body == nil || resp.Body == http.NoBody {
 		return resp, err
