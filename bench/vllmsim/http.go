@@ -20,7 +20,8 @@ const maxBodyBytes = 64 << 20
 var outputWords = [...]string{" the", " sim", " ran", " and", " one", " new", " day", " was", " fun", " yes"}
 
 // ServeHTTP serves the OpenAI-compatible API (POST /v1/chat/completions, POST /v1/completions,
-// POST /v1/responses with GET and DELETE /v1/responses/{id}, GET /v1/models), GET /health and GET /metrics. Headers: "X-Sim-Status: <code>" answers that status
+// POST /v1/responses with GET and DELETE /v1/responses/{id}, GET /v1/models), GET /health and GET
+// /metrics. Headers: "X-Sim-Status: <code>" answers that status
 // (codes >= 400 with an OpenAI error body), "X-Sim-Drop: mid-stream" drops the connection after some
 // output, "X-Sim-Cut-After: <n>" drops a stream's connection after n output tokens. The request goroutine waits on the engine through channels; it never holds the engine
 // mutex while writing.

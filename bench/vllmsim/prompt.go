@@ -93,11 +93,7 @@ func parseRequest(body []byte, chat bool) (parsedRequest, error) {
 		}
 		var buf bytes.Buffer
 		buf.Grow(len(body))
-		if len(b.Tools) > 0 && !bytes.Equal(b.Tools, []byte("null")) {
-			buf.WriteString("<|tools|>\n")
-			buf.Write(b.Tools)
-			buf.WriteByte('\n')
-		}
+		appendTools(&buf, b.Tools)
 		for i, m := range b.Messages {
 			if m.Role == "" {
 				return p, fmt.Errorf("%w: messages[%d].role: field required", errBadRequest, i)
@@ -132,14 +128,30 @@ func parseRequest(body []byte, chat bool) (parsedRequest, error) {
 		p.includeUsage = b.StreamOptions != nil && b.StreamOptions.IncludeUsage
 		maxTokens = b.MaxTokens
 	}
+	err := p.setMaxTokens("max_tokens", maxTokens)
+	return p, err
+}
+
+// appendTools writes a request's tools, when it has some: "<|tools|>\n" + their JSON + "\n".
+func appendTools(buf *bytes.Buffer, tools json.RawMessage) {
+	if len(tools) > 0 && !bytes.Equal(tools, []byte("null")) {
+		buf.WriteString("<|tools|>\n")
+		buf.Write(tools)
+		buf.WriteByte('\n')
+	}
+}
+
+// setMaxTokens sets the output limit from the request's field (name, for the error), or the default
+// when it is absent.
+func (p *parsedRequest) setMaxTokens(name string, maxTokens *int) error {
 	p.maxTokens = defaultMaxTokens
 	if maxTokens != nil {
 		if *maxTokens < 1 {
-			return p, fmt.Errorf("%w: max_tokens must be at least 1, got %d", errBadRequest, *maxTokens)
+			return fmt.Errorf("%w: %s must be at least 1, got %d", errBadRequest, name, *maxTokens)
 		}
 		p.maxTokens, p.maxTokensSet = *maxTokens, true
 	}
-	return p, nil
+	return nil
 }
 
 // appendContent writes a message's content: a string, null, or an array of parts whose text parts are

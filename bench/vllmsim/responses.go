@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -59,19 +60,10 @@ func (st *responseStore) remove(id string) bool {
 		return false
 	}
 	delete(st.convs, id)
-	if i := indexOf(st.order, id); i >= 0 {
-		st.order = append(st.order[:i], st.order[i+1:]...)
+	if i := slices.Index(st.order, id); i >= 0 {
+		st.order = slices.Delete(st.order, i, i+1)
 	}
 	return true
-}
-
-func indexOf(ids []string, id string) int {
-	for i, v := range ids {
-		if v == id {
-			return i
-		}
-	}
-	return -1
 }
 
 type responsesBody struct {
@@ -109,11 +101,7 @@ func (s *Server) parseResponses(body []byte) (parsedRequest, error) {
 		return p, fmt.Errorf("%w: input: field required", errBadRequest)
 	}
 	var buf, conv bytes.Buffer
-	if len(b.Tools) > 0 && !bytes.Equal(b.Tools, []byte("null")) {
-		buf.WriteString("<|tools|>\n")
-		buf.Write(b.Tools)
-		buf.WriteByte('\n')
-	}
+	appendTools(&buf, b.Tools)
 	if b.Instructions != nil && *b.Instructions != "" {
 		buf.WriteString("<|system|>\n")
 		buf.WriteString(*b.Instructions)
@@ -171,18 +159,11 @@ func (s *Server) parseResponses(body []byte) (parsedRequest, error) {
 	}
 	buf.Write(conv.Bytes())
 	p.model, p.prompt, p.stream, p.conversation = b.Model, buf.Bytes(), b.Stream, conv.Bytes()
-	p.includeUsage = true // a response's usage is always in its final event
 	if b.Store != nil {
 		p.store = *b.Store
 	}
-	p.maxTokens = defaultMaxTokens
-	if m := b.MaxOutputTokens; m != nil {
-		if *m < 1 {
-			return p, fmt.Errorf("%w: max_output_tokens must be at least 1, got %d", errBadRequest, *m)
-		}
-		p.maxTokens, p.maxTokensSet = *m, true
-	}
-	return p, nil
+	err := p.setMaxTokens("max_output_tokens", b.MaxOutputTokens)
+	return p, err
 }
 
 // storeResponse stores a finished response's conversation under its id, when its request asked.
@@ -205,7 +186,13 @@ func (s *Server) serveStored(w http.ResponseWriter, r *http.Request, id string) 
 		s.writeError(w, http.StatusMethodNotAllowed, "method not allowed")
 		return
 	}
-	if _, ok := s.stored.get(id); !ok || r.Method == http.MethodDelete && !s.stored.remove(id) {
+	var ok bool
+	if r.Method == http.MethodDelete {
+		ok = s.stored.remove(id)
+	} else {
+		_, ok = s.stored.get(id)
+	}
+	if !ok {
 		s.writeError(w, http.StatusNotFound, "Response with id '"+id+"' not found.")
 		return
 	}
