@@ -218,13 +218,36 @@ func TestResponsesAPI(t *testing.T) {
 			last = prompt
 		}
 	}
-	total := int64(0)
+	if n := servedTotal(backends); n != 12 {
+		t.Errorf("backends answered %d requests, want 12", n)
+	}
+}
+
+// respond creates a whole response of input through client, continuing previous unless it is "", and
+// returns its id; an error (a 404 from a backend that does not hold previous) fails the test.
+func respond(t *testing.T, client openai.Client, input, previous string) string {
+	t.Helper()
+	params := responses.ResponseNewParams{Model: "sim-model", Input: responses.ResponseNewParamsInputUnion{OfString: openai.String(input)}}
+	if previous != "" {
+		params.PreviousResponseID = openai.String(previous)
+	}
+	res, err := client.Responses.New(context.Background(), params)
+	if err != nil {
+		t.Fatalf("continuing %q: %v", previous, err)
+	}
+	return res.ID
+}
+
+// backendOf returns the name of the responsesBackend that produced the response id.
+func backendOf(id string) string { return strings.Split(id, "_")[1] }
+
+// servedTotal returns how many responses the backends produced.
+func servedTotal(backends map[string]*responsesBackend) int64 {
+	n := int64(0)
 	for _, b := range backends {
-		total += b.served.Load()
+		n += b.served.Load()
 	}
-	if total != 12 {
-		t.Errorf("backends answered %d requests, want 12", total)
-	}
+	return n
 }
 
 // responsesBackends starts n responsesBackends and returns their dials and the backends by name.
@@ -295,7 +318,6 @@ func TestResponsesContinueWhereStored(t *testing.T) {
 		s.Close()
 		return id, httpRes.Header.Get("X-LLM-Reason")
 	}
-	backendOf := func(id string) string { return strings.Split(id, "_")[1] }
 	homes := map[string]bool{}
 	for conv := range 6 {
 		id, _ := send(t, fmt.Sprintf("Conversation %d: %s", conv, strings.Repeat("some context ", 50)), "", conv%2 == 0)
@@ -321,12 +343,8 @@ func TestResponsesContinueWhereStored(t *testing.T) {
 	if len(homes) < 2 {
 		t.Errorf("the conversations started on %d backend(s): want them spread, so that staying is not chance", len(homes))
 	}
-	total := int64(0)
-	for _, b := range backends {
-		total += b.served.Load()
-	}
-	if total != 24 {
-		t.Errorf("backends answered %d requests, want 24", total)
+	if n := servedTotal(backends); n != 24 {
+		t.Errorf("backends answered %d requests, want 24", n)
 	}
 	retrieved := int64(0)
 	for _, b := range backends {
@@ -395,22 +413,9 @@ func TestStoredResponsesPersist(t *testing.T) {
 	tester := caddytest.NewTester(t)
 	tester.InitServer(config, "caddyfile")
 	client := openai.NewClient(option.WithBaseURL(proxyURL+"/v1/"), option.WithAPIKey("test"), option.WithMaxRetries(0))
-	ctx := context.Background()
-	ask := func(input, previous string) string {
-		t.Helper()
-		params := responses.ResponseNewParams{Model: "sim-model", Input: responses.ResponseNewParamsInputUnion{OfString: openai.String(input)}}
-		if previous != "" {
-			params.PreviousResponseID = openai.String(previous)
-		}
-		res, err := client.Responses.New(ctx, params)
-		if err != nil {
-			t.Fatalf("continuing %q: %v", previous, err)
-		}
-		return res.ID
-	}
 	var ids []string
 	for conv := range 6 {
-		ids = append(ids, ask(fmt.Sprintf("Conversation %d: %s", conv, strings.Repeat("context ", 40)), ""))
+		ids = append(ids, respond(t, client, fmt.Sprintf("Conversation %d: %s", conv, strings.Repeat("context ", 40)), ""))
 	}
 	// Unload (the table is dropped after its last snapshot), then start again from the snapshot.
 	tester.InitServer(globalOptions+site+" {\n\trespond ok\n}\n", "caddyfile")
@@ -423,12 +428,12 @@ func TestStoredResponsesPersist(t *testing.T) {
 		t.Fatalf("persist after restart = %+v, want the 6 response ids restored as pins", p)
 	}
 	for conv, id := range ids {
-		next := ask(fmt.Sprintf("Turn 2 of conversation %d", conv), id)
-		if home, got := strings.Split(id, "_")[1], strings.Split(next, "_")[1]; got != home {
+		next := respond(t, client, fmt.Sprintf("Turn 2 of conversation %d", conv), id)
+		if home, got := backendOf(id), backendOf(next); got != home {
 			t.Errorf("conversation %d continued on backend %s after the restart, stored on %s", conv, got, home)
 		}
 	}
-	if n := backends["0"].served.Load() + backends["1"].served.Load() + backends["2"].served.Load(); n != 12 {
+	if n := servedTotal(backends); n != 12 {
 		t.Errorf("backends answered %d requests, want 12", n)
 	}
 }
@@ -450,25 +455,16 @@ func TestStoredResponsesShared(t *testing.T) {
 		return openai.NewClient(option.WithBaseURL(c.URL+"/v1/"), option.WithAPIKey("test"), option.WithMaxRetries(0))
 	}
 	ca, cb := clientOf(a), clientOf(b)
-	ctx := context.Background()
 	for conv := range 6 {
 		pins := adminState(t, b.Admin).Tables[0].Pins
-		first, err := ca.Responses.New(ctx, responses.ResponseNewParams{Model: "sim-model",
-			Input: responses.ResponseNewParamsInputUnion{OfString: openai.String(fmt.Sprintf("Conversation %d: %s", conv, strings.Repeat("context ", 40)))}})
-		if err != nil {
-			t.Fatal(err)
-		}
+		first := respond(t, ca, fmt.Sprintf("Conversation %d: %s", conv, strings.Repeat("context ", 40)), "")
 		waitState(t, b, "the response's pin", func(s stateResponse) bool { return s.Tables[0].Pins > pins })
-		next, err := cb.Responses.New(ctx, responses.ResponseNewParams{Model: "sim-model", PreviousResponseID: openai.String(first.ID),
-			Input: responses.ResponseNewParamsInputUnion{OfString: openai.String(fmt.Sprintf("Turn 2 of conversation %d", conv))}})
-		if err != nil {
-			t.Fatalf("conversation %d continued through the other instance: %v", conv, err)
-		}
-		if home, got := strings.Split(first.ID, "_")[1], strings.Split(next.ID, "_")[1]; got != home {
+		next := respond(t, cb, fmt.Sprintf("Turn 2 of conversation %d", conv), first)
+		if home, got := backendOf(first), backendOf(next); got != home {
 			t.Errorf("conversation %d continued on backend %s, stored on %s", conv, got, home)
 		}
 	}
-	if n := backends["0"].served.Load() + backends["1"].served.Load() + backends["2"].served.Load(); n != 12 {
+	if n := servedTotal(backends); n != 12 {
 		t.Errorf("backends answered %d requests, want 12", n)
 	}
 }
