@@ -30,6 +30,7 @@ type responsesBackend struct {
 	served    atomic.Int64
 	stored    sync.Map     // response ids it produced
 	failNext  atomic.Int64 // answer this many requests 503 first
+	cutNext   atomic.Int64 // cut this many streams after their first delta
 	retrieved atomic.Int64 // stored responses retrieved or deleted
 }
 
@@ -92,6 +93,11 @@ func (b *responsesBackend) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	event("response.created", fmt.Sprintf(`"sequence_number":0,"response":{"id":%q,"object":"response","created_at":1,"status":"in_progress","model":"sim-model","output":[]}`, id))
 	for i, delta := range []string{"Sun", "ny."} {
 		event("response.output_text.delta", fmt.Sprintf(`"sequence_number":%d,"item_id":"msg_1","output_index":0,"content_index":0,"delta":%q,"logprobs":[]`, i+1, delta))
+		if i == 0 && b.cutNext.Load() > 0 {
+			b.cutNext.Add(-1)
+			w.(http.Flusher).Flush()
+			panic(http.ErrAbortHandler) // the connection drops mid-stream
+		}
 	}
 	event("response.completed", `"sequence_number":3,"response":`+done)
 }
@@ -220,6 +226,105 @@ func TestResponsesAPI(t *testing.T) {
 	}
 	if n := servedTotal(backends); n != 12 {
 		t.Errorf("backends answered %d requests, want 12", n)
+	}
+}
+
+// TestResumeRetriesResponses: behind llm_resume, a Responses API request whose upstream answers 503 is
+// sent again, whole and streamed, and the client gets one answer; a continuation of a stored response
+// is sent again to the upstream that stores it (any other would answer 404); a stream that breaks after
+// it started is not sent again (its events went to the client as they came: a second response would
+// follow the first's half), and the client sees it broken, as without the handler.
+func TestResumeRetriesResponses(t *testing.T) {
+	dials, backends := responsesBackends(t, 2)
+	tester := caddytest.NewTester(t)
+	tester.InitServer(globalOptions+fmt.Sprintf(`
+%s {
+	llm_resume
+	reverse_proxy %s {
+		lb_policy llm
+		transport llm
+		flush_interval -1
+	}
+}
+`, site, strings.Join(dials, " ")), "caddyfile")
+	client := openai.NewClient(option.WithBaseURL(proxyURL+"/v1/"), option.WithAPIKey("test"), option.WithMaxRetries(0))
+	ctx := context.Background()
+	params := func(input, previous string) responses.ResponseNewParams {
+		p := responses.ResponseNewParams{Model: "sim-model", Input: responses.ResponseNewParamsInputUnion{OfString: openai.String(input)}}
+		if previous != "" {
+			p.PreviousResponseID = openai.String(previous)
+		}
+		return p
+	}
+	stream := func(input, previous string) (id, text string, err error) {
+		s := client.Responses.NewStreaming(ctx, params(input, previous))
+		defer s.Close()
+		for s.Next() {
+			switch ev := s.Current(); ev.Type {
+			case "response.output_text.delta":
+				text += ev.Delta
+			case "response.completed":
+				id = ev.Response.ID
+			}
+		}
+		return id, text, s.Err()
+	}
+	failAll := func(n int64) {
+		for _, b := range backends {
+			b.failNext.Store(n)
+		}
+	}
+
+	// Both upstreams answer their next request 503: the first attempt fails on one, the second on the
+	// other, the third succeeds.
+	before := resumeCounts()
+	failAll(1)
+	res, err := client.Responses.New(ctx, params("What is the weather?", ""))
+	if err != nil {
+		t.Fatalf("whole response after two 503s: %v", err)
+	}
+	if res.OutputText() != "Sunny." {
+		t.Errorf("whole response after two 503s: answer %q, want Sunny.", res.OutputText())
+	}
+	checkResumeCounted(t, "whole", before, resumeRetriedWhole)
+	before = resumeCounts()
+	failAll(1)
+	if id, text, err := stream("And tomorrow?", ""); err != nil || text != "Sunny." || id == "" {
+		t.Fatalf("streamed response after two 503s: %v (answer %q, id %q)", err, text, id)
+	}
+	checkResumeCounted(t, "stream", before, resumeRetriedWhole)
+	for name, b := range backends {
+		if n := b.failNext.Load(); n > 0 {
+			t.Errorf("backend %s was not tried (%d failures left): the request was not re-sent", name, n)
+		}
+	}
+
+	// A continuation goes home again after a 503 there, twice.
+	home := backendOf(res.ID)
+	backends[home].failNext.Store(2)
+	next, err := client.Responses.New(ctx, params("And the day after?", res.ID))
+	if err != nil || backendOf(next.ID) != home {
+		t.Fatalf("continuation after two 503s at its home %s: %v", home, err)
+	}
+
+	// A stream cut after its first delta is not sent again.
+	served := servedTotal(backends)
+	for _, b := range backends {
+		b.cutNext.Store(1)
+	}
+	before = resumeCounts()
+	_, text, err := stream("Will it rain?", "")
+	if err == nil && text == "Sunny." {
+		t.Errorf("a stream cut after its first delta reached the client whole (%q)", text)
+	}
+	if text != "Sun" {
+		t.Errorf("the cut stream gave the client %q, want its first delta only (Sun)", text)
+	}
+	if n := servedTotal(backends) - served; n != 1 {
+		t.Errorf("the cut stream's request was served %d times, want once", n)
+	}
+	if after := resumeCounts(); after != before {
+		t.Errorf("resume counts moved from %v to %v for a request that was not resumed", before, after)
 	}
 }
 

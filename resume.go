@@ -56,9 +56,11 @@ const (
 // the last failure (the upstream's JSON error, or an OpenAI-style JSON error with its status). A stream is
 // never silently truncated.
 //
-// Only POSTs of JSON to the chat/completions and completions endpoints are handled; other requests (the
-// Responses API's included), bodies over max_body_bytes and bodies that cannot be read pass through
-// untouched. A streamed answer that holds
+// Only POSTs of JSON to the chat/completions, completions and responses endpoints are handled; other
+// requests, bodies over max_body_bytes and bodies that cannot be read pass through untouched. A Responses
+// API request (/v1/responses) is re-sent only while its client has received nothing: its answer, whole or
+// a stream of typed events, is relayed as it comes, and a stream that breaks is not continued (a
+// continuation body could not carry the stored response it may continue). A streamed answer that holds
 // tool calls or reasoning, has several choices (n > 1), or uses structured output is retried only while
 // the client has received no content, since a continuation could not be joined to it.
 //
@@ -122,9 +124,7 @@ func (h *LLMResume) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddy
 		return next.ServeHTTP(w, r) // the request has ended, its client gone: the policy says so
 	}
 	defer lr.drop() // orig, below, is the received body's bytes
-	// A response (/v1/responses) streams typed events and may continue server-side state
-	// (previous_response_id), which a continuation body cannot carry: relayed as is.
-	if lr.api == tokenize.APIUnknown || lr.api == tokenize.APIResponses || lr.body == nil || lr.decoded == nil {
+	if lr.api == tokenize.APIUnknown || lr.body == nil || lr.decoded == nil {
 		return next.ServeHTTP(w, r)
 	}
 	req, err := parseResumable(lr.decoded, lr.api)
@@ -216,7 +216,8 @@ func countResume(continuedStream bool) {
 
 // resumeRequest is what the handler needs to know of a request body.
 type resumeRequest struct {
-	api          tokenize.API
+	api tokenize.API
+	// stream: the answer is a stream of chat or completions chunks, followed event by event.
 	stream       bool
 	includeUsage bool // stream_options.include_usage
 	// continuable: a broken stream can be continued (one choice, a text prompt, no structured output).
@@ -243,6 +244,12 @@ func parseResumable(body []byte, api tokenize.API) (*resumeRequest, error) {
 	}
 	if err := json.Unmarshal(body, &b); err != nil {
 		return nil, fmt.Errorf("reading request: %w", err)
+	}
+	if api == tokenize.APIResponses {
+		// Typed events (response.created, response.output_text.delta, ...) and maybe a stored response
+		// continued (previous_response_id): the answer, streamed or whole, goes to the client as it comes,
+		// so the request is re-sent only while the client has nothing.
+		return &resumeRequest{api: api}, nil
 	}
 	req := &resumeRequest{api: api, stream: b.Stream, continuable: true}
 	req.includeUsage = b.StreamOptions != nil && b.StreamOptions.IncludeUsage

@@ -196,6 +196,8 @@ func TestResumeParseResumable(t *testing.T) {
 		{"two prompts", tokenize.APICompletions, `{"prompt":["x","y"]}`, resumeRequest{}},
 		{"token prompt", tokenize.APICompletions, `{"prompt":[1,2,3]}`, resumeRequest{}},
 		{"echo", tokenize.APICompletions, `{"prompt":"x","echo":true}`, resumeRequest{}},
+		// typed events, relayed as they come: re-sent only while the client has nothing
+		{"responses stream", tokenize.APIResponses, `{"stream":true,"input":"x"}`, resumeRequest{}},
 	} {
 		got, err := parseResumable([]byte(tc.body), tc.api)
 		if err != nil {
