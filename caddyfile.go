@@ -55,7 +55,7 @@ var caddyfileBlocks = [...]struct {
 	matcherBlock: {
 		name:    "the llm matcher (@name llm { })",
 		options: []string{"model", "min_tokens", "max_tokens", "stream", "api", "tokenizer", "max_body_size"},
-		enums: map[string][]string{"api": {"chat", "completions", "responses"}, "tokenizer": tokenizerNames,
+		enums: map[string][]string{"api": {"chat", "completions", "responses", "embeddings"}, "tokenizer": tokenizerNames,
 			"stream": {"true", "false"}},
 	},
 }

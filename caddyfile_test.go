@@ -158,7 +158,7 @@ func TestUnmarshalMatcherErrors(t *testing.T) {
 		}
 	}
 	for name, m := range map[string]MatchLLM{
-		"unknown api":     {APIs: []string{"embeddings"}, Tokenizer: "approx"},
+		"unknown api":     {APIs: []string{"rerank"}, Tokenizer: "approx"},
 		"inverted bounds": {MinTokens: 10, MaxTokens: 5, Tokenizer: "approx"},
 	} {
 		if err := m.Validate(); err == nil {
@@ -194,7 +194,7 @@ func TestCaddyfileErrorsSayWhatToWrite(t *testing.T) {
 		{"policy", `llm { metrics { mode prefix } }`, "option 'mode' belongs in " + policy + ", not in " + metrics},
 		{"policy", `llm { metrics { intervall 2s } }`, "unrecognized option 'intervall' in " + metrics + " (did you mean 'interval'?)"},
 		{"matcher", `llm { modle llama* }`, "unrecognized option 'modle' in " + matcher + " (did you mean 'model'?)"},
-		{"matcher", `llm { api chat embeddings }`, "api must be chat, completions or responses, got 'embeddings'"},
+		{"matcher", `llm { api chat rerank }`, "api must be chat, completions, responses or embeddings, got 'rerank'"},
 		{"matcher", `llm { tokenizer gpt2 }`, "tokenizer must be cl100k_base, o200k_base or approx, got 'gpt2'"},
 		{"matcher", `llm { mode prefix }`, "option 'mode' belongs in " + policy + ", not in " + matcher},
 		{"matcher", `llm { max_body_bytes 1MiB }`, "did you mean 'max_body_size'?"},

@@ -114,7 +114,7 @@ func (d *decider) choose(q *query, keys []string, cands []selection.Candidate, s
 	prefix := prefixBoundary(q.req)
 	req := selection.Request{
 		PromptTokens: q.req.PromptTokens,
-		OutputTokens: d.outputEstimate(q.req.MaxTokens),
+		OutputTokens: d.outputEstimate(q.req),
 		PrefixHash:   prefix.Hash,
 	}
 	req.AvailabilityHash = req.PrefixHash
@@ -184,17 +184,20 @@ func (d *decider) commit(q *query, dial string, dec selection.Decision) *reserva
 		uncached:   q.req.PromptTokens - matched,
 		kv:         dec.KVTokens,
 		learned:    learned,
-		output:     d.outputEstimate(q.req.MaxTokens),
+		output:     d.outputEstimate(q.req),
 		waited:     dec.Wait,
 		prediction: pred,
 	}, q.now)
 }
 
 // outputEstimate is the output tokens a request is expected to generate: its max_tokens when lower than
-// the configured estimate, else the estimate. Real outputs are usually far shorter than max_tokens, so a
-// generous limit must not inflate the weight; a small one lowers it.
-func (d *decider) outputEstimate(maxTokens int) int {
-	if maxTokens > 0 && maxTokens < d.outputTokens {
+// the configured estimate, else the estimate (none for embeddings). Real outputs are usually far shorter
+// than max_tokens, so a generous limit must not inflate the weight; a small one lowers it.
+func (d *decider) outputEstimate(req *tokenize.Request) int {
+	if req.API == tokenize.APIEmbeddings {
+		return 0 // pooled, not generated
+	}
+	if maxTokens := req.MaxTokens; maxTokens > 0 && maxTokens < d.outputTokens {
 		return maxTokens
 	}
 	return d.outputTokens

@@ -542,9 +542,9 @@ func TestNonLLMRequestsUseFallback(t *testing.T) {
 	tester.InitServer(proxyConfig("llm {\n\t\t\tfallback first\n\t\t}", "", a), "caddyfile")
 	settle(t) // AssertGetResponse sends once: a reset by the previous config's server is not this test's subject
 	tester.AssertGetResponse(proxyURL+"/v1/models", http.StatusOK, fmt.Sprintf(`{"id":"x","object":"chat.completion","upstream":%q}`, a.dial))
-	res, _ := post(t, tester.Client, "/v1/embeddings", `{"input":"x"}`)
+	res, _ := post(t, tester.Client, "/v1/rerank", `{"query":"x","documents":["y"]}`)
 	if res.StatusCode != http.StatusOK {
-		t.Errorf("POST /v1/embeddings: status %d", res.StatusCode)
+		t.Errorf("POST /v1/rerank: status %d", res.StatusCode)
 	}
 	if _, requests := loads.get(a.dial); requests != 0 {
 		t.Errorf("non-LLM requests were accounted: %d", requests)

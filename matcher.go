@@ -15,9 +15,10 @@ func init() {
 }
 
 // MatchLLM matches OpenAI-compatible LLM requests by model, prompt tokens, streaming and API. A request
-// that is not an LLM request (not a POST of JSON to a chat/completions or completions endpoint) does not
-// match. An LLM request whose body is malformed is answered 400 with what is wrong, and one over the body
-// cap 413, since routing it anywhere would only fail later; llm_errors (LLMErrors) sends the client why.
+// that is not an LLM request (not a POST of JSON to a chat/completions, completions, responses or
+// embeddings endpoint) does not match. An LLM request whose body is malformed is answered 400 with what
+// is wrong, and one over the body cap 413, since routing it anywhere would only fail later; llm_errors
+// (LLMErrors) sends the client why.
 type MatchLLM struct {
 	// Models are glob patterns (* matches any run of characters, ? one) for the request's model field.
 	Models []string `json:"models,omitempty"`
@@ -26,8 +27,8 @@ type MatchLLM struct {
 	MaxTokens int `json:"max_tokens,omitempty"`
 	// Stream, when set, matches only streaming (true) or non-streaming (false) requests.
 	Stream *bool `json:"stream,omitempty"`
-	// APIs limits the match to "chat" (/v1/chat/completions), "completions" (/v1/completions) and/or
-	// "responses" (/v1/responses).
+	// APIs limits the match to "chat" (/v1/chat/completions), "completions" (/v1/completions),
+	// "responses" (/v1/responses) and/or "embeddings" (/v1/embeddings).
 	APIs []string `json:"apis,omitempty"`
 	// Tokenizer counts prompt tokens for the token bounds, as in the policy. Default cl100k_base.
 	Tokenizer string `json:"tokenizer,omitempty"`
@@ -74,13 +75,13 @@ func (m *MatchLLM) Provision(ctx caddy.Context) error {
 }
 
 var apiByName = map[string]tokenize.API{"chat": tokenize.APIChat, "completions": tokenize.APICompletions,
-	"responses": tokenize.APIResponses}
+	"responses": tokenize.APIResponses, "embeddings": tokenize.APIEmbeddings}
 
 // Validate checks the configuration.
 func (m *MatchLLM) Validate() error {
 	for _, name := range m.APIs {
 		if _, ok := apiByName[name]; !ok {
-			return fmt.Errorf("unknown api %q (want chat, completions or responses)", name)
+			return fmt.Errorf("unknown api %q (want chat, completions, responses or embeddings)", name)
 		}
 	}
 	if !tokenize.ValidEncoding(m.Tokenizer) {

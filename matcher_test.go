@@ -60,7 +60,7 @@ func TestMatcherRoutes(t *testing.T) {
 		{"streaming", "/openai/v1/chat/completions", chat("gpt-4o", 10, true), stream},
 		{"non-streaming, unknown model", "/v1/chat/completions", chat("gpt-4o", 10, false), rest},
 		{"GET falls through", "/v1/models", "", rest},
-		{"other path falls through", "/v1/embeddings", `{"model":"llama3","input":"x"}`, rest},
+		{"other path falls through", "/v1/rerank", `{"model":"llama3","query":"x","documents":["y"]}`, rest},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			before := tc.want.requests.Load()

@@ -47,8 +47,9 @@ const (
 // stream, or the client going away) releases the last one. The counters and learned routes are
 // process-global, so they survive config reloads.
 //
-// Requests that are not LLM requests (not a POST of JSON to a chat/completions or completions endpoint),
-// bodies over the cap and bodies that do not parse go to the fallback policy and are proxied intact.
+// Requests that are not LLM requests (not a POST of JSON to a chat/completions, completions, responses or
+// embeddings endpoint), bodies over the cap and bodies that do not parse go to the fallback policy and are
+// proxied intact.
 type LLMSelection struct {
 	// Mode is the routing strategy: "combined" (default) weighs load against the prefill work a cached
 	// prefix saves; "least_tokens" uses load alone; "prefix" prefers the longest cached prefix, subject to

@@ -56,11 +56,12 @@ const (
 // the last failure (the upstream's JSON error, or an OpenAI-style JSON error with its status). A stream is
 // never silently truncated.
 //
-// Only POSTs of JSON to the chat/completions, completions and responses endpoints are handled; other
-// requests, bodies over max_body_bytes and bodies that cannot be read pass through untouched. A Responses
-// API request (/v1/responses) is re-sent only while its client has received nothing: its answer, whole or
-// a stream of typed events, is relayed as it comes, and a stream that breaks is not continued (a
-// continuation body could not carry the stored response it may continue). A streamed answer that holds
+// Only POSTs of JSON to the chat/completions, completions, responses and embeddings endpoints are
+// handled; other requests, bodies over max_body_bytes and bodies that cannot be read pass through
+// untouched. A Responses API request (/v1/responses) is re-sent only while its client has received
+// nothing: its answer, whole or a stream of typed events, is relayed as it comes, and a stream that breaks
+// is not continued (a continuation body could not carry the stored response it may continue). An
+// embeddings request is re-sent as a chat request that is not streamed is. A streamed answer that holds
 // tool calls or reasoning, has several choices (n > 1), or uses structured output is retried only while
 // the client has received no content, since a continuation could not be joined to it.
 //
@@ -245,11 +246,14 @@ func parseResumable(body []byte, api tokenize.API) (*resumeRequest, error) {
 	if err := json.Unmarshal(body, &b); err != nil {
 		return nil, fmt.Errorf("reading request: %w", err)
 	}
-	if api == tokenize.APIResponses {
+	switch api {
+	case tokenize.APIResponses:
 		// Typed events (response.created, response.output_text.delta, ...) and maybe a stored response
 		// continued (previous_response_id): the answer, streamed or whole, goes to the client as it comes,
 		// so the request is re-sent only while the client has nothing.
 		return &resumeRequest{api: api}, nil
+	case tokenize.APIEmbeddings:
+		return &resumeRequest{api: api}, nil // a whole answer, never streamed
 	}
 	req := &resumeRequest{api: api, stream: b.Stream, continuable: true}
 	req.includeUsage = b.StreamOptions != nil && b.StreamOptions.IncludeUsage

@@ -198,6 +198,7 @@ func TestResumeParseResumable(t *testing.T) {
 		{"echo", tokenize.APICompletions, `{"prompt":"x","echo":true}`, resumeRequest{}},
 		// typed events, relayed as they come: re-sent only while the client has nothing
 		{"responses stream", tokenize.APIResponses, `{"stream":true,"input":"x"}`, resumeRequest{}},
+		{"embeddings", tokenize.APIEmbeddings, `{"input":["x","y"]}`, resumeRequest{}},
 	} {
 		got, err := parseResumable([]byte(tc.body), tc.api)
 		if err != nil {

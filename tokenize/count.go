@@ -86,7 +86,11 @@ func (p *parser) count(enc *encoder, opts Options, keepAll bool) *Request {
 	}
 	r.Messages = make([]Message, kept)
 	p.stepsLeft = maxSteps
-	r.Boundaries = make([]Boundary, 0, kept+2+min(textBytes/StepBytes, maxSteps))
+	// An encoder's input has no prefix computed alone (its attention runs both ways), hence no boundaries.
+	bounded := p.api != APIEmbeddings
+	if bounded {
+		r.Boundaries = make([]Boundary, 0, kept+2+min(textBytes/StepBytes, maxSteps))
+	}
 
 	h := chain(boundaryHashStart, uint64(p.template()))
 	pos := 0
@@ -130,10 +134,14 @@ func (p *parser) count(enc *encoder, opts Options, keepAll bool) *Request {
 			h = chain(h, mh)
 			continue
 		}
-		r.Boundaries = p.steps(r.Boundaries, m, h, pos, n)
+		if bounded {
+			r.Boundaries = p.steps(r.Boundaries, m, h, pos, n)
+		}
 		pos += n
 		h = chain(h, mh)
-		r.Boundaries = appendBoundary(r.Boundaries, pos, h)
+		if bounded {
+			r.Boundaries = appendBoundary(r.Boundaries, pos, h)
+		}
 		j := i
 		if i >= midEnd {
 			j -= midEnd - midStart

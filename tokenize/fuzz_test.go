@@ -15,9 +15,12 @@ func FuzzParse(f *testing.F) {
 	f.Add([]byte(`{"instructions":"be brief","input":[{"role":"user","content":[{"type":"input_text","text":"hi"}]},`+
 		`{"type":"function_call","call_id":"c","name":"f","arguments":"{}"},{"type":"function_call_output","call_id":"c","output":"ok"},`+
 		`{"type":"reasoning","summary":[]}]}`), uint8(4))
+	f.Add([]byte(`{"model":"e","input":["a text",  "another"],"encoding_format":"float"}`), uint8(8))
 	f.Fuzz(func(t *testing.T, body []byte, mode uint8) {
 		api := APIChat
 		switch {
+		case mode&8 != 0:
+			api = APIEmbeddings
 		case mode&4 != 0:
 			api = APIResponses
 		case mode&1 == 0:
@@ -39,6 +42,9 @@ func FuzzParse(f *testing.F) {
 		}
 		if len(r.Messages) == 0 || r.Messages[len(r.Messages)-1].End != r.PromptTokens || r.PromptTokens < 0 {
 			t.Fatalf("inconsistent request %+v", r)
+		}
+		if api == APIEmbeddings && (len(r.Boundaries) > 0 || r.Stream || r.MaxTokens != 0) {
+			t.Fatalf("embeddings request with boundaries, a stream or an output limit: %+v", r)
 		}
 		for i := 1; i < len(r.Boundaries); i++ {
 			if r.Boundaries[i].Tokens <= r.Boundaries[i-1].Tokens {

@@ -268,6 +268,11 @@ func (p *parser) parseBody() error {
 		switch {
 		case string(k) == "model":
 			return p.optString(&p.model, &p.hasModel, "model", 0, 0)
+		case p.api == APIEmbeddings:
+			if string(k) == "input" {
+				return p.parsePrompt()
+			}
+			// Nothing else is read from an embeddings request: it streams nothing and generates nothing.
 		case string(k) == "stream":
 			return p.hintBool(&p.stream)
 		case string(k) == "max_tokens":
@@ -305,6 +310,8 @@ func (p *parser) parseBody() error {
 		return fmt.Errorf("%w: messages must not be empty", ErrMalformed)
 	case p.api == APICompletions && !p.hasPrompt:
 		return fmt.Errorf("%w: prompt is required", ErrMalformed)
+	case p.api == APIEmbeddings && !p.hasPrompt:
+		return fmt.Errorf("%w: input is required", ErrMalformed)
 	case p.api == APIResponses && !p.hasInput:
 		return fmt.Errorf("%w: input is required", ErrMalformed)
 	}
@@ -651,20 +658,29 @@ func (p *parser) parseToolCalls(idx int) error {
 	})
 }
 
-// parsePrompt reads a completions prompt: a string, an array of strings, an array of token IDs, or
-// an array of token-ID arrays.
+// promptField names the field parsePrompt reads: a completions prompt, or an embeddings input.
+func (p *parser) promptField() string {
+	if p.api == APIEmbeddings {
+		return "input"
+	}
+	return "prompt"
+}
+
+// parsePrompt reads a completions prompt (an embeddings input): a string, an array of strings, an
+// array of token IDs, or an array of token-ID arrays.
 func (p *parser) parsePrompt() error {
 	s := &p.s
 	p.msgs, p.segs, p.ids = p.msgs[:0], p.segs[:0], p.ids[:0]
 	p.hasPrompt = true
+	field := p.promptField()
 	switch s.peek() {
 	case '"':
 		return p.promptString()
 	case '[':
 	case 'n':
-		return s.errorf("prompt is required (got null)")
+		return s.errorf("%s is required (got null)", field)
 	default:
-		return s.typeErr("prompt must be a string, an array of strings, or an array of token IDs")
+		return s.typeErr("%s must be a string, an array of strings, or an array of token IDs", field)
 	}
 	var shape byte // 's' strings, 'i' token IDs, 'a' arrays of token IDs
 	n := 0
@@ -679,7 +695,7 @@ func (p *parser) parsePrompt() error {
 		case c == '[':
 			this = 'a'
 		default:
-			return s.typeErr("prompt[%d] must be a string, a token ID or an array of token IDs", n)
+			return s.typeErr("%s[%d] must be a string, a token ID or an array of token IDs", field, n)
 		}
 		if shape == 0 {
 			shape = this
@@ -688,7 +704,7 @@ func (p *parser) parsePrompt() error {
 				p.segs = append(p.segs, seg{kind: segTokens, sp: span{off: int32(len(p.ids)), end: int32(len(p.ids))}})
 			}
 		} else if this != shape {
-			return s.errorf("prompt array elements must all be strings, all token IDs, or all arrays of token IDs")
+			return s.errorf("%s array elements must all be strings, all token IDs, or all arrays of token IDs", field)
 		}
 		n++
 		switch this {
@@ -710,7 +726,7 @@ func (p *parser) parsePrompt() error {
 				return err
 			}
 			if len(p.ids) == first {
-				return s.errorf("prompt[%d] must not be an empty token array", n-1)
+				return s.errorf("%s[%d] must not be an empty token array", field, n-1)
 			}
 			p.msgs = append(p.msgs, msg{segStart: int32(len(p.segs)), segEnd: int32(len(p.segs) + 1)})
 			p.segs = append(p.segs, seg{kind: segTokens, sp: span{off: int32(first), end: int32(len(p.ids))}})
@@ -721,7 +737,7 @@ func (p *parser) parsePrompt() error {
 		return err
 	}
 	if n == 0 {
-		return s.errorf("prompt must not be an empty array")
+		return s.errorf("%s must not be an empty array", field)
 	}
 	if shape == 'i' {
 		p.msgs[0].segEnd = int32(len(p.segs))
@@ -743,7 +759,7 @@ func (p *parser) tokenID() error {
 	s := &p.s
 	c := s.peek()
 	if c != '-' && (c < '0' || c > '9') {
-		return s.typeErr("prompt token IDs must be integers")
+		return s.typeErr("%s token IDs must be integers", p.promptField())
 	}
 	start, end, err := s.number()
 	if err != nil {
@@ -752,7 +768,7 @@ func (p *parser) tokenID() error {
 	v, ok := integer(s.b[start:end], 1<<32-1)
 	if !ok {
 		s.i = start
-		return s.errorf("prompt token IDs must be non-negative integers")
+		return s.errorf("%s token IDs must be non-negative integers", p.promptField())
 	}
 	p.ids = append(p.ids, uint32(v))
 	return nil

@@ -1,6 +1,6 @@
-// Package tokenize turns an OpenAI-compatible request body (/v1/chat/completions, /v1/completions
-// or the Responses API's /v1/responses) into what token-aware routing needs: the model, the stream
-// flag, the output limit, prompt token counts per message, and the prompt's boundaries with
+// Package tokenize turns an OpenAI-compatible request body (/v1/chat/completions, /v1/completions,
+// the Responses API's /v1/responses or /v1/embeddings) into what token-aware routing needs: the model,
+// the stream flag, the output limit, prompt token counts per message, and the prompt's boundaries with
 // fixed-seed prefix hashes. It does not import Caddy.
 //
 // # Counting
@@ -18,7 +18,9 @@
 // so {"role":"user","content":"hello world"} counts 3+1+2+3 = 9 with cl100k_base. A response counts
 // as the chat request the server renders it as: its instructions as the system message, then one
 // message per input item (see Parse). Completions count the prompt text exactly (no overhead); a
-// token-ID prompt counts its length.
+// token-ID prompt counts its length. Embeddings count their input as completions count a prompt (a
+// batch of inputs, the sum), and have no boundaries: an encoder's attention runs both ways, so no
+// input's prefix is computed alone and cached for another.
 //
 // # Bounds
 //
@@ -85,9 +87,12 @@ const (
 	// APIResponses is OpenAI's Responses API (POST /v1/responses), which vLLM and SGLang serve too: its
 	// "instructions" and "input" items are rendered by the same chat template as chat messages.
 	APIResponses
+	// APIEmbeddings is POST /v1/embeddings: an "input" of one or more texts or token arrays, prefilled
+	// and pooled, with no output tokens.
+	APIEmbeddings
 )
 
-// String returns "chat", "completions", "responses" or "unknown".
+// String returns "chat", "completions", "responses", "embeddings" or "unknown".
 func (a API) String() string {
 	switch a {
 	case APIChat:
@@ -96,15 +101,17 @@ func (a API) String() string {
 		return "completions"
 	case APIResponses:
 		return "responses"
+	case APIEmbeddings:
+		return "embeddings"
 	default:
 		return "unknown"
 	}
 }
 
 // APIForPath reports which API a URL path is: a path ending in "/chat/completions" is APIChat, one
-// ending in "/completions" otherwise is APICompletions, one ending in "/responses" APIResponses (so
-// /v1/..., /openai/v1/... work; /v1/responses/{id} and its sub-paths are not requests to route by
-// their body); any other path reports false.
+// ending in "/completions" otherwise is APICompletions, one ending in "/responses" APIResponses, one
+// ending in "/embeddings" APIEmbeddings (so /v1/..., /openai/v1/... work; /v1/responses/{id} and its
+// sub-paths are not requests to route by their body); any other path reports false.
 func APIForPath(path string) (API, bool) {
 	switch {
 	case strings.HasSuffix(path, "/chat/completions"):
@@ -113,6 +120,8 @@ func APIForPath(path string) (API, bool) {
 		return APICompletions, true
 	case strings.HasSuffix(path, "/responses"):
 		return APIResponses, true
+	case strings.HasSuffix(path, "/embeddings"):
+		return APIEmbeddings, true
 	default:
 		return APIUnknown, false
 	}
@@ -201,7 +210,8 @@ type Message struct {
 // (a message item has a string "role" and content as in chat, with "input_text" and "output_text"
 // parts counted as text; a "function_call" item is counted as the assistant's tool call, a
 // "function_call_output" item as the tool's message, and any other item by its raw JSON), and
-// "instructions" (optional) a string; "model" (optional) must be a string. "stream", "max_tokens",
+// "instructions" (optional) a string; embeddings need "input" as completions need "prompt"; "model"
+// (optional) must be a string. "stream", "max_tokens",
 // "max_completion_tokens" and a response's "max_output_tokens" are only routing hints and are read as
 // vLLM's pydantic models read them (true, 1 or "yes"; 100, 100.0 or "100"); any other value leaves
 // them absent, for the backend to judge.
@@ -214,7 +224,7 @@ type Message struct {
 // is linear in len(body) plus the bounded tokenizing described in the package doc; with a warm
 // cache a 20-message, 4k-token chat request takes a few tens of microseconds and four allocations.
 func Parse(body []byte, api API, opts Options) (*Request, error) {
-	if api != APIChat && api != APICompletions && api != APIResponses {
+	if api != APIChat && api != APICompletions && api != APIResponses && api != APIEmbeddings {
 		return nil, fmt.Errorf("%w: unsupported API %q", ErrMalformed, api)
 	}
 	enc, err := encoderFor(opts.Encoding)

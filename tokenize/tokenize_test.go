@@ -44,7 +44,8 @@ func TestAPIForPath(t *testing.T) {
 		{"/openai/v1/responses", APIResponses, true},
 		{"/v1/responses/resp_123", APIUnknown, false},
 		{"/v1/responses/resp_123/cancel", APIUnknown, false},
-		{"/v1/embeddings", APIUnknown, false},
+		{"/v1/embeddings", APIEmbeddings, true},
+		{"/v1/rerank", APIUnknown, false},
 		{"/v1/chat/completions/", APIUnknown, false},
 		{"", APIUnknown, false},
 	}
@@ -54,7 +55,7 @@ func TestAPIForPath(t *testing.T) {
 			t.Errorf("APIForPath(%q) = %v, %v, want %v, %v", tt.path, got, ok, tt.want, tt.ok)
 		}
 	}
-	for a, want := range map[API]string{APIChat: "chat", APICompletions: "completions", APIResponses: "responses", APIUnknown: "unknown", 9: "unknown"} {
+	for a, want := range map[API]string{APIChat: "chat", APICompletions: "completions", APIResponses: "responses", APIEmbeddings: "embeddings", APIUnknown: "unknown", 9: "unknown"} {
 		if a.String() != want {
 			t.Errorf("API(%d).String() = %q, want %q", a, a.String(), want)
 		}
