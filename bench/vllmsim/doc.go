@@ -14,6 +14,10 @@
 // request continuing one (previous_response_id) prefills its conversation and is answered 404 by any
 // other server, and GET and DELETE /v1/responses/{id} retrieve and delete it.
 //
+// Embeddings (POST /v1/embeddings) are prefilled in the batch like any request, without the prefix cache
+// (an encoder's input has no prefix computed alone), and answered with one unit vector per input, as
+// floats or base64.
+//
 // LoRA adapters (Config.LoRAAdapters) are served under their own model names from MaxLoRAs slots: the
 // step that admits a request whose adapter is not resident lasts LoRALoadTime longer, the least recently
 // used idle adapter is evicted for it, a request whose adapter finds no free slot is skipped until one

@@ -20,11 +20,11 @@ const maxBodyBytes = 64 << 20
 var outputWords = [...]string{" the", " sim", " ran", " and", " one", " new", " day", " was", " fun", " yes"}
 
 // ServeHTTP serves the OpenAI-compatible API (POST /v1/chat/completions, POST /v1/completions,
-// POST /v1/responses with GET and DELETE /v1/responses/{id}, GET /v1/models), GET /health and GET
-// /metrics. Headers: "X-Sim-Status: <code>" answers that status
-// (codes >= 400 with an OpenAI error body), "X-Sim-Drop: mid-stream" drops the connection after some
-// output, "X-Sim-Cut-After: <n>" drops a stream's connection after n output tokens. The request goroutine waits on the engine through channels; it never holds the engine
-// mutex while writing.
+// POST /v1/responses with GET and DELETE /v1/responses/{id}, POST /v1/embeddings, GET /v1/models), GET
+// /health and GET /metrics. Headers: "X-Sim-Status: <code>" answers that status (codes >= 400 with an
+// OpenAI error body), "X-Sim-Drop: mid-stream" drops the connection after some output,
+// "X-Sim-Cut-After: <n>" drops a stream's connection after n output tokens. The request goroutine waits
+// on the engine through channels; it never holds the engine mutex while writing.
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	switch r.URL.Path {
 	case "/v1/chat/completions":
@@ -33,6 +33,8 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		s.serveCompletion(w, r, apiCompletions)
 	case "/v1/responses":
 		s.serveCompletion(w, r, apiResponses)
+	case "/v1/embeddings":
+		s.serveEmbeddings(w, r)
 	case "/v1/models":
 		if !allowMethod(w, r, http.MethodGet) {
 			return
@@ -96,9 +98,11 @@ func allowMethod(w http.ResponseWriter, r *http.Request, method string) bool {
 // arrived (unix nanoseconds).
 const ArrivedHeader = "X-Sim-Arrived"
 
-func (s *Server) serveCompletion(w http.ResponseWriter, r *http.Request, kind api) {
+// readPost answers anything but a POST, counts the request, stamps its arrival and reads its body, or
+// answers the status X-Sim-Status forces; ok is false when the request is answered.
+func (s *Server) readPost(w http.ResponseWriter, r *http.Request) (body []byte, ok bool) {
 	if !allowMethod(w, r, http.MethodPost) {
-		return
+		return nil, false
 	}
 	s.requests.Add(1)
 	// When the request reached the backend, for a benchmark to tell the proxy's time from the
@@ -109,18 +113,55 @@ func (s *Server) serveCompletion(w http.ResponseWriter, r *http.Request, kind ap
 		var tooLarge *http.MaxBytesError
 		if errors.As(err, &tooLarge) {
 			s.writeError(w, http.StatusRequestEntityTooLarge, "request body too large")
-			return
+			return nil, false
 		}
 		s.writeError(w, http.StatusBadRequest, "reading request body: "+err.Error())
-		return
+		return nil, false
 	}
 	if v := r.Header.Get("X-Sim-Status"); v != "" {
 		if code, err := strconv.Atoi(v); err == nil && code >= 400 && code <= 599 {
 			s.writeError(w, code, "status forced by X-Sim-Status")
-			return
+			return nil, false
 		}
 	}
+	return body, true
+}
+
+// admit checks the request's model and the fault settings' error rate, and queues req in the engine for
+// model p.model; ok is false when the request is answered (404, 500, 429, 400 or 503).
+func (s *Server) admit(w http.ResponseWriter, p *parsedRequest, req *request) (ok bool) {
+	adapter, ok := s.adapterFor(p.model)
+	if !ok {
+		s.writeError(w, http.StatusNotFound, "The model `"+p.model+"` does not exist.")
+		return false
+	}
+	if s.chance(s.faults.Load().ErrorRate) {
+		s.writeError(w, http.StatusInternalServerError, "simulated internal error")
+		return false
+	}
+	req.adapter = adapter
+	switch err := s.enqueue(req); {
+	case errors.Is(err, errQueueFull):
+		s.writeError(w, http.StatusTooManyRequests, "the server is busy: waiting queue full")
+		return false
+	case errors.Is(err, errTooLong):
+		s.writeError(w, http.StatusBadRequest, fmt.Sprintf("This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the messages, %d in the completion).",
+			s.cfg.NumGPUBlocks*s.cfg.BlockSize, req.promptTokens+req.maxTokens, req.promptTokens, req.maxTokens))
+		return false
+	case err != nil:
+		s.writeError(w, http.StatusServiceUnavailable, err.Error())
+		return false
+	}
+	return true
+}
+
+func (s *Server) serveCompletion(w http.ResponseWriter, r *http.Request, kind api) {
+	body, ok := s.readPost(w, r)
+	if !ok {
+		return
+	}
 	var p parsedRequest
+	var err error
 	if kind == apiResponses {
 		p, err = s.parseResponses(body)
 	} else {
@@ -134,31 +175,12 @@ func (s *Server) serveCompletion(w http.ResponseWriter, r *http.Request, kind ap
 		s.writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	adapter, ok := s.adapterFor(p.model)
-	if !ok {
-		s.writeError(w, http.StatusNotFound, "The model `"+p.model+"` does not exist.")
-		return
-	}
-	faults := s.faults.Load()
-	if s.chance(faults.ErrorRate) {
-		s.writeError(w, http.StatusInternalServerError, "simulated internal error")
-		return
-	}
 	req := s.newRequest(p)
-	req.adapter = adapter
-	switch err := s.enqueue(req); {
-	case errors.Is(err, errQueueFull):
-		s.writeError(w, http.StatusTooManyRequests, "the server is busy: waiting queue full")
-		return
-	case errors.Is(err, errTooLong):
-		s.writeError(w, http.StatusBadRequest, fmt.Sprintf("This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the messages, %d in the completion).",
-			s.cfg.NumGPUBlocks*s.cfg.BlockSize, req.promptTokens+req.maxTokens, req.promptTokens, req.maxTokens))
-		return
-	case err != nil:
-		s.writeError(w, http.StatusServiceUnavailable, err.Error())
+	if !s.admit(w, &p, req) {
 		return
 	}
 	defer s.abort(req) // no-op once the request has left the engine
+	faults := s.faults.Load()
 	drop := r.Header.Get("X-Sim-Drop") == "mid-stream" || p.stream && s.chance(faults.DropMidStreamRate)
 	cutAfter := faults.CutStreamAfter
 	if v, err := strconv.Atoi(r.Header.Get("X-Sim-Cut-After")); err == nil && v > 0 {
@@ -172,8 +194,8 @@ func (s *Server) serveCompletion(w http.ResponseWriter, r *http.Request, kind ap
 		p:       &p,
 		req:     req,
 	}
-	if adapter != "" {
-		rs.model = appendJSONString(nil, adapter) // vLLM answers with the adapter's name
+	if req.adapter != "" {
+		rs.model = appendJSONString(nil, req.adapter) // vLLM answers with the adapter's name
 	}
 	if p.stream {
 		s.serveStream(w, r, &rs, drop, cutAfter)

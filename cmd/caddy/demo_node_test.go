@@ -6,6 +6,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"math"
 	"net/http"
 	"os"
 	"os/exec"
@@ -102,6 +103,8 @@ func TestDemoWithOpenAINodeClient(t *testing.T) {
 			OutputTokens int `json:"output_tokens"`
 		} `json:"response_usage"`
 		Retrieved bool `json:"retrieved"`
+		// Embeddings': the length of the second vector
+		EmbeddingNorm float64 `json:"embedding_norm"`
 	}
 	results := map[string]result{}
 	printed := stdout.String()
@@ -144,6 +147,16 @@ func TestDemoWithOpenAINodeClient(t *testing.T) {
 		t.Errorf("responses %+v: want 4 responses, the streamed one of 8 tokens, the last retrieved", resp)
 	case resp.ResponseUsage == nil || resp.ResponseUsage.OutputTokens != 8 || resp.ResponseUsage.InputTokens == 0:
 		t.Errorf("response usage %+v, want 8 output tokens and a prompt", resp.ResponseUsage)
+	}
+
+	emb, ok := results["embeddings"]
+	switch {
+	case !ok:
+		t.Error("no embeddings reported")
+	case emb.IDs != 2 || emb.Chunks != 8 || math.Abs(emb.EmbeddingNorm-1) > 1e-3:
+		t.Errorf("embeddings %+v: want 2 vectors of 8 values, unit length (decoded from base64)", emb)
+	case emb.Usage == nil || emb.Usage.PromptTokens == 0 || emb.Usage.TotalTokens != emb.Usage.PromptTokens:
+		t.Errorf("embeddings usage %+v, want the inputs' tokens", emb.Usage)
 	}
 
 	// They went through lb_policy llm: it learned their prompt's prefixes.

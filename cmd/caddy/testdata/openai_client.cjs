@@ -1,6 +1,7 @@
 // A client as Node applications write it: the official `openai` npm package, one non-streamed and one
-// streamed chat completion through the balancer, and a stored response continued for three turns. It prints one JSON line per completion for the Go
-// test (cmd/caddy/demo_node_test.go) to check. Usage:
+// streamed chat completion through the balancer, a stored response continued for three turns, and a
+// batch of embeddings. It prints one JSON line per result for the Go test (cmd/caddy/demo_node_test.go)
+// to check. Usage:
 //
 //   NODE_PATH=<dir>/node_modules OPENAI_BASE_URL=http://127.0.0.1:8080/v1 node openai_client.cjs
 //
@@ -71,6 +72,16 @@ async function main() {
     content: resp.output[0].content[0].text,
     response_usage: resp.usage,
     retrieved: retrieved.id === resp.id,
+  }));
+
+  // Embeddings: the package asks for base64 by default and decodes it to floats.
+  const emb = await client.embeddings.create({ model: 'sim-model', input: ['Hello from Node.', 'And again.'] });
+  console.log(JSON.stringify({
+    kind: 'embeddings',
+    ids: emb.data.length,
+    chunks: emb.data[0].embedding.length,
+    embedding_norm: Math.hypot(...emb.data[1].embedding),
+    usage: emb.usage,
   }));
 }
 
