@@ -134,12 +134,15 @@ var loads = &loadTable{m: make(map[string]*upstreamLoad)}
 type reservation struct {
 	load     *upstreamLoad
 	dial     string
-	uncached int   // prompt tokens to prefill
-	output   int   // expected output tokens
-	kv       int   // KV-cache tokens it takes from the free space (selection.Decision.KVTokens)
-	learned  int64 // when the route table learned its prefixes there (affinity.Table.Learn); 0: not
-	start    int64 // unix nanoseconds, when it was sent
-	waited   float64
+	uncached int // prompt tokens to prefill
+	output   int // expected output tokens of each of its sequences
+	// sequences is how many the backend generates (n, best_of; 0 counts as 1): they decode side by side,
+	// so a request takes as long as one of them, and its observed output counts them all.
+	sequences int
+	kv        int   // KV-cache tokens it takes from the free space (selection.Decision.KVTokens)
+	learned   int64 // when the route table learned its prefixes there (affinity.Table.Learn); 0: not
+	start     int64 // unix nanoseconds, when it was sent
+	waited    float64
 	// prefill is its own prefill in seconds, and prefillDone when it is predicted (or was observed) to
 	// end; firstToken is set when the first token was observed.
 	prefill     float64
@@ -159,6 +162,7 @@ type reservation struct {
 // work describes a request about to be reserved on an upstream.
 type work struct {
 	uncached, output int
+	sequences        int     // reservation.sequences
 	kv               int     // KV-cache space it takes (reservation.kv); 0: uncached + output
 	learned          int64   // reservation.learned
 	prompt, matched  int     // its prompt tokens and those predicted cached there
@@ -213,8 +217,8 @@ func (t *loadTable) reserve(dial string, w work, now int64) *reservation {
 // add records r as in flight and queues its prefill.
 func (l *upstreamLoad) add(dial string, w work, now int64) *reservation {
 	svc := l.model.Service()
-	r := &reservation{load: l, dial: dial, uncached: w.uncached, output: w.output, kv: w.kv, learned: w.learned,
-		start: now, waited: w.waited, prediction: w.prediction}
+	r := &reservation{load: l, dial: dial, uncached: w.uncached, output: w.output, sequences: w.sequences, kv: w.kv,
+		learned: w.learned, start: now, waited: w.waited, prediction: w.prediction}
 	if r.kv == 0 {
 		r.kv = w.uncached + w.output
 	}
@@ -246,7 +250,7 @@ func (l *upstreamLoad) add(dial string, w work, now int64) *reservation {
 	}
 	l.lastSent = now
 	l.mu.Unlock()
-	l.tokens.Add(int64(w.uncached + w.output))
+	l.tokens.Add(r.weight())
 	l.requests.Add(1)
 	l.prompt.Add(int64(w.prompt))
 	l.predicted.Add(int64(w.matched))
@@ -309,19 +313,32 @@ func (r *reservation) release(now int64, completed bool) {
 		}
 	}
 	l.mu.Unlock()
-	l.tokens.Add(-int64(r.uncached + r.output))
+	l.tokens.Add(-r.weight())
 	l.requests.Add(-1)
 	l.lastUsed.Store(now)
 	if completed {
 		output := r.output
-		if seen := r.outputSeen.Load(); seen > 0 {
-			output = int(seen)
+		if seen := r.seenPerSequence(); seen > 0 {
+			output = seen
 		}
 		l.model.ObserveEnd(r.uncached, output, r.waited, float64(now-r.start)/1e9)
 	}
 }
 
 func seconds(s float64) int64 { return int64(s * 1e9) }
+
+// weight is what r counts in its upstream's tokens in flight: its uncached prompt and the output of all
+// its sequences.
+func (r *reservation) weight() int64 {
+	return int64(r.uncached + r.output*max(r.sequences, 1))
+}
+
+// seenPerSequence is the output observed so far per sequence of r (rounded up): one sequence's progress,
+// which is the request's, since its sequences decode side by side.
+func (r *reservation) seenPerSequence() int {
+	seqs := int64(max(r.sequences, 1))
+	return int((r.outputSeen.Load() + seqs - 1) / seqs)
+}
 
 // prefillLeft is what is left at now of r's predicted prefill (nanoseconds): up to its own prefill
 // before the predicted end, nothing after it.
@@ -431,7 +448,7 @@ func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstrea
 func (l *upstreamLoad) overdueLocked(now int64, s selection.Service) float64 {
 	first, second := 0.0, 0.0
 	for _, r := range l.inflight {
-		output := max(r.output, int(r.outputSeen.Load()))
+		output := max(r.output, r.seenPerSequence())
 		pred := r.waited + s.TTFT(r.uncached) + float64(output)*s.TokenSeconds
 		if !(pred > 0) {
 			continue

@@ -647,3 +647,32 @@ func TestSettledQueue(t *testing.T) {
 		}
 	}
 }
+
+// TestSequencesTeachOneSequence: an answer of four sequences (n 4), 400 output tokens in all over 2 s,
+// teaches the service model what one sequence of 100 tokens over 2 s does (they decode side by side), not
+// a backend four times faster per token; it counts four outputs in the tokens in flight while it runs,
+// and releases exactly them.
+func TestSequencesTeachOneSequence(t *testing.T) {
+	lt := newTestLoads()
+	now := time.Now().UnixNano()
+	for range 20 {
+		one := lt.reserve("one:1", work{uncached: 1000, output: 100, sequences: 1}, now)
+		four := lt.reserve("four:1", work{uncached: 1000, output: 100, sequences: 4}, now)
+		if tokens, _ := lt.get("four:1"); tokens != 1000+4*100 {
+			t.Fatalf("four sequences in flight count %d tokens, want the prompt and four outputs (1400)", tokens)
+		}
+		one.observeTokens(observerTransport, 100)
+		four.observeTokens(observerTransport, 400)
+		end := now + 2*int64(time.Second)
+		one.release(end, true)
+		four.release(end, true)
+		now = end
+	}
+	a, b := lt.entry("one:1", now).model.Service(), lt.entry("four:1", now).model.Service()
+	if a.TokenSeconds != b.TokenSeconds || a.PrefillSecondsPerToken != b.PrefillSecondsPerToken || a.MeanDuration != b.MeanDuration {
+		t.Errorf("learned from n 4: %+v; from one sequence: %+v: want the same", b, a)
+	}
+	if tokens, requests := lt.get("four:1"); tokens != 0 || requests != 0 {
+		t.Errorf("after every release: %d tokens, %d requests, want 0", tokens, requests)
+	}
+}

@@ -115,6 +115,7 @@ func (d *decider) choose(q *query, keys []string, cands []selection.Candidate, s
 	req := selection.Request{
 		PromptTokens: q.req.PromptTokens,
 		OutputTokens: d.outputEstimate(q.req),
+		Sequences:    q.req.Sequences,
 		PrefixHash:   prefix.Hash,
 	}
 	req.AvailabilityHash = req.PrefixHash
@@ -185,6 +186,7 @@ func (d *decider) commit(q *query, dial string, dec selection.Decision) *reserva
 		kv:         dec.KVTokens,
 		learned:    learned,
 		output:     d.outputEstimate(q.req),
+		sequences:  q.req.Sequences,
 		waited:     dec.Wait,
 		prediction: pred,
 	}, q.now)

@@ -131,8 +131,11 @@ type Candidate struct {
 
 // Request is what the decision needs to know about the request being routed.
 type Request struct {
-	// PromptTokens is the number of prompt tokens, and OutputTokens the output expected.
+	// PromptTokens is the number of prompt tokens, and OutputTokens the output expected of each of its
+	// Sequences (n, best_of; 0 counts as 1), which take a slot each and the KV cache of their own output
+	// (the prompt's they share).
 	PromptTokens, OutputTokens int
+	Sequences                  int
 	// PrefixHash identifies the request's prefix for rendezvous hashing among near-equal candidates, so that
 	// independent proxies send the same new prefix to the same upstream. 0 disables it.
 	PrefixHash uint64
@@ -206,7 +209,7 @@ type Decision struct {
 // With neither (no adapter, or no upstream reports LoRA), the cost is the same as without the terms.
 func Cost(c *Candidate, req Request, cached int) (cost, wait, ttft float64) {
 	uncached := req.PromptTokens - min(cached, req.PromptTokens)
-	wait = Wait(c, float64(kvTokens(c, req, cached))) + c.AdapterWait
+	wait = Wait(c, float64(kvTokens(c, req, cached)), req.Sequences) + c.AdapterWait
 	prefill := float64(uncached)*c.Service.PrefillSecondsPerToken + c.AdapterLoad
 	ttft = wait + c.Service.Overhead + prefill
 	waiting := 0.0
@@ -218,7 +221,7 @@ func Cost(c *Candidate, req Request, cached int) (cost, wait, ttft float64) {
 
 // kvTokens is the KV-cache space req takes on c with cached of its prompt tokens there.
 func kvTokens(c *Candidate, req Request, cached int) int {
-	output := OutputKV(req.OutputTokens, c.TokenScale)
+	output := OutputKV(req.OutputTokens*max(req.Sequences, 1), c.TokenScale)
 	if c.CachedFree {
 		return req.PromptTokens + output
 	}
@@ -234,12 +237,13 @@ func OutputKV(output int, scale float64) int {
 	return output
 }
 
-// Wait is how long a new request that needs kv tokens of KV cache waits on c before its prefill starts:
-// behind the prefill queued there, for a slot, or for cache space, whichever is longest.
+// Wait is how long a new request of sequences sequences (0 counts as 1) that needs kv tokens of KV cache
+// waits on c before its prefill starts: behind the prefill queued there, for slots, or for cache space,
+// whichever is longest.
 //
 // A slot frees every MeanDuration/Slots seconds (MeanDuration is the time a request holds its slot). With
-// the request among n in flight on s slots, it starts at once while n <= s, and otherwise waits for the
-// n-s requests ahead of it to be given a slot: one interval each. (A rho^2/(1-rho) queueing term, rho =
+// the request's sequences among n in flight on s slots, it starts at once while n <= s, and otherwise
+// waits for the n-s ahead of it to be given a slot: one interval each. (A rho^2/(1-rho) queueing term, rho =
 // n/s, once stood here: past full it grew as s x rho^2 intervals, so a backend with 18 requests on 8
 // slots was predicted to queue 9.5 s instead of 1.9 s, and every prefix there moved to the one upstream
 // whose slots were not yet known.)
@@ -249,10 +253,10 @@ func OutputKV(output int, scale float64) int {
 // space want it too, and hold up every request behind them, short ones included (engines admit in order),
 // while only what is held frees. The cache is counted in tokens, not in requests: a backend full of short
 // requests has room for many more of them, and one long request can fill it.
-func Wait(c *Candidate, kv float64) float64 {
+func Wait(c *Candidate, kv float64, sequences int) float64 {
 	wait := c.Queued
 	if s := c.Service.Slots; s > 0 {
-		wait = max(wait, c.Service.MeanDuration/s*max(c.Requests+1-s, 0))
+		wait = max(wait, c.Service.MeanDuration/s*max(c.Requests+float64(max(sequences, 1))-s, 0))
 	}
 	if c.KVCapacity > 0 {
 		kv = min(kv, c.KVCapacity)

@@ -2,6 +2,7 @@ package selection
 
 import (
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"testing"
 )
@@ -415,10 +416,37 @@ func TestKVTokensInThePromptCountsTokens(t *testing.T) {
 	}
 	// In a 1,100-token cache with nothing free, the wait is for all of it at 1x, for 1,050 of it at 2x.
 	full := Candidate{Service: svc, KVCapacity: 1100, KVUsed: 1100}
-	one := Wait(&full, float64(kvTokens(&full, req, 0)))
+	one := Wait(&full, float64(kvTokens(&full, req, 0)), req.Sequences)
 	full.TokenScale = 2
-	two := Wait(&full, float64(kvTokens(&full, req, 0)))
+	two := Wait(&full, float64(kvTokens(&full, req, 0)), req.Sequences)
 	if !(two < one) {
 		t.Errorf("wait for cache space at scale 2 = %v, at 1 = %v: want less", two, one)
+	}
+}
+
+// TestSequencesTakeSlotsAndCache: a request of n sequences takes n slots and the KV cache of n outputs.
+// On an 8-slot upstream running 4, one sequence (or an unset count) starts at once and eight wait for 4
+// slots to free (a quarter of the mean duration each); in a cache with 1,000 tokens free, one 200-token
+// output fits and eight do not.
+func TestSequencesTakeSlotsAndCache(t *testing.T) {
+	svc := Service{Overhead: 0.01, PrefillSecondsPerToken: 1e-4, TokenSeconds: 0.02, MeanDuration: 2, Slots: 8}
+	busy := Candidate{Service: svc, Requests: 4}
+	for _, tt := range []struct {
+		sequences int
+		wait      float64
+	}{{0, 0}, {1, 0}, {4, 0}, {5, 0.25}, {8, 1}} {
+		_, wait, _ := Cost(&busy, Request{PromptTokens: 500, OutputTokens: 200, Sequences: tt.sequences}, 0)
+		if math.Abs(wait-tt.wait) > 1e-9 {
+			t.Errorf("%d sequences on 8 slots running 4: wait %v s, want %v", tt.sequences, wait, tt.wait)
+		}
+	}
+	c := Candidate{Service: svc, KVCapacity: 10_000, KVUsed: 9_000}
+	one := Wait(&c, float64(kvTokens(&c, Request{PromptTokens: 100, OutputTokens: 200, Sequences: 1}, 0)), 1)
+	eight := Wait(&c, float64(kvTokens(&c, Request{PromptTokens: 100, OutputTokens: 200, Sequences: 8}, 0)), 8)
+	if one != 0 || eight <= 0 {
+		t.Errorf("wait for cache space: %v for one sequence, %v for eight; want none, then some", one, eight)
+	}
+	if got := kvTokens(&c, Request{PromptTokens: 100, OutputTokens: 200, Sequences: 8}, 0); got != 100+8*200 {
+		t.Errorf("KV tokens of 8 sequences: %d, want the prompt once and 8 outputs (1700)", got)
 	}
 }

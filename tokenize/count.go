@@ -16,6 +16,7 @@ const (
 	maxCacheLookups   = 4096 // per request; later messages bypass the cache (bounds lock traffic)
 	maxSteps          = 4096 // step boundaries per request (1 MiB of text); later messages get only ends
 	tokenIDBlock      = 64   // step boundaries inside a token-ID prompt, in tokens
+	maxSequences      = 1024 // Request.Sequences at most (n and best_of beyond it are the backend's to refuse)
 	messageHashSeed   = 0x6c6c6d2d6d736731
 	boundaryHashStart = 0x6c6c6d2d62647279
 )
@@ -67,6 +68,13 @@ func (p *parser) count(enc *encoder, opts Options, keepAll bool) *Request {
 		r.MaxTokens = int(p.maxCompl)
 	case p.hasMax:
 		r.MaxTokens = int(p.maxTokens)
+	}
+	r.Sequences = 1
+	if p.hasN {
+		r.Sequences = max(r.Sequences, int(min(p.n, maxSequences)))
+	}
+	if p.hasBestOf {
+		r.Sequences = max(r.Sequences, int(min(p.bestOf, maxSequences)))
 	}
 
 	// Messages [midStart, midEnd) are the aggregated middle (an empty range when all are kept).

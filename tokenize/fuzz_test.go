@@ -43,6 +43,9 @@ func FuzzParse(f *testing.F) {
 		if len(r.Messages) == 0 || r.Messages[len(r.Messages)-1].End != r.PromptTokens || r.PromptTokens < 0 {
 			t.Fatalf("inconsistent request %+v", r)
 		}
+		if r.Sequences < 1 || r.Sequences > maxSequences {
+			t.Fatalf("Sequences %d out of [1, %d]", r.Sequences, maxSequences)
+		}
 		if api == APIEmbeddings && (len(r.Boundaries) > 0 || r.Stream || r.MaxTokens != 0) {
 			t.Fatalf("embeddings request with boundaries, a stream or an output limit: %+v", r)
 		}

@@ -74,6 +74,8 @@ type parser struct {
 	stream                bool
 	maxTokens, maxCompl   int64
 	hasMax, hasCompl      bool
+	n, bestOf             int64 // choices asked for (n) and sampled (a completion's best_of)
+	hasN, hasBestOf       bool
 	hasMessages, hasTools bool
 	hasPrompt             bool
 	instructions          span // a response's instructions
@@ -279,6 +281,10 @@ func (p *parser) parseBody() error {
 			return p.hintInt(&p.maxTokens, &p.hasMax)
 		case string(k) == "max_completion_tokens":
 			return p.hintInt(&p.maxCompl, &p.hasCompl)
+		case string(k) == "n" && p.api != APIResponses:
+			return p.hintInt(&p.n, &p.hasN)
+		case string(k) == "best_of" && p.api == APICompletions:
+			return p.hintInt(&p.bestOf, &p.hasBestOf)
 		case p.api == APIChat && string(k) == "messages":
 			return p.parseMessages()
 		case p.chatLike() && string(k) == "tools":

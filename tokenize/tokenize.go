@@ -159,6 +159,10 @@ type Request struct {
 	// MaxTokens is max_completion_tokens (a response's max_output_tokens) if present, else max_tokens; 0
 	// when absent.
 	MaxTokens int
+	// Sequences is how many sequences the backend generates for the request: its n (chat, completions) or a
+	// completion's best_of, whichever is larger; 1 when absent (and for the Responses API and
+	// embeddings). Each takes a slot of the batch and its own output's KV cache; they share the prompt.
+	Sequences int
 	// PreviousResponseID is a response's previous_response_id: the stored response it continues, whose
 	// history the server prepends to its input (and which only the server that stored it has).
 	PreviousResponseID string
@@ -211,11 +215,10 @@ type Message struct {
 // parts counted as text; a "function_call" item is counted as the assistant's tool call, a
 // "function_call_output" item as the tool's message, and any other item by its raw JSON), and
 // "instructions" (optional) a string; embeddings need "input" as completions need "prompt"; "model"
-// (optional) must be a string. "stream", "max_tokens",
-// "max_completion_tokens" and a response's "max_output_tokens" are only routing hints and are read as
-// vLLM's pydantic models read them (true, 1 or "yes"; 100, 100.0 or "100"); any other value leaves
-// them absent, for the backend to judge.
-// Unknown fields are ignored; a repeated key's last value wins.
+// (optional) must be a string. "stream", "max_tokens", "max_completion_tokens", "n", a completion's
+// "best_of" and a response's "max_output_tokens" are only routing hints and are read as vLLM's pydantic
+// models read them (true, 1 or "yes"; 100, 100.0 or "100"); any other value leaves them absent, for the
+// backend to judge. Unknown fields are ignored; a repeated key's last value wins.
 // Errors for bodies that are not valid requests wrap ErrMalformed and say what is wrong and where
 // ("messages[1].content must be a string, an array of content parts, or null, not a number at
 // offset 57"); an unknown opts.Encoding or an encoder that cannot be built is another error.

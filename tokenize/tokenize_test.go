@@ -813,3 +813,31 @@ func TestAssistantMessagesMarked(t *testing.T) {
 		}
 	}
 }
+
+// TestSequences: n (chat, completions) and a completion's best_of, read as vLLM reads them, make the
+// request's Sequences, the larger of the two; absent, zero or unreadable, one; a response's n is no field
+// of the Responses API.
+func TestSequences(t *testing.T) {
+	const chat = `"messages":[{"role":"user","content":"hi"}]`
+	for _, tt := range []struct {
+		body string
+		api  API
+		want int
+	}{
+		{`{` + chat + `}`, APIChat, 1},
+		{`{"n":4,` + chat + `}`, APIChat, 4},
+		{`{"n":"8",` + chat + `}`, APIChat, 8},
+		{`{"n":0,` + chat + `}`, APIChat, 1},
+		{`{"n":"many",` + chat + `}`, APIChat, 1},
+		{`{"n":1e9,` + chat + `}`, APIChat, 1024},
+		{`{"prompt":"hi","n":2,"best_of":5}`, APICompletions, 5},
+		{`{"prompt":"hi","best_of":3}`, APICompletions, 3},
+		{`{"best_of":3,` + chat + `}`, APIChat, 1},
+		{`{"input":"hi","n":4}`, APIResponses, 1},
+		{`{"input":"hi","n":4}`, APIEmbeddings, 1},
+	} {
+		if got := mustParse(t, tt.body, tt.api, Options{Encoding: "approx"}).Sequences; got != tt.want {
+			t.Errorf("%v %s: Sequences %d, want %d", tt.api, tt.body, got, tt.want)
+		}
+	}
+}
