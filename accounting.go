@@ -220,7 +220,7 @@ func (l *upstreamLoad) add(dial string, w work, now int64) *reservation {
 	r := &reservation{load: l, dial: dial, uncached: w.uncached, output: w.output, sequences: w.sequences, kv: w.kv,
 		learned: w.learned, start: now, waited: w.waited, prediction: w.prediction}
 	if r.kv == 0 {
-		r.kv = w.uncached + w.output
+		r.kv = int(r.weight())
 	}
 	r.prefill = svc.PrefillSecondsPerToken * float64(w.uncached)
 	l.mu.Lock()
@@ -230,7 +230,7 @@ func (l *upstreamLoad) add(dial string, w work, now int64) *reservation {
 	r.index = len(l.inflight)
 	l.inflight = append(l.inflight, r)
 	l.kv += int64(r.kv)
-	l.allocTotal += int64(w.uncached + selection.OutputKV(w.output, l.tokenScaleLocked()))
+	l.allocTotal += int64(w.uncached + selection.OutputKV(w.output*max(w.sequences, 1), l.tokenScaleLocked()))
 	l.allocAt[l.allocNext], l.allocCum[l.allocNext] = now, l.allocTotal
 	l.allocNext = (l.allocNext + 1) % allocRing
 	l.allocN = min(l.allocN+1, allocRing)
@@ -511,7 +511,7 @@ func (l *upstreamLoad) evictedSince(seen, now int64) int64 {
 	scale := l.tokenScaleLocked()
 	for _, r := range l.inflight {
 		if r.start <= freed {
-			n += int64(r.uncached + selection.OutputKV(r.output, scale))
+			n += int64(r.uncached + selection.OutputKV(r.output*max(r.sequences, 1), scale))
 		}
 	}
 	return n

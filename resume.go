@@ -61,9 +61,9 @@ const (
 // untouched. A Responses API request (/v1/responses) is re-sent only while its client has received
 // nothing: its answer, whole or a stream of typed events, is relayed as it comes, and a stream that breaks
 // is not continued (a continuation body could not carry the stored response it may continue). An
-// embeddings request is re-sent as a chat request that is not streamed is. A streamed answer that holds
-// tool calls or reasoning, has several choices (n > 1), or uses structured output is retried only while
-// the client has received no content, since a continuation could not be joined to it.
+// embeddings request, always answered whole, is re-sent as a whole chat answer is. A streamed answer
+// that holds tool calls or reasoning, has several choices (n > 1), or uses structured output is retried
+// only while the client has received no content, since a continuation could not be joined to it.
 //
 // Every request with a failed attempt is counted once in caddy_llm_resumes_total, by outcome: continued,
 // retried_whole or failed (a request whose client left is not counted).
@@ -243,17 +243,14 @@ func parseResumable(body []byte, api tokenize.API) (*resumeRequest, error) {
 		GuidedGrammar     json.RawMessage        `json:"guided_grammar"`
 		StructuredOutputs json.RawMessage        `json:"structured_outputs"`
 	}
+	if api == tokenize.APIResponses || api == tokenize.APIEmbeddings {
+		// A response's typed events (response.created, response.output_text.delta, ...), maybe continuing a
+		// stored response (previous_response_id), and embeddings, always whole: the answer goes to the
+		// client as it comes, so the request is re-sent only while the client has nothing.
+		return &resumeRequest{api: api}, nil
+	}
 	if err := json.Unmarshal(body, &b); err != nil {
 		return nil, fmt.Errorf("reading request: %w", err)
-	}
-	switch api {
-	case tokenize.APIResponses:
-		// Typed events (response.created, response.output_text.delta, ...) and maybe a stored response
-		// continued (previous_response_id): the answer, streamed or whole, goes to the client as it comes,
-		// so the request is re-sent only while the client has nothing.
-		return &resumeRequest{api: api}, nil
-	case tokenize.APIEmbeddings:
-		return &resumeRequest{api: api}, nil // a whole answer, never streamed
 	}
 	req := &resumeRequest{api: api, stream: b.Stream, continuable: true}
 	req.includeUsage = b.StreamOptions != nil && b.StreamOptions.IncludeUsage

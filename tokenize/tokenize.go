@@ -171,8 +171,8 @@ type Request struct {
 	// ToolsTokens is the part of PromptTokens spent on the request's "tools" definitions, which
 	// are counted as a pseudo-message before the first message (so Messages[0].End includes them).
 	ToolsTokens int
-	// Messages has one entry per chat message; for completions, one per prompt string or token
-	// array; for a response, one for its instructions (first, as the system message the server makes
+	// Messages has one entry per chat message; for completions (embeddings), one per prompt (input)
+	// string or token array; for a response, one for its instructions (first, as the system message the server makes
 	// of them) and one per input item (a string input is one user message). A request of more than
 	// 256 messages keeps only the entries of its first 64 and its last 192 messages (in order;
 	// Σ Tokens is then less than PromptTokens): the messages between are counted and hashed into
