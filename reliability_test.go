@@ -407,7 +407,9 @@ type chaosKind struct {
 	name   string
 	weight int
 	stream bool
-	header [2]string // a fault header, or empty
+	// embeddings: a POST to /v1/embeddings (else /v1/chat/completions)
+	embeddings bool
+	header     [2]string // a fault header, or empty
 	// cancel: "" none, "before" (after a short random delay, on a request the upstream never answers),
 	// "mid" (after the first streamed event).
 	cancel string
@@ -492,6 +494,9 @@ var chaosKinds = []chaosKind{
 	{name: "upstream_503_retried", weight: 1, header: [2]string{"X-Test-Fault", fault503Once}, check: wantStatus(http.StatusOK)},
 	// Every attempt answers 429: after the retries Caddy answers 502 (the last attempt's error).
 	{name: "upstream_429_every_attempt", weight: 1, header: [2]string{"X-Sim-Status", "429"}, check: wantStatus(http.StatusTooManyRequests, http.StatusBadGateway)},
+	// Embeddings: reserved with no output; one 503 retried.
+	{name: "embeddings", weight: 2, embeddings: true, check: wantStatus(http.StatusOK)},
+	{name: "embeddings_503_retried", weight: 1, embeddings: true, header: [2]string{"X-Test-Fault", fault503Once}, check: wantStatus(http.StatusOK)},
 }
 
 // chaosOutcome is what one request saw.
@@ -524,7 +529,11 @@ func closedByReload(plan *faultPlan, id, status int, err error) bool {
 func doChaosRequest(client *http.Client, kind chaosKind, id int, body []byte, resume bool) (int, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, proxyURL+"/v1/chat/completions", bytes.NewReader(body))
+	path := "/v1/chat/completions"
+	if kind.embeddings {
+		path = "/v1/embeddings"
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, proxyURL+path, bytes.NewReader(body))
 	if err != nil {
 		return 0, err
 	}
@@ -573,7 +582,8 @@ func doChaosRequest(client *http.Client, kind chaosKind, id int, body []byte, re
 // (plus a fourth that reloads add and remove) while injecting every fault issue 6 names: client
 // cancellations before the first byte and mid-stream, upstream drops mid-request and mid-stream, 5xx and
 // 429 answers, retries, config reloads mid-flight, and an upstream removed by a reload while requests to
-// it are open. Each request's outcome is checked against its kind, and afterwards every upstream's
+// it are open; among the requests, embeddings and chat requests for two sequences (n 2), reserved with no
+// output and two. Each request's outcome is checked against its kind, and afterwards every upstream's
 // in-flight tokens and requests are exactly zero and the goroutine count is back to its baseline.
 func TestAccountingUnderChaos(t *testing.T) {
 	testAccountingUnderChaos(t, false, 480)
@@ -646,7 +656,16 @@ func testAccountingUnderChaos(t *testing.T, resume bool, requests int) {
 			}
 			w -= kind.weight
 		}
-		bodies[i] = simChat(rng, i, chaosKinds[kindOf[i]].stream)
+		kind := chaosKinds[kindOf[i]]
+		switch {
+		case kind.embeddings:
+			bodies[i] = fmt.Appendf(nil, `{"model":"sim-model","input":["%d %s","%d"]}`, i, strings.Repeat("tokens ", 5+rng.IntN(200)), i)
+		case !kind.stream && rng.IntN(4) == 0:
+			// Several sequences (n 2): reserved as two outputs, released as one request.
+			bodies[i] = append([]byte(`{"n":2,`), simChat(rng, i, false)[1:]...)
+		default:
+			bodies[i] = simChat(rng, i, kind.stream)
+		}
 	}
 
 	work := make(chan int)
