@@ -178,7 +178,7 @@ func TestEmbeddings(t *testing.T) {
 	if _, _, n, err := embed(openai.EmbeddingNewParamsInputUnion{OfString: openai.String(text)}); err != nil || n != 1 {
 		t.Fatalf("after two 503s: %v, %d vectors", err, n)
 	}
-	checkResumeCounted(t, "embeddings", before, resumeRetriedWhole)
+	awaitResumeCounted(t, "embeddings", before, resumeRetriedWhole)
 	waitInflightZero(t, a.dial, b.dial)
 	for _, be := range []*embeddingsBackend{a, b} {
 		for len(be.arrived) > 0 {

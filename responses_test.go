@@ -12,6 +12,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/caddyserver/caddy/v2/caddytest"
 	"github.com/openai/openai-go/v3"
@@ -286,13 +287,13 @@ func TestResumeRetriesResponses(t *testing.T) {
 	if res.OutputText() != "Sunny." {
 		t.Errorf("whole response after two 503s: answer %q, want Sunny.", res.OutputText())
 	}
-	checkResumeCounted(t, "whole", before, resumeRetriedWhole)
+	awaitResumeCounted(t, "whole", before, resumeRetriedWhole)
 	before = resumeCounts()
 	failAll(1)
 	if id, text, err := stream("And tomorrow?", ""); err != nil || text != "Sunny." || id == "" {
 		t.Fatalf("streamed response after two 503s: %v (answer %q, id %q)", err, text, id)
 	}
-	checkResumeCounted(t, "stream", before, resumeRetriedWhole)
+	awaitResumeCounted(t, "stream", before, resumeRetriedWhole)
 	for name, b := range backends {
 		if n := b.failNext.Load(); n > 0 {
 			t.Errorf("backend %s was not tried (%d failures left): the request was not re-sent", name, n)
@@ -302,10 +303,12 @@ func TestResumeRetriesResponses(t *testing.T) {
 	// A continuation goes home again after a 503 there, twice.
 	home := backendOf(res.ID)
 	backends[home].failNext.Store(2)
+	before = resumeCounts()
 	next, err := client.Responses.New(ctx, params("And the day after?", res.ID))
 	if err != nil || backendOf(next.ID) != home {
 		t.Fatalf("continuation after two 503s at its home %s: %v", home, err)
 	}
+	awaitResumeCounted(t, "continuation", before, resumeRetriedWhole)
 
 	// A stream cut after its first delta is not sent again.
 	served := servedTotal(backends)
@@ -323,6 +326,7 @@ func TestResumeRetriesResponses(t *testing.T) {
 	if n := servedTotal(backends) - served; n != 1 {
 		t.Errorf("the cut stream's request was served %d times, want once", n)
 	}
+	time.Sleep(50 * time.Millisecond) // the handler counts after it returns the answer: give it the time
 	if after := resumeCounts(); after != before {
 		t.Errorf("resume counts moved from %v to %v for a request that was not resumed", before, after)
 	}

@@ -15,6 +15,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
@@ -910,6 +911,18 @@ func resumeCounts() [len(resumeCounters)]float64 {
 		out[i] = testutil.ToFloat64(c)
 	}
 	return out
+}
+
+// awaitResumeCounted is checkResumeCounted for a request served by a real server: the handler counts it
+// after it wrote the answer, which the client may have read already, so it waits (up to 5 s) for the count.
+func awaitResumeCounted(t *testing.T, name string, before [len(resumeCounters)]float64, want resumeOutcome) {
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+		if after := resumeCounts(); after != before {
+			break
+		}
+	}
+	checkResumeCounted(t, name, before, want)
 }
 
 // checkResumeCounted fails unless exactly one request was counted since before, with outcome want.
