@@ -28,7 +28,9 @@ type MatchLLM struct {
 	// Stream, when set, matches only streaming (true) or non-streaming (false) requests.
 	Stream *bool `json:"stream,omitempty"`
 	// APIs limits the match to "chat" (/v1/chat/completions), "completions" (/v1/completions),
-	// "responses" (/v1/responses) and/or "embeddings" (/v1/embeddings).
+	// "responses" (/v1/responses) and/or "embeddings" (/v1/embeddings). Empty: the first three;
+	// embeddings match only a matcher that names them, so a matcher written for generation (a model
+	// glob, a token bound) does not take an embedding model's requests too.
 	APIs []string `json:"apis,omitempty"`
 	// Tokenizer counts prompt tokens for the token bounds, as in the policy. Default cl100k_base.
 	Tokenizer string `json:"tokenizer,omitempty"`
@@ -115,8 +117,8 @@ func (m MatchLLM) MatchWithError(r *http.Request) (bool, error) {
 	if lr.api == tokenize.APIUnknown {
 		return false, nil
 	}
-	if len(m.apis) > 0 && !containsAPI(m.apis, lr.api) {
-		return false, nil
+	if len(m.apis) > 0 && !containsAPI(m.apis, lr.api) || len(m.apis) == 0 && lr.api == tokenize.APIEmbeddings {
+		return false, nil // embeddings match only a matcher that names them
 	}
 	needBody := len(m.Models) > 0 || m.MinTokens > 0 || m.MaxTokens > 0 || m.Stream != nil
 	if !needBody {

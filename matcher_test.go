@@ -61,6 +61,8 @@ func TestMatcherRoutes(t *testing.T) {
 		{"non-streaming, unknown model", "/v1/chat/completions", chat("gpt-4o", 10, false), rest},
 		{"GET falls through", "/v1/models", "", rest},
 		{"other path falls through", "/v1/rerank", `{"model":"llama3","query":"x","documents":["y"]}`, rest},
+		// Embeddings match only a matcher that names them: not @long (1,500 words), not @qwen (its model).
+		{"embeddings fall through", "/v1/embeddings", `{"model":"Qwen/Qwen2.5-7B","input":"` + strings.Repeat("word ", 1500) + `"}`, rest},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			before := tc.want.requests.Load()
