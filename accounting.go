@@ -28,7 +28,10 @@ type upstreamLoad struct {
 
 	tokens   atomic.Int64 // uncached prompt + expected output of the requests in flight (reports; KV demand in view)
 	requests atomic.Int64
-	lastUsed atomic.Int64 // unix nanoseconds of the last reserve or release
+	// sequences is what the requests in flight run on the backend: one each, or its n (best_of). The
+	// decision counts them against the backend's slots, as the backend's own running count does.
+	sequences atomic.Int64
+	lastUsed  atomic.Int64 // unix nanoseconds of the last reserve or release
 
 	// prefillUntil (unix nanoseconds) is when this proxy's queued prefill there is predicted done.
 	prefillUntil atomic.Int64
@@ -44,7 +47,9 @@ type upstreamLoad struct {
 	endedAt  [endRing]int64
 	// endedLearned is when the route table learned each one's prefixes there (reservation.learned).
 	endedLearned [endRing]int64
-	endNext      int
+	// endedSequences is each one's sequences (reservation.seqs).
+	endedSequences [endRing]int64
+	endNext        int
 	// endedPrompt is each recent end's prompt tokens if it completed, -1 if not; completed and
 	// completedPrompt count every completed request there and their prompt tokens (tokenScale).
 	endedPrompt                [endRing]int64
@@ -252,6 +257,7 @@ func (l *upstreamLoad) add(dial string, w work, now int64) *reservation {
 	l.mu.Unlock()
 	l.tokens.Add(r.weight())
 	l.requests.Add(1)
+	l.sequences.Add(r.seqs())
 	l.prompt.Add(int64(w.prompt))
 	l.predicted.Add(int64(w.matched))
 	l.lastUsed.Store(now)
@@ -298,6 +304,7 @@ func (r *reservation) release(now int64, completed bool) {
 		l.prefillUntil.Store(max(l.prefillUntil.Load()-r.prefillLeft(now), now))
 	}
 	l.ended[l.endNext], l.endedAt[l.endNext], l.endedLearned[l.endNext] = r.start, now, r.learned
+	l.endedSequences[l.endNext] = r.seqs()
 	l.endedPrompt[l.endNext] = -1
 	if completed {
 		l.endedPrompt[l.endNext] = int64(r.prediction.prompt)
@@ -315,6 +322,7 @@ func (r *reservation) release(now int64, completed bool) {
 	l.mu.Unlock()
 	l.tokens.Add(-r.weight())
 	l.requests.Add(-1)
+	l.sequences.Add(-r.seqs())
 	l.lastUsed.Store(now)
 	if completed {
 		output := r.output
@@ -332,6 +340,9 @@ func seconds(s float64) int64 { return int64(s * 1e9) }
 func (r *reservation) weight() int64 {
 	return int64(r.uncached + r.output*max(r.sequences, 1))
 }
+
+// seqs is the sequences r runs: its n, or one.
+func (r *reservation) seqs() int64 { return int64(max(r.sequences, 1)) }
 
 // seenPerSequence is the output observed so far per sequence of r (rounded up): one sequence's progress,
 // which is the request's, since its sequences decode side by side.
@@ -408,7 +419,7 @@ func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstrea
 	}
 	v := upstreamView{
 		service:  l.model.Service(),
-		requests: float64(l.requests.Load()),
+		requests: float64(l.sequences.Load()),
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -651,12 +662,13 @@ func (l *upstreamLoad) scrapedLocked(snap *scraper.Snapshot) {
 		return
 	}
 	// Ours at the time of the scrape: those in flight that had started, and those ended since.
-	ours := 0
+	// Counted in sequences, as the backend counts them (one per request unless it asked for several).
+	ours := int64(0)
 	clear(l.pendingOurs)
 	l.pendingOurs = l.pendingOurs[:0]
 	for _, r := range l.inflight {
 		if r.start <= at {
-			ours++
+			ours += r.seqs()
 			if !r.firstToken {
 				l.pendingOurs = append(l.pendingOurs, r)
 			}
@@ -664,13 +676,22 @@ func (l *upstreamLoad) scrapedLocked(snap *scraper.Snapshot) {
 	}
 	for i, end := range l.endedAt {
 		if end > at && l.ended[i] <= at {
-			ours++
+			ours += l.endedSequences[i]
 		}
 	}
-	waiting := int(max(snap.Waiting, 0))
+	waiting := int64(max(snap.Waiting, 0))
 	slices.SortFunc(l.pendingOurs, func(a, b *reservation) int { return cmp.Compare(b.start, a.start) })
-	l.waitingOurs = min(waiting, len(l.pendingOurs))
-	l.foreignWaiting = float64(waiting - l.waitingOurs)
+	// The newest of this proxy's requests without a first token are the waiting ones, as many as the
+	// backend's waiting sequences hold.
+	l.waitingOurs = 0
+	for _, r := range l.pendingOurs {
+		if r.seqs() > waiting {
+			break
+		}
+		waiting -= r.seqs()
+		l.waitingOurs++
+	}
+	l.foreignWaiting = float64(waiting)
 	l.foreignAt, l.foreign = at, max(snap.Running+snap.Waiting-float64(ours), 0)
 	l.updateTrustLocked(snap)
 	n, prompt, ok := l.completedAsOfLocked(at)

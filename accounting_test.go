@@ -676,3 +676,33 @@ func TestSequencesTeachOneSequence(t *testing.T) {
 		t.Errorf("after every release: %d tokens, %d requests, want 0", tokens, requests)
 	}
 }
+
+// TestScrapeCountsSequences: the backend counts a request for several sequences as that many (vLLM runs
+// each as a request), and so does this proxy, in its requests in flight and in what it subtracts from a
+// scrape: one n 4 request of ours running and one other client's request waiting are five in flight,
+// not 1 + 4 foreign; of the waiting ones, ours are taken as a whole request or not at all.
+func TestScrapeCountsSequences(t *testing.T) {
+	lt := newTestLoads()
+	const dial = "10.0.0.1:8000"
+	t0 := time.Unix(1_700_000_000, 0)
+	four := lt.reserve(dial, work{uncached: 100, output: 10, sequences: 4}, t0.UnixNano())
+	at := t0.Add(time.Second)
+	if v := lt.view(dial, at.UnixNano(), nil); v.requests != 4 {
+		t.Errorf("before a scrape: %v requests in flight, want the 4 sequences", v.requests)
+	}
+	v := lt.view(dial, at.UnixNano(), &scraper.Snapshot{Running: 4, Waiting: 1, At: at})
+	if v.requests != 5 {
+		t.Errorf("with a scrape of 4 running, 1 waiting: %v in flight, want 4 of ours and 1 foreign", v.requests)
+	}
+	if l := lt.lookup(dial); l.waitingOurs != 0 || l.foreignWaiting != 1 {
+		t.Errorf("waiting: %d of ours, %v foreign; want the one waiting foreign (ours needs 4)", l.waitingOurs, l.foreignWaiting)
+	}
+	four.release(at.Add(time.Millisecond).UnixNano(), false) // ended after the scrape: still in its count
+	at2 := at.Add(2 * time.Millisecond)
+	if v := lt.view(dial, at2.UnixNano(), &scraper.Snapshot{Running: 4, Waiting: 1, At: at}); v.requests != 1 {
+		t.Errorf("after ours ended: %v in flight, want the 1 foreign of the same scrape", v.requests)
+	}
+	if l := lt.lookup(dial); l.sequences.Load() != 0 || l.requests.Load() != 0 {
+		t.Errorf("after the release: %d sequences, %d requests in flight, want 0", l.sequences.Load(), l.requests.Load())
+	}
+}

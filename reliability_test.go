@@ -355,6 +355,11 @@ func assertAllZero(t *testing.T, dials []string) {
 			t.Errorf("snapshot: %s has %d tokens, %d requests in flight, want 0", l.Dial, l.Tokens, l.Requests)
 		}
 	}
+	for _, d := range dials {
+		if l := loads.lookup(d); l != nil && l.sequences.Load() != 0 {
+			t.Errorf("%s has %d sequences in flight, want 0", d, l.sequences.Load())
+		}
+	}
 }
 
 // selectAfterCleanupFixed: see TestSelectAfterCleanup. While a policy's Select after its Cleanup
