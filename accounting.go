@@ -235,7 +235,7 @@ func (l *upstreamLoad) add(dial string, w work, now int64) *reservation {
 	r.index = len(l.inflight)
 	l.inflight = append(l.inflight, r)
 	l.kv += int64(r.kv)
-	l.allocTotal += int64(w.uncached + selection.OutputKV(w.output*max(w.sequences, 1), l.tokenScaleLocked()))
+	l.allocTotal += int64(w.uncached + selection.OutputKV(r.outputs(), l.tokenScaleLocked()))
 	l.allocAt[l.allocNext], l.allocCum[l.allocNext] = now, l.allocTotal
 	l.allocNext = (l.allocNext + 1) % allocRing
 	l.allocN = min(l.allocN+1, allocRing)
@@ -337,9 +337,10 @@ func seconds(s float64) int64 { return int64(s * 1e9) }
 
 // weight is what r counts in its upstream's tokens in flight: its uncached prompt and the output of all
 // its sequences.
-func (r *reservation) weight() int64 {
-	return int64(r.uncached + r.output*max(r.sequences, 1))
-}
+func (r *reservation) weight() int64 { return int64(r.uncached + r.outputs()) }
+
+// outputs is the expected output of all r's sequences.
+func (r *reservation) outputs() int { return r.output * int(r.seqs()) }
 
 // seqs is the sequences r runs: its n, or one.
 func (r *reservation) seqs() int64 { return int64(max(r.sequences, 1)) }
@@ -347,7 +348,7 @@ func (r *reservation) seqs() int64 { return int64(max(r.sequences, 1)) }
 // seenPerSequence is the output observed so far per sequence of r (rounded up): one sequence's progress,
 // which is the request's, since its sequences decode side by side.
 func (r *reservation) seenPerSequence() int {
-	seqs := int64(max(r.sequences, 1))
+	seqs := r.seqs()
 	return int((r.outputSeen.Load() + seqs - 1) / seqs)
 }
 
@@ -522,7 +523,7 @@ func (l *upstreamLoad) evictedSince(seen, now int64) int64 {
 	scale := l.tokenScaleLocked()
 	for _, r := range l.inflight {
 		if r.start <= freed {
-			n += int64(r.uncached + selection.OutputKV(r.output*max(r.sequences, 1), scale))
+			n += int64(r.uncached + selection.OutputKV(r.outputs(), scale))
 		}
 	}
 	return n
