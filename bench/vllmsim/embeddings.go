@@ -71,12 +71,13 @@ func (s *Server) serveEmbeddings(w http.ResponseWriter, r *http.Request) {
 	}
 	out := fmt.Appendf(nil, `{"id":"embd-sim%08x%08x","object":"list","created":%d,"model":%s,"data":[`,
 		s.idBase, s.nextID.Add(1), time.Now().Unix(), model)
+	seed := xxhash.Sum64(b.Input)
 	for i, n := 0, embeddingInputs(b.Input); i < n; i++ {
 		if i > 0 {
 			out = append(out, ',')
 		}
 		out = fmt.Appendf(out, `{"index":%d,"object":"embedding","embedding":`, i)
-		out = appendEmbedding(out, xxhash.Sum64(fmt.Appendf(nil, "%d:%s", i, b.Input)), b.EncodingFormat == "base64")
+		out = appendEmbedding(out, seed^uint64(i)*0x9e3779b97f4a7c15, b.EncodingFormat == "base64")
 		out = append(out, '}')
 	}
 	tokens := req.promptTokens
