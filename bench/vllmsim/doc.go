@@ -14,6 +14,11 @@
 // request continuing one (previous_response_id) prefills its conversation and is answered 404 by any
 // other server, and GET and DELETE /v1/responses/{id} retrieve and delete it.
 //
+// A completion request with n > 1 runs n sequences of the prompt, each a request of the engine's own (a
+// slot, its KV blocks, its output), as vLLM runs them, and is answered with n choices: whole, or streamed
+// with each chunk carrying its choice's index; the usage counts the prompt once and every sequence's
+// output.
+//
 // Embeddings (POST /v1/embeddings) are prefilled in the batch like any request, without the prefix cache
 // (an encoder's input has no prefix computed alone), and answered with one unit vector per input, as
 // floats or base64.

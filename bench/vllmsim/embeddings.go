@@ -52,7 +52,7 @@ func (s *Server) serveEmbeddings(w http.ResponseWriter, r *http.Request) {
 	p := parsedRequest{model: b.Model, prompt: prompt, maxTokens: 1} // done when prefilled
 	req := s.newRequest(p)
 	req.hashes = nil
-	if !s.admit(w, &p, req) {
+	if !s.admit(w, p.model, req) {
 		return
 	}
 	defer s.abort(req)

@@ -258,6 +258,18 @@ func (s *Server) newRequest(p parsedRequest) *request {
 	}
 }
 
+// sibling returns another sequence of r's request (one of its n completions): the same prompt and
+// output limit, its own progress, and r's notify channel, so that one wait hears from every sequence.
+func (r *request) sibling() *request {
+	return &request{
+		hashes:       r.hashes,
+		promptTokens: r.promptTokens,
+		maxTokens:    r.maxTokens,
+		notify:       r.notify,
+		done:         make(chan struct{}),
+	}
+}
+
 // maxHitBlocks is how many prompt blocks may come from the cache: vLLM recomputes at least the last
 // prompt token to produce logits.
 func (s *Server) maxHitBlocks(r *request) int { return (r.promptTokens - 1) / s.cfg.BlockSize }
@@ -533,13 +545,11 @@ func (s *Server) applyLocked(batch []stepItem, d time.Duration) {
 			s.finishedPrompt += int64(r.promptTokens)
 			finished = true
 			close(r.done)
+			notify(r) // a request's other sequences share the channel: their wait hears this one end
 			continue
 		}
 		if n == 1 || n%int64(s.cfg.TokensPerChunk) == 0 {
-			select {
-			case r.notify <- struct{}{}:
-			default:
-			}
+			notify(r)
 		}
 	}
 	if finished {
@@ -598,6 +608,14 @@ func (s *Server) run() {
 	}
 }
 
+// notify tells the handler waiting on r that it has news (new tokens, or its end), without blocking.
+func notify(r *request) {
+	select {
+	case r.notify <- struct{}{}:
+	default:
+	}
+}
+
 // shutdown ends every request with ErrClosed.
 func (s *Server) shutdown() {
 	s.mu.Lock()
@@ -615,6 +633,7 @@ func (s *Server) endAllLocked(err error) {
 		s.retireLocked(r)
 		r.err = err
 		close(r.done)
+		notify(r)
 	}
 	for _, r := range s.running {
 		end(r)

@@ -127,32 +127,43 @@ func (s *Server) readPost(w http.ResponseWriter, r *http.Request) (body []byte, 
 	return body, true
 }
 
-// admit checks the request's model and the fault settings' error rate, and queues req in the engine for
-// model p.model; ok is false when the request is answered (404, 500, 429, 400 or 503).
-func (s *Server) admit(w http.ResponseWriter, p *parsedRequest, req *request) (ok bool) {
-	adapter, ok := s.adapterFor(p.model)
+// admit checks the request's model and the fault settings' error rate, and queues reqs (the sequences of
+// one request) in the engine for model; ok is false when the request is answered (404, 500, 429, 400 or
+// 503), with none of reqs left in the engine.
+func (s *Server) admit(w http.ResponseWriter, model string, reqs ...*request) (ok bool) {
+	adapter, ok := s.adapterFor(model)
 	if !ok {
-		s.writeError(w, http.StatusNotFound, "The model `"+p.model+"` does not exist.")
+		s.writeError(w, http.StatusNotFound, "The model `"+model+"` does not exist.")
 		return false
 	}
 	if s.chance(s.faults.Load().ErrorRate) {
 		s.writeError(w, http.StatusInternalServerError, "simulated internal error")
 		return false
 	}
-	req.adapter = adapter
-	switch err := s.enqueue(req); {
+	for i, req := range reqs {
+		req.adapter = adapter
+		if err := s.enqueue(req); err != nil {
+			for _, queued := range reqs[:i] {
+				s.abort(queued)
+			}
+			s.refuse(w, req, err)
+			return false
+		}
+	}
+	return true
+}
+
+// refuse answers a request the engine did not queue with the error enqueue gave for req.
+func (s *Server) refuse(w http.ResponseWriter, req *request, err error) {
+	switch {
 	case errors.Is(err, errQueueFull):
 		s.writeError(w, http.StatusTooManyRequests, "the server is busy: waiting queue full")
-		return false
 	case errors.Is(err, errTooLong):
 		s.writeError(w, http.StatusBadRequest, fmt.Sprintf("This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the messages, %d in the completion).",
 			s.cfg.NumGPUBlocks*s.cfg.BlockSize, req.promptTokens+req.maxTokens, req.promptTokens, req.maxTokens))
-		return false
-	case err != nil:
+	default:
 		s.writeError(w, http.StatusServiceUnavailable, err.Error())
-		return false
 	}
-	return true
 }
 
 func (s *Server) serveCompletion(w http.ResponseWriter, r *http.Request, kind api) {
@@ -175,11 +186,20 @@ func (s *Server) serveCompletion(w http.ResponseWriter, r *http.Request, kind ap
 		s.writeError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	req := s.newRequest(p)
-	if !s.admit(w, &p, req) {
+	reqs := make([]*request, p.n)
+	reqs[0] = s.newRequest(p)
+	for i := 1; i < p.n; i++ {
+		reqs[i] = reqs[0].sibling()
+	}
+	req := reqs[0]
+	if !s.admit(w, p.model, reqs...) {
 		return
 	}
-	defer s.abort(req) // no-op once the request has left the engine
+	defer func() {
+		for _, r := range reqs {
+			s.abort(r) // no-op once the request has left the engine
+		}
+	}()
 	faults := s.faults.Load()
 	drop := r.Header.Get("X-Sim-Drop") == "mid-stream" || p.stream && s.chance(faults.DropMidStreamRate)
 	cutAfter := faults.CutStreamAfter
@@ -193,6 +213,9 @@ func (s *Server) serveCompletion(w http.ResponseWriter, r *http.Request, kind ap
 		model:   s.modelJSON,
 		p:       &p,
 		req:     req,
+		reqs:    reqs,
+		// the stream's chunk size, read once
+		tokensPerChunk: s.cfg.TokensPerChunk,
 	}
 	if req.adapter != "" {
 		rs.model = appendJSONString(nil, req.adapter) // vLLM answers with the adapter's name
@@ -216,9 +239,11 @@ func (s *Server) responseID(kind api) string {
 }
 
 // serveStream writes the SSE stream: headers once the request is queued, then a chunk per
-// TokensPerChunk output tokens (the first token at once), the finish reason on the last content chunk,
-// the usage chunk if asked for, and "data: [DONE]". A dropped stream ends after a random number of
-// tokens; cutAfter > 0 (below max_tokens) drops it after exactly that many, or earlier if drop says so.
+// TokensPerChunk output tokens of each sequence (its first token at once; a request with n > 1 streams
+// n choices, each chunk carrying its choice's index), the finish reason on each sequence's last content
+// chunk, the usage chunk if asked for, and "data: [DONE]". A dropped stream ends after a random number of
+// tokens of the first sequence; cutAfter > 0 (below max_tokens) drops it after exactly that many, or
+// earlier if drop says so.
 func (s *Server) serveStream(w http.ResponseWriter, r *http.Request, rs *responseShape, drop bool, cutAfter int) {
 	h := w.Header()
 	h.Set("Content-Type", "text/event-stream; charset=utf-8")
@@ -233,55 +258,30 @@ func (s *Server) serveStream(w http.ResponseWriter, r *http.Request, rs *respons
 	if cutAfter > 0 && cutAfter < rs.p.maxTokens && (!drop || cutAfter < dropAt) {
 		drop, dropAt = true, cutAfter
 	}
-	req := rs.req
-	sent := 0
+	sent := make([]int, len(rs.reqs)) // output tokens written, per sequence
 	buf := make([]byte, 0, 512)
 	for {
-		done := false
+		// The engine signals the shared channel at new tokens and at each sequence's end.
 		select {
-		case <-req.notify:
-		case <-req.done:
+		case <-rs.req.notify:
 		case <-r.Context().Done():
 			return
 		}
-		select {
-		case <-req.done:
-			done = true
-		default:
-		}
-		n := int(req.generated.Load())
-		if done && req.err != nil {
-			s.failed5xx.Add(1)
-			buf = append(buf[:0], "data: "...)
-			buf = appendErrorJSON(buf, http.StatusServiceUnavailable, req.err.Error())
-			buf = append(buf, "\n\ndata: [DONE]\n\n"...)
-			_, _ = w.Write(buf)
-			_ = rc.Flush()
-			return
-		}
-		// One chunk per TokensPerChunk tokens (the first token alone), even when this goroutine runs
-		// behind the engine, so the stream has the same shape at any load.
+		allDone := true
 		buf = buf[:0]
-		for n > sent && !(drop && sent >= dropAt) {
-			size := s.cfg.TokensPerChunk
-			if sent == 0 {
-				size = 1
+		for i, q := range rs.reqs {
+			done := ended(q)
+			allDone = allDone && done
+			if done && q.err != nil {
+				s.failed5xx.Add(1)
+				buf = append(buf[:0], "data: "...)
+				buf = appendErrorJSON(buf, http.StatusServiceUnavailable, q.err.Error())
+				buf = append(buf, "\n\ndata: [DONE]\n\n"...)
+				_, _ = w.Write(buf)
+				_ = rc.Flush()
+				return
 			}
-			if n-sent < size && !done {
-				break
-			}
-			end := min(sent+size, n)
-			if drop {
-				end = min(end, dropAt)
-			}
-			if end == rs.p.maxTokens && !done {
-				// The last chunk carries the finish reason, which needs done: the engine counts the
-				// last token before it closes done, and a chunk written in between, with no finish
-				// reason, left nothing to carry it.
-				break
-			}
-			buf = rs.appendChunk(buf, sent, end, end == rs.p.maxTokens) // done: the last chunk waits for it
-			sent = end
+			buf = rs.appendChunks(buf, i, &sent[i], int(q.generated.Load()), done, drop && i == 0, dropAt)
 		}
 		if len(buf) > 0 {
 			if _, err := w.Write(buf); err != nil {
@@ -291,11 +291,13 @@ func (s *Server) serveStream(w http.ResponseWriter, r *http.Request, rs *respons
 				return
 			}
 		}
-		if drop && sent >= dropAt {
-			s.abort(req)
+		if drop && sent[0] >= dropAt {
+			for _, q := range rs.reqs {
+				s.abort(q)
+			}
 			panic(http.ErrAbortHandler)
 		}
-		if done {
+		if allDone {
 			buf = buf[:0]
 			switch {
 			case rs.p.responses:
@@ -313,23 +315,65 @@ func (s *Server) serveStream(w http.ResponseWriter, r *http.Request, rs *respons
 	}
 }
 
+// ended reports whether q has left the engine (finished, aborted or failed).
+func ended(q *request) bool {
+	select {
+	case <-q.done:
+		return true
+	default:
+		return false
+	}
+}
+
+// appendChunks appends the chunks of sequence i's output tokens from *sent to generated (done: the
+// sequence has ended) and advances *sent: one chunk per TokensPerChunk tokens (the first token alone),
+// even when the handler runs behind the engine, so the stream has the same shape at any load. With drop,
+// it stops at dropAt.
+func (rs *responseShape) appendChunks(buf []byte, i int, sent *int, generated int, done, drop bool, dropAt int) []byte {
+	size := rs.tokensPerChunk
+	for generated > *sent && !(drop && *sent >= dropAt) {
+		n := size
+		if *sent == 0 {
+			n = 1
+		}
+		if generated-*sent < n && !done {
+			break
+		}
+		end := min(*sent+n, generated)
+		if drop {
+			end = min(end, dropAt)
+		}
+		if end == rs.p.maxTokens && !done {
+			// The last chunk carries the finish reason, which needs done: the engine counts the last
+			// token before it closes done, and a chunk written in between, with no finish reason, left
+			// nothing to carry it.
+			break
+		}
+		buf = rs.appendChunk(buf, i, *sent, end, end == rs.p.maxTokens) // done: the last chunk waits for it
+		*sent = end
+	}
+	return buf
+}
+
 // serveWhole waits for the whole output and writes one JSON response.
 func (s *Server) serveWhole(w http.ResponseWriter, r *http.Request, rs *responseShape, drop bool) {
-	select {
-	case <-rs.req.done:
-	case <-r.Context().Done():
-		return
-	}
-	if rs.req.err != nil {
-		s.writeError(w, http.StatusServiceUnavailable, rs.req.err.Error())
-		return
+	for _, q := range rs.reqs {
+		select {
+		case <-q.done:
+		case <-r.Context().Done():
+			return
+		}
+		if q.err != nil {
+			s.writeError(w, http.StatusServiceUnavailable, q.err.Error())
+			return
+		}
 	}
 	var body []byte
 	if rs.p.responses {
 		s.storeResponse(rs)
 		body = rs.appendResponse(make([]byte, 0, 1024+rs.p.maxTokens*bytesPerToken), true)
 	} else {
-		body = rs.appendWhole(make([]byte, 0, 512+rs.p.maxTokens*bytesPerToken))
+		body = rs.appendWhole(make([]byte, 0, 512+len(rs.reqs)*(128+rs.p.maxTokens*bytesPerToken)))
 	}
 	w.Header().Set("Content-Type", "application/json")
 	if drop {
@@ -385,8 +429,11 @@ type responseShape struct {
 	created int64
 	model   []byte // JSON string literal
 	p       *parsedRequest
-	req     *request
-	seq     int // the Responses API's next event sequence number
+	req     *request   // the first sequence: the only one of a Responses API request
+	reqs    []*request // every sequence (the request's n), each a choice of its own
+	seq     int        // the Responses API's next event sequence number
+	// tokensPerChunk is how many output tokens a streamed chunk carries (Config.TokensPerChunk).
+	tokensPerChunk int
 }
 
 func (rs *responseShape) appendHead(buf []byte, object string) []byte {
@@ -414,22 +461,26 @@ func appendTokens(buf []byte, from, to int) []byte {
 	return buf
 }
 
-// appendChunk appends one SSE event carrying output tokens [from, to).
-func (rs *responseShape) appendChunk(buf []byte, from, to int, last bool) []byte {
+// appendChunk appends one SSE event carrying output tokens [from, to) of choice i.
+func (rs *responseShape) appendChunk(buf []byte, i, from, to int, last bool) []byte {
 	if rs.p.responses {
 		return rs.appendDeltas(buf, from, to)
 	}
 	buf = append(buf, "data: "...)
 	if rs.chat {
 		buf = rs.appendHead(buf, "chat.completion.chunk")
-		buf = append(buf, `,"choices":[{"index":0,"delta":{`...)
+		buf = append(buf, `,"choices":[{"index":`...)
+		buf = strconv.AppendInt(buf, int64(i), 10)
+		buf = append(buf, `,"delta":{`...)
 		if from == 0 {
 			buf = append(buf, `"role":"assistant",`...)
 		}
 		buf = append(buf, `"content":"`...)
 	} else {
 		buf = rs.appendHead(buf, "text_completion")
-		buf = append(buf, `,"choices":[{"index":0,"text":"`...)
+		buf = append(buf, `,"choices":[{"index":`...)
+		buf = strconv.AppendInt(buf, int64(i), 10)
+		buf = append(buf, `,"text":"`...)
 	}
 	buf = appendTokens(buf, from, to)
 	buf = append(buf, '"')
@@ -445,8 +496,13 @@ func (rs *responseShape) appendChunk(buf []byte, from, to int, last bool) []byte
 	return append(buf, "}]}\n\n"...)
 }
 
+// appendUsage appends the usage object: the prompt once, the output of every sequence, and the prompt
+// tokens the first sequence found cached.
 func (rs *responseShape) appendUsage(buf []byte) []byte {
-	prompt, completion := rs.req.promptTokens, int(rs.req.generated.Load())
+	prompt, completion := rs.req.promptTokens, 0
+	for _, q := range rs.reqs {
+		completion += int(q.generated.Load())
+	}
 	buf = append(buf, `"usage":{"prompt_tokens":`...)
 	buf = strconv.AppendInt(buf, int64(prompt), 10)
 	buf = append(buf, `,"completion_tokens":`...)
@@ -471,20 +527,31 @@ func (rs *responseShape) appendUsageChunk(buf []byte) []byte {
 }
 
 func (rs *responseShape) appendWhole(buf []byte) []byte {
-	n := int(rs.req.generated.Load())
 	if rs.chat {
 		buf = rs.appendHead(buf, "chat.completion")
-		buf = append(buf, `,"choices":[{"index":0,"message":{"role":"assistant","content":"`...)
-		buf = appendTokens(buf, 0, n)
-		buf = append(buf, `"},"logprobs":null,"finish_reason":`...)
 	} else {
 		buf = rs.appendHead(buf, "text_completion")
-		buf = append(buf, `,"choices":[{"index":0,"text":"`...)
-		buf = appendTokens(buf, 0, n)
-		buf = append(buf, `","logprobs":null,"finish_reason":`...)
 	}
-	buf = append(buf, rs.finishReason()...)
-	buf = append(buf, "}],"...)
+	buf = append(buf, `,"choices":[`...)
+	for i, q := range rs.reqs {
+		if i > 0 {
+			buf = append(buf, ',')
+		}
+		buf = append(buf, `{"index":`...)
+		buf = strconv.AppendInt(buf, int64(i), 10)
+		if rs.chat {
+			buf = append(buf, `,"message":{"role":"assistant","content":"`...)
+			buf = appendTokens(buf, 0, int(q.generated.Load()))
+			buf = append(buf, `"},"logprobs":null,"finish_reason":`...)
+		} else {
+			buf = append(buf, `,"text":"`...)
+			buf = appendTokens(buf, 0, int(q.generated.Load()))
+			buf = append(buf, `","logprobs":null,"finish_reason":`...)
+		}
+		buf = append(buf, rs.finishReason()...)
+		buf = append(buf, '}')
+	}
+	buf = append(buf, "],"...)
 	buf = rs.appendUsage(buf)
 	return append(buf, '}')
 }

@@ -26,6 +26,9 @@ type parsedRequest struct {
 	includeUsage bool
 	maxTokens    int
 	maxTokensSet bool
+	// n is how many completions of the prompt to generate (the request's n; 1 when absent): each is a
+	// sequence of its own in the engine, as vLLM runs them.
+	n int
 	// A Responses API request's: responses is set, store whether to keep it, previous the response it
 	// continues, conversation its prompt after the tools and instructions (what a continuation repeats).
 	responses    bool
@@ -42,6 +45,7 @@ type chatBody struct {
 	StreamOptions       *streamOptions  `json:"stream_options"`
 	MaxTokens           *int            `json:"max_tokens"`
 	MaxCompletionTokens *int            `json:"max_completion_tokens"`
+	N                   *int            `json:"n"`
 }
 
 type completionBody struct {
@@ -50,6 +54,7 @@ type completionBody struct {
 	Stream        bool            `json:"stream"`
 	StreamOptions *streamOptions  `json:"stream_options"`
 	MaxTokens     *int            `json:"max_tokens"`
+	N             *int            `json:"n"`
 }
 
 type streamOptions struct {
@@ -82,7 +87,7 @@ type contentPart struct {
 // "<|role|>\n" + content + tool calls JSON + "\n". Errors wrap errBadRequest.
 func parseRequest(body []byte, chat bool) (parsedRequest, error) {
 	p := parsedRequest{chat: chat}
-	var maxTokens *int
+	var maxTokens, n *int
 	if chat {
 		var b chatBody
 		if err := json.Unmarshal(body, &b); err != nil {
@@ -115,6 +120,7 @@ func parseRequest(body []byte, chat bool) (parsedRequest, error) {
 		if b.MaxCompletionTokens != nil {
 			maxTokens = b.MaxCompletionTokens
 		}
+		n = b.N
 	} else {
 		var b completionBody
 		if err := json.Unmarshal(body, &b); err != nil {
@@ -127,9 +133,33 @@ func parseRequest(body []byte, chat bool) (parsedRequest, error) {
 		p.model, p.prompt, p.stream = b.Model, prompt, b.Stream
 		p.includeUsage = b.StreamOptions != nil && b.StreamOptions.IncludeUsage
 		maxTokens = b.MaxTokens
+		n = b.N
+	}
+	if err := p.setN(n); err != nil {
+		return p, err
 	}
 	err := p.setMaxTokens("max_tokens", maxTokens)
 	return p, err
+}
+
+// maxN is the most completions one request may ask for: each is a sequence in the engine, and the
+// simulator's memory is bounded by the sequences it holds.
+const maxN = 128
+
+// setN sets how many completions to generate from the request's n, 1 when it is absent.
+func (p *parsedRequest) setN(n *int) error {
+	p.n = 1
+	if n == nil {
+		return nil
+	}
+	if *n < 1 {
+		return fmt.Errorf("%w: n must be at least 1, got %d", errBadRequest, *n)
+	}
+	if *n > maxN {
+		return fmt.Errorf("%w: n must be at most %d, got %d", errBadRequest, maxN, *n)
+	}
+	p.n = *n
+	return nil
 }
 
 // appendTools writes a request's tools, when it has some: "<|tools|>\n" + their JSON + "\n".

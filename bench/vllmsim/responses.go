@@ -91,7 +91,7 @@ type responseItem struct {
 // its type with its JSON). Errors wrap errBadRequest, or errNotFound for an unknown
 // previous_response_id.
 func (s *Server) parseResponses(body []byte) (parsedRequest, error) {
-	p := parsedRequest{chat: true, responses: true, store: true}
+	p := parsedRequest{chat: true, responses: true, store: true, n: 1}
 	var b responsesBody
 	if err := json.Unmarshal(body, &b); err != nil {
 		return p, fmt.Errorf("%w: decoding response request: %w", errBadRequest, err)
