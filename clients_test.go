@@ -202,6 +202,45 @@ func TestOpenAIGoClient(t *testing.T) {
 		}
 	})
 
+	// n asks for several completions of one prompt: one request through the proxy, that many sequences
+	// on the backend (each its own choice), the usage counting every one's output.
+	t.Run("several choices", func(t *testing.T) {
+		params := openai.ChatCompletionNewParams{
+			Model:         "sim-model",
+			Messages:      []openai.ChatCompletionMessageParamUnion{openai.UserMessage("Three ways to say it.")},
+			MaxTokens:     openai.Int(8),
+			N:             openai.Int(3),
+			StreamOptions: openai.ChatCompletionStreamOptionsParam{IncludeUsage: openai.Bool(true)},
+		}
+		whole, err := client.Chat.Completions.New(ctx, params)
+		if err != nil {
+			t.Fatal(err)
+		}
+		servedBy(t, backends)
+		stream := client.Chat.Completions.NewStreaming(ctx, params)
+		var acc openai.ChatCompletionAccumulator
+		for stream.Next() {
+			if !acc.AddChunk(stream.Current()) {
+				t.Errorf("accumulator rejected chunk %s", stream.Current().RawJSON())
+			}
+		}
+		if err := stream.Err(); err != nil {
+			t.Fatal(err)
+		}
+		stream.Close()
+		servedBy(t, backends)
+		for name, c := range map[string]openai.ChatCompletion{"whole": *whole, "streamed": acc.ChatCompletion} {
+			if len(c.Choices) != 3 || c.Usage.CompletionTokens != 3*8 {
+				t.Fatalf("%s: %d choices, usage %+v; want 3 choices and 24 completion tokens", name, len(c.Choices), c.Usage)
+			}
+			for i, ch := range c.Choices {
+				if ch.Index != int64(i) || len(ch.Message.Content) != 4*8 || ch.FinishReason != "length" {
+					t.Errorf("%s: choice %d = index %d, %q, %q; want 8 tokens ending by length", name, i, ch.Index, ch.Message.Content, ch.FinishReason)
+				}
+			}
+		}
+	})
+
 	weather := openai.ChatCompletionFunctionTool(shared.FunctionDefinitionParam{
 		Name:        "get_weather",
 		Description: openai.String("The weather in a city"),
