@@ -14,6 +14,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddytest"
 	"github.com/openai/openai-go/v3"
 	"github.com/openai/openai-go/v3/option"
+	"github.com/openai/openai-go/v3/packages/ssestream"
 	"github.com/openai/openai-go/v3/shared"
 
 	"github.com/tokenrouter/caddy-llm/bench/vllmsim"
@@ -117,6 +118,23 @@ func servedBy(t *testing.T, backends map[string]*toolBackend) string {
 	return served
 }
 
+// accumulate reads a streamed completion to its end, failing the test on a chunk the client's
+// accumulator rejects or a stream error, and returns the accumulator and how many chunks came.
+func accumulate(t *testing.T, stream *ssestream.Stream[openai.ChatCompletionChunk]) (acc openai.ChatCompletionAccumulator, chunks int) {
+	t.Helper()
+	defer stream.Close()
+	for stream.Next() {
+		chunks++
+		if !acc.AddChunk(stream.Current()) {
+			t.Errorf("accumulator rejected chunk %s", stream.Current().RawJSON())
+		}
+	}
+	if err := stream.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return acc, chunks
+}
+
 // TestOpenAIGoClient drives lb_policy llm with the official OpenAI Go client, as applications do:
 // non-streaming and streaming completions with usage, tool calls whole and streamed with the tool
 // result sent back, and a conversation pinned by its header across turns.
@@ -161,18 +179,7 @@ func TestOpenAIGoClient(t *testing.T) {
 			MaxTokens:     openai.Int(20),
 			StreamOptions: openai.ChatCompletionStreamOptionsParam{IncludeUsage: openai.Bool(true)},
 		})
-		var acc openai.ChatCompletionAccumulator
-		chunks := 0
-		for stream.Next() {
-			chunks++
-			if !acc.AddChunk(stream.Current()) {
-				t.Errorf("accumulator rejected chunk %s", stream.Current().RawJSON())
-			}
-		}
-		if err := stream.Err(); err != nil {
-			t.Fatal(err)
-		}
-		stream.Close()
+		acc, chunks := accumulate(t, stream)
 		servedBy(t, backends)
 		if chunks < 20 || len(acc.Choices) != 1 || len(acc.Choices[0].Message.Content) != 4*20 {
 			t.Errorf("%d chunks accumulated into %+v, want 20 tokens streamed", chunks, acc.Choices)
@@ -217,17 +224,7 @@ func TestOpenAIGoClient(t *testing.T) {
 			t.Fatal(err)
 		}
 		servedBy(t, backends)
-		stream := client.Chat.Completions.NewStreaming(ctx, params)
-		var acc openai.ChatCompletionAccumulator
-		for stream.Next() {
-			if !acc.AddChunk(stream.Current()) {
-				t.Errorf("accumulator rejected chunk %s", stream.Current().RawJSON())
-			}
-		}
-		if err := stream.Err(); err != nil {
-			t.Fatal(err)
-		}
-		stream.Close()
+		acc, _ := accumulate(t, client.Chat.Completions.NewStreaming(ctx, params))
 		servedBy(t, backends)
 		for name, c := range map[string]openai.ChatCompletion{"whole": *whole, "streamed": acc.ChatCompletion} {
 			if len(c.Choices) != 3 || c.Usage.CompletionTokens != 3*8 {

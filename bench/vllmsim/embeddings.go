@@ -56,13 +56,7 @@ func (s *Server) serveEmbeddings(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer s.abort(req)
-	select {
-	case <-req.done:
-	case <-r.Context().Done():
-		return
-	}
-	if req.err != nil {
-		s.writeError(w, http.StatusServiceUnavailable, req.err.Error())
+	if !s.await(w, r, req) {
 		return
 	}
 	model := s.modelJSON

@@ -355,16 +355,25 @@ func (rs *responseShape) appendChunks(buf []byte, i int, sent *int, generated in
 	return buf
 }
 
+// await waits for q to leave the engine; false when the client went away first, or q failed (answered
+// 503).
+func (s *Server) await(w http.ResponseWriter, r *http.Request, q *request) bool {
+	select {
+	case <-q.done:
+	case <-r.Context().Done():
+		return false
+	}
+	if q.err != nil {
+		s.writeError(w, http.StatusServiceUnavailable, q.err.Error())
+		return false
+	}
+	return true
+}
+
 // serveWhole waits for the whole output and writes one JSON response.
 func (s *Server) serveWhole(w http.ResponseWriter, r *http.Request, rs *responseShape, drop bool) {
 	for _, q := range rs.reqs {
-		select {
-		case <-q.done:
-		case <-r.Context().Done():
-			return
-		}
-		if q.err != nil {
-			s.writeError(w, http.StatusServiceUnavailable, q.err.Error())
+		if !s.await(w, r, q) {
 			return
 		}
 	}
