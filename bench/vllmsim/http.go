@@ -214,7 +214,7 @@ func (s *Server) serveCompletion(w http.ResponseWriter, r *http.Request, kind ap
 		p:       &p,
 		req:     req,
 		reqs:    reqs,
-		// the stream's chunk size, read once
+
 		tokensPerChunk: s.cfg.TokensPerChunk,
 	}
 	if req.adapter != "" {
