@@ -212,7 +212,6 @@ func (s *Server) serveCompletion(w http.ResponseWriter, r *http.Request, kind ap
 		created: time.Now().Unix(),
 		model:   s.modelJSON,
 		p:       &p,
-		req:     req,
 		reqs:    reqs,
 
 		tokensPerChunk: s.cfg.TokensPerChunk,
@@ -263,7 +262,7 @@ func (s *Server) serveStream(w http.ResponseWriter, r *http.Request, rs *respons
 	for {
 		// The engine signals the shared channel at new tokens and at each sequence's end.
 		select {
-		case <-rs.req.notify:
+		case <-rs.first().notify:
 		case <-r.Context().Done():
 			return
 		}
@@ -438,12 +437,16 @@ type responseShape struct {
 	created int64
 	model   []byte // JSON string literal
 	p       *parsedRequest
-	req     *request   // the first sequence: the only one of a Responses API request
-	reqs    []*request // every sequence (the request's n), each a choice of its own
-	seq     int        // the Responses API's next event sequence number
+	// reqs is every sequence (the request's n), each a choice of its own; a Responses API request has one.
+	reqs []*request
+	seq  int // the Responses API's next event sequence number
 	// tokensPerChunk is how many output tokens a streamed chunk carries (Config.TokensPerChunk).
 	tokensPerChunk int
 }
+
+// first is the request's first sequence: the one whose prompt, cache hits and channel the response reports
+// and waits on.
+func (rs *responseShape) first() *request { return rs.reqs[0] }
 
 func (rs *responseShape) appendHead(buf []byte, object string) []byte {
 	buf = append(buf, `{"id":"`...)
@@ -508,7 +511,7 @@ func (rs *responseShape) appendChunk(buf []byte, i, from, to int, last bool) []b
 // appendUsage appends the usage object: the prompt once, the output of every sequence, and the prompt
 // tokens the first sequence found cached.
 func (rs *responseShape) appendUsage(buf []byte) []byte {
-	prompt, completion := rs.req.promptTokens, 0
+	prompt, completion := rs.first().promptTokens, 0
 	for _, q := range rs.reqs {
 		completion += int(q.generated.Load())
 	}
@@ -519,7 +522,7 @@ func (rs *responseShape) appendUsage(buf []byte) []byte {
 	buf = append(buf, `,"total_tokens":`...)
 	buf = strconv.AppendInt(buf, int64(prompt+completion), 10)
 	buf = append(buf, `,"prompt_tokens_details":{"cached_tokens":`...)
-	buf = strconv.AppendInt(buf, rs.req.cached.Load(), 10)
+	buf = strconv.AppendInt(buf, rs.first().cached.Load(), 10)
 	return append(buf, "}}"...)
 }
 

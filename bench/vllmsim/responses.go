@@ -171,7 +171,7 @@ func (s *Server) storeResponse(rs *responseShape) {
 	if !rs.p.responses || !rs.p.store {
 		return
 	}
-	n := int(rs.req.generated.Load())
+	n := int(rs.first().generated.Load())
 	conv := make([]byte, 0, len(rs.p.conversation)+16+n*bytesPerToken)
 	conv = append(conv, rs.p.conversation...)
 	conv = append(conv, "<|assistant|>\n"...)
@@ -253,7 +253,7 @@ func (rs *responseShape) appendMessageItem(buf []byte, n int, status string) []b
 // appendResponse appends the response object: in progress (no output yet), or done with its output and
 // usage (incomplete when it stopped at max_output_tokens).
 func (rs *responseShape) appendResponse(buf []byte, done bool) []byte {
-	n := int(rs.req.generated.Load())
+	n := int(rs.first().generated.Load())
 	status := "in_progress"
 	if done {
 		status = "completed"
@@ -291,11 +291,11 @@ func (rs *responseShape) appendResponse(buf []byte, done bool) []byte {
 	if !done {
 		return append(buf, "null}"...)
 	}
-	prompt := rs.req.promptTokens
+	prompt := rs.first().promptTokens
 	buf = append(buf, `{"input_tokens":`...)
 	buf = strconv.AppendInt(buf, int64(prompt), 10)
 	buf = append(buf, `,"input_tokens_details":{"cached_tokens":`...)
-	buf = strconv.AppendInt(buf, rs.req.cached.Load(), 10)
+	buf = strconv.AppendInt(buf, rs.first().cached.Load(), 10)
 	buf = append(buf, `},"output_tokens":`...)
 	buf = strconv.AppendInt(buf, int64(n), 10)
 	buf = append(buf, `,"output_tokens_details":{"reasoning_tokens":0},"total_tokens":`...)
@@ -329,7 +329,7 @@ func (rs *responseShape) appendDeltas(buf []byte, from, to int) []byte {
 // appendDone appends the stream's closing events: the text, part and item done, and the response
 // completed with its usage.
 func (rs *responseShape) appendDone(buf []byte) []byte {
-	n := int(rs.req.generated.Load())
+	n := int(rs.first().generated.Load())
 	buf = rs.appendEvent(buf, "response.output_text.done")
 	buf = rs.appendItemRef(buf)
 	buf = append(buf, `,"text":"`...)
