@@ -195,14 +195,7 @@ func TestOpenAIGoClient(t *testing.T) {
 			Messages:  []openai.ChatCompletionMessageParamUnion{openai.UserMessage("No usage please.")},
 			MaxTokens: openai.Int(5),
 		})
-		var acc openai.ChatCompletionAccumulator
-		for stream.Next() {
-			acc.AddChunk(stream.Current())
-		}
-		if err := stream.Err(); err != nil {
-			t.Fatal(err)
-		}
-		stream.Close()
+		acc, _ := accumulate(t, stream)
 		servedBy(t, backends)
 		if len(acc.Choices) != 1 || len(acc.Choices[0].Message.Content) != 4*5 || acc.Usage.TotalTokens != 0 {
 			t.Errorf("accumulated %+v, usage %+v: want 5 tokens and no usage", acc.Choices, acc.Usage)
