@@ -336,6 +336,11 @@ func writeTables(w io.Writer, rows []fields) {
 		when := ""
 		if age, ok := number(fs, "metrics.last_error_age_seconds"); ok {
 			when = " (" + formatSeconds(age) + " ago)"
+			// A scrape that succeeded after it (the demo's first scrape, sent before its in-process
+			// backends listened) makes the error history, not the upstream's state.
+			if last, ok := number(fs, "metrics.age_seconds"); ok && last >= 0 && last < age {
+				when = " (" + formatSeconds(age) + " ago; scraped since)"
+			}
 		}
 		fmt.Fprintf(w, "  %s: %s%s\n", formatValue(name), formatValue(msg), when)
 	}

@@ -68,6 +68,17 @@ func TestRenderUpstreams(t *testing.T) {
 				"a:1       1     -        -       7       -           -       no         -       1        0        50.0%  vllm 200ms\n",
 		},
 		{
+			// The demo's first scrape goes out before its in-process backends listen: an error that a
+			// later scrape superseded is history, and says so.
+			name: "an error scraped since",
+			body: `{"upstreams":[{"upstream":"a:1","inflight_tokens":0,"inflight_requests":0,"saturated":false,` +
+				`"metrics":{"flavor":"vllm","running":0,"waiting":0,"kv_cache_usage":0,"age_seconds":0.5,"fresh":true,"errors":1,` +
+				`"last_error":"scraping http://a:1/metrics: connection refused","last_error_age_seconds":15}}]}`,
+			want: "UPSTREAM  REQS  PREFILL  DECODE  TOKENS  TO_PREFILL  QUEUED  SATURATED  ROUTES  RUNNING  WAITING  KV    SCRAPE\n" +
+				"a:1       0     -        -       0       -           -       no         -       0        0        0.0%  vllm 500ms, 1 error\n" +
+				"\nLast scrape errors:\n  a:1: scraping http://a:1/metrics: connection refused (15s ago; scraped since)\n",
+		},
+		{
 			name: "before scraping, no routes object",
 			body: `{"upstreams":[{"upstream":"a:1","inflight_tokens":7,"inflight_requests":1,"saturated":false}]}`,
 			want: "UPSTREAM  REQS  PREFILL  DECODE  TOKENS  TO_PREFILL  QUEUED  SATURATED  ROUTES  RUNNING  WAITING  KV  SCRAPE\n" +
