@@ -83,22 +83,43 @@ func (m *MetricsConfig) target(dial string) (scraper.Target, error) {
 }
 
 // scrapes holds one policy instance's handles on the process-global scraper registry, one per upstream,
-// taken when the upstream is first seen by Select and all released by Cleanup. The registry runs one poll
-// goroutine per target however many configs and policies hold it, so a reload keeps the goroutine (the new
-// config takes its handle before the old one releases).
+// taken when the upstream is first seen by Select and released by Cleanup, or once the upstream has been
+// out of the policy's decisions for forgetAfter while they went on (a dynamic upstream the source no
+// longer lists: its scrapes stop, and its slot among maxScrapeTargets frees). The registry runs one poll
+// goroutine per target however many configs and policies hold it, so a reload keeps the goroutine (the
+// new config takes its handle before the old one releases).
 type scrapes struct {
 	cfg     *MetricsConfig
 	opts    scraper.Options
 	mu      sync.RWMutex
-	handles map[string]*scraper.Handle // by dial; nil value: the dial has no valid target
+	handles map[string]*scrapeEntry // by dial
 	closed  bool
 	logger  *zap.Logger
 	// lastCheck (unix nanoseconds) is when an upstream that never answered was last checked.
 	lastCheck atomic.Int64
+	// latest (unix nanoseconds) is when any upstream was last in a decision, as far as scrapeEntry.seen
+	// records it; lastForget is when entries were last checked for forgetting.
+	latest, lastForget atomic.Int64
+	now                func() time.Time
+	forgetAfter        time.Duration
+}
+
+// scrapeEntry is one upstream's handle (nil: the dial has no valid target, or its metrics were found
+// unusable) and when the upstream was last in a decision, to the second (unix nanoseconds). Replaced,
+// never changed, but for seen.
+type scrapeEntry struct {
+	h    *scraper.Handle
+	seen atomic.Int64
 }
 
 // maxScrapeTargets bounds the handles one policy takes (dynamic upstreams could name endless addresses).
 const maxScrapeTargets = 1024
+
+// scrapeForgetAfter is how long an upstream may be out of every decision of a policy that goes on
+// deciding before the policy stops scraping it: the time a dynamic upstream source (Caddy's `dynamic a`,
+// `srv`, `multi`) can have dropped it. Candidates are the available upstreams, so one that passive
+// health checks keep out that long is released too, and scraped again from its next decision.
+const scrapeForgetAfter = 10 * time.Minute
 
 func newScrapes(cfg *MetricsConfig, logger *zap.Logger) *scrapes {
 	return &scrapes{
@@ -109,27 +130,79 @@ func newScrapes(cfg *MetricsConfig, logger *zap.Logger) *scrapes {
 			StaleAfter: time.Duration(cfg.StaleAfter),
 			Logger:     logger,
 		},
-		handles: make(map[string]*scraper.Handle),
-		logger:  logger,
+		handles:     make(map[string]*scrapeEntry),
+		logger:      logger,
+		now:         time.Now,
+		forgetAfter: scrapeForgetAfter,
 	}
 }
 
-// load returns the fresh snapshot of dial's metrics, starting to scrape it on first use.
+// load returns the fresh snapshot of dial's metrics, starting to scrape it on first use. Each call notes
+// dial as in a decision.
 func (sc *scrapes) load(dial string) (scraper.Snapshot, bool) {
 	sc.mu.RLock()
-	h, seen := sc.handles[dial]
+	e := sc.handles[dial]
 	sc.mu.RUnlock()
-	if !seen {
-		h = sc.acquire(dial)
+	if e == nil {
+		e = sc.acquire(dial)
+		if e == nil {
+			return scraper.Snapshot{}, false
+		}
 	}
-	if h == nil {
+	sc.touch(e)
+	if e.h == nil {
 		return scraper.Snapshot{}, false
 	}
-	snap, fresh := h.Load()
+	snap, fresh := e.h.Load()
 	if snap.At.IsZero() && sc.checkDue() {
-		sc.checkUsable(dial, h)
+		sc.checkUsable(dial, e)
 	}
 	return snap, fresh
+}
+
+// touch records that e's upstream is in a decision now, to the second: the hot path pays two atomic
+// loads, and a store and a check for forgotten upstreams at most once a second per upstream.
+func (sc *scrapes) touch(e *scrapeEntry) {
+	now := sc.now().UnixNano()
+	if now-e.seen.Load() < int64(time.Second) {
+		return
+	}
+	e.seen.Store(now)
+	prev := sc.latest.Load()
+	if now > prev {
+		sc.latest.CompareAndSwap(prev, now) // lost to a concurrent touch: that one is as recent
+	}
+	if last := sc.lastForget.Load(); now-last >= int64(time.Second) && sc.lastForget.CompareAndSwap(last, now) {
+		sc.forget(prev)
+	}
+}
+
+// forget releases the handles of upstreams that were out of every decision for forgetAfter before
+// latest, the last decision before this one, and drops their entries: measured against the decisions
+// before, not the clock, so a policy that was idle for an hour keeps scraping its pool. O(upstreams)
+// under the write lock, at most once a second.
+func (sc *scrapes) forget(latest int64) {
+	var gone []*scraper.Handle
+	sc.mu.Lock()
+	for dial, e := range sc.handles {
+		if out := latest - e.seen.Load(); out > int64(sc.forgetAfter) {
+			delete(sc.handles, dial)
+			if e.h != nil {
+				gone = append(gone, e.h)
+			}
+			sc.logger.Debug("stopped scraping an upstream out of the pool", zap.String("upstream", dial),
+				zap.Duration("out_for", time.Duration(out)))
+		}
+	}
+	sc.mu.Unlock()
+	if len(gone) > 0 {
+		// Off the request path: Release waits for the poller's goroutine to stop.
+		go func() {
+			for _, h := range gone {
+				h.Release()
+			}
+		}()
+	}
 }
 
 // checkDue reports whether it is time for one more check of an upstream whose metrics never answered:
@@ -143,13 +216,13 @@ func (sc *scrapes) checkDue() bool {
 // dropUnusable checks dial now (the admin report calls it, off the request path).
 func (sc *scrapes) dropUnusable(dial string) {
 	sc.mu.RLock()
-	h := sc.handles[dial]
+	e := sc.handles[dial]
 	sc.mu.RUnlock()
-	if h == nil {
+	if e == nil || e.h == nil {
 		return
 	}
-	if snap, _ := h.Load(); snap.At.IsZero() {
-		sc.checkUsable(dial, h)
+	if snap, _ := e.h.Load(); snap.At.IsZero() {
+		sc.checkUsable(dial, e)
 	}
 }
 
@@ -159,7 +232,7 @@ const unusableAfter = 3
 // checkUsable stops scraping dial, saying so once in the log, when its metrics never answered usefully
 // (404, not Prometheus text, not vLLM or SGLang: a generic OpenAI-compatible server). Routing there goes
 // on with this proxy's own signals. Called only while no scrape of dial has succeeded.
-func (sc *scrapes) checkUsable(dial string, h *scraper.Handle) {
+func (sc *scrapes) checkUsable(dial string, e *scrapeEntry) {
 	t, err := sc.cfg.target(dial)
 	if err != nil {
 		return
@@ -169,38 +242,42 @@ func (sc *scrapes) checkUsable(dial string, h *scraper.Handle) {
 		return
 	}
 	sc.mu.Lock()
-	if sc.handles[dial] != h {
+	if sc.handles[dial] != e {
 		sc.mu.Unlock()
 		return
 	}
-	sc.handles[dial] = nil
+	unusable := new(scrapeEntry)
+	unusable.seen.Store(e.seen.Load())
+	sc.handles[dial] = unusable
 	sc.mu.Unlock()
-	h.Release()
+	go e.h.Release() // off the request path: Release waits for the poller's goroutine to stop
 	sc.logger.Info("upstream has no usable metrics; routing it on this proxy's own signals",
 		zap.String("upstream", dial), zap.String("metrics_url", t.URL), zap.String("last_error", st.LastError),
 		zap.String("hint", "without metrics, add transport llm so the policy sees each first token and the queue behind it"))
 }
 
-func (sc *scrapes) acquire(dial string) *scraper.Handle {
+// acquire returns dial's entry, taking a handle on its scrapes if it has none; nil when the policy holds
+// maxScrapeTargets or is released.
+func (sc *scrapes) acquire(dial string) *scrapeEntry {
 	sc.mu.Lock()
 	defer sc.mu.Unlock()
-	if h, seen := sc.handles[dial]; seen || sc.closed || len(sc.handles) >= maxScrapeTargets {
-		return h
+	if e, seen := sc.handles[dial]; seen || sc.closed || len(sc.handles) >= maxScrapeTargets {
+		return e
 	}
+	e := new(scrapeEntry)
+	sc.handles[dial] = e
 	t, err := sc.cfg.target(dial)
 	if err != nil {
 		sc.logger.Warn("not scraping upstream", zap.String("upstream", dial), zap.Error(err))
-		sc.handles[dial] = nil
-		return nil
+		return e
 	}
 	opts := sc.opts
 	// Every scrape teaches the upstream's load and service model as it arrives: read only at decisions,
 	// a scrape taken while no request was routed taught nothing (a backend another client keeps full
 	// showed its slot count only to the requests that came after it).
 	opts.OnScrape = func(snap scraper.Snapshot) { loads.observeScrape(dial, &snap) }
-	h := scraper.Default.Acquire(t, opts)
-	sc.handles[dial] = h
-	return h
+	e.h = scraper.Default.Acquire(t, opts)
+	return e
 }
 
 // status returns the scrape status of dial, if this policy scrapes it.
@@ -219,9 +296,9 @@ func (sc *scrapes) release() {
 	sc.handles = nil
 	sc.closed = true
 	sc.mu.Unlock()
-	for _, h := range handles {
-		if h != nil {
-			h.Release()
+	for _, e := range handles {
+		if e.h != nil {
+			e.h.Release()
 		}
 	}
 }

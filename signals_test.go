@@ -75,15 +75,15 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 	}
 }
 
-// upstreamOf sends a chat request through the proxy and returns which sim answered (by the sims' request
-// counters before and after).
-func sendCounting(t *testing.T, client *http.Client, body string, sims map[string]*vllmsim.Server) string {
+// sendCounting sends a chat request through the proxy and returns which sim answered (by the sims'
+// request counters before and after).
+func sendCounting(t *testing.T, client *http.Client, body string, sims map[string]*vllmsim.Server, headers ...string) string {
 	t.Helper()
 	before := make(map[string]int64)
 	for dial, s := range sims {
 		before[dial] = s.State().Requests
 	}
-	res, got := post(t, client, "/v1/chat/completions", body)
+	res, got := post(t, client, "/v1/chat/completions", body, headers...)
 	if res.StatusCode != http.StatusOK {
 		t.Fatalf("status %d: %s", res.StatusCode, got)
 	}

@@ -1,0 +1,182 @@
+package caddyllm
+
+import (
+	"fmt"
+	"net/http"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/caddytest"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"go.uber.org/zap"
+
+	"github.com/tokenrouter/caddy-llm/bench/vllmsim"
+	"github.com/tokenrouter/caddy-llm/scraper"
+)
+
+func init() { caddy.RegisterModule(testUpstreams{}) }
+
+// testUpstreams is a dynamic upstream source whose list the test sets (testPools): Caddy's `dynamic a`
+// or `srv` with a DNS the test controls. Caddyfile: `dynamic llm_test <pool name>`.
+type testUpstreams struct {
+	Pool string `json:"pool"`
+}
+
+var testPools sync.Map // pool name -> []string of dial addresses
+
+func (testUpstreams) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{ID: "http.reverse_proxy.upstreams.llm_test", New: func() caddy.Module { return new(testUpstreams) }}
+}
+
+func (u testUpstreams) GetUpstreams(*http.Request) ([]*reverseproxy.Upstream, error) {
+	dials, _ := testPools.Load(u.Pool)
+	var ups []*reverseproxy.Upstream
+	for _, d := range dials.([]string) {
+		ups = append(ups, &reverseproxy.Upstream{Dial: d})
+	}
+	return ups, nil
+}
+
+func (u *testUpstreams) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // the source's name
+	if !d.NextArg() {
+		return d.ArgErr()
+	}
+	u.Pool = d.Val()
+	return nil
+}
+
+// TestDynamicUpstreams: behind a dynamic upstream source the pool changes without a reload. The policy
+// scrapes an upstream from the first decision that has it, routes only within the current pool, and a
+// conversation pinned to an upstream that left goes on elsewhere.
+func TestDynamicUpstreams(t *testing.T) {
+	simA, a := simBackend(t, vllmsim.Config{TimeScale: 1000, Seed: 1})
+	simB, b := simBackend(t, vllmsim.Config{TimeScale: 1000, Seed: 2})
+	simC, c := simBackend(t, vllmsim.Config{TimeScale: 1000, Seed: 3})
+	sims := map[string]*vllmsim.Server{a: simA, b: simB, c: simC}
+	pool := t.Name()
+	testPools.Store(pool, []string{a, b})
+	t.Cleanup(func() { testPools.Delete(pool) })
+
+	tester := caddytest.NewTester(t)
+	tester.InitServer(globalOptions+fmt.Sprintf(`
+%s {
+	reverse_proxy {
+		dynamic llm_test %s
+		lb_policy llm {
+			conversation_header X-Conversation-ID
+			metrics {
+				interval 20ms
+			}
+		}
+	}
+}
+`, site, pool), "caddyfile")
+
+	// A conversation whose first turn lands on a, if it does (the pool's first half).
+	var pinnedOnA string
+	for i := range 12 {
+		id := fmt.Sprintf("conv-%d", i)
+		got := sendCounting(t, tester.Client, chatBody("sim-model", 10+i, false), sims, "X-Conversation-ID", id)
+		if got == c {
+			t.Fatalf("request %d went to %s, which is not in the pool", i, c)
+		}
+		if got == a && pinnedOnA == "" {
+			pinnedOnA = id
+		}
+	}
+	waitFor(t, "a and b scraped", func() bool {
+		m := adminUpstreams(t)
+		return m[a].Metrics != nil && m[a].Metrics.Fresh && m[b].Metrics != nil && m[b].Metrics.Fresh
+	})
+	if _, listed := adminUpstreams(t)[c]; listed {
+		t.Fatalf("%s is listed before any decision had it", c)
+	}
+
+	testPools.Store(pool, []string{b, c}) // a leaves, c joins: no reload
+	served := map[string]int{}
+	for i := range 16 {
+		served[sendCounting(t, tester.Client, chatBody("sim-model", 40+i, false), sims)]++
+	}
+	if served[a] > 0 || served[c] == 0 {
+		t.Fatalf("after the pool changed to b and c, requests went %v (a %s, b %s, c %s)", served, a, b, c)
+	}
+	waitFor(t, "c scraped from its first decision", func() bool {
+		m := adminUpstreams(t)[c].Metrics
+		return m != nil && m.Fresh
+	})
+	if pinnedOnA != "" {
+		if got := sendCounting(t, tester.Client, chatBody("sim-model", 10, false), sims, "X-Conversation-ID", pinnedOnA); got == a {
+			t.Fatalf("a conversation pinned to %s went there after it left the pool", a)
+		}
+	}
+}
+
+// TestScrapesForgetUpstreamsOutOfThePool: an upstream out of every decision for scrapeForgetAfter while
+// decisions go on (a dynamic source dropped it) is no longer scraped, and is scraped again once it is back;
+// a policy idle for longer than that keeps scraping its pool.
+func TestScrapesForgetUpstreamsOutOfThePool(t *testing.T) {
+	_, a := simBackend(t, vllmsim.Config{TimeScale: 1000, Seed: 1})
+	_, b := simBackend(t, vllmsim.Config{TimeScale: 1000, Seed: 2})
+	cfg := &MetricsConfig{Interval: caddy.Duration(20 * time.Millisecond)}
+	cfg.provision()
+	sc := newScrapes(cfg, zap.NewNop())
+	t.Cleanup(sc.release)
+	clock := time.Unix(1_000_000, 0)
+	sc.now = func() time.Time { return clock }
+	decide := func(dials ...string) {
+		for _, d := range dials {
+			sc.load(d)
+		}
+	}
+	scraped := func(dial string) bool {
+		target, err := cfg.target(dial)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, ok := scraper.Default.Status(target)
+		return ok
+	}
+	entry := func(dial string) *scrapeEntry {
+		sc.mu.RLock()
+		defer sc.mu.RUnlock()
+		return sc.handles[dial]
+	}
+
+	decide(a, b)
+	if !scraped(a) || !scraped(b) {
+		t.Fatal("a and b are not scraped after a decision had them")
+	}
+	for range 11 { // eleven minutes of decisions without a: not forgotten until it has been out for more than ten
+		clock = clock.Add(time.Minute)
+		decide(b)
+		if entry(a) == nil {
+			t.Fatalf("a forgotten after %v out of the pool, want more than %v", clock.Sub(time.Unix(1_000_000, 0)), scrapeForgetAfter)
+		}
+	}
+	clock = clock.Add(time.Minute)
+	decide(b)
+	if entry(a) != nil {
+		t.Fatal("a is still held after twelve minutes of decisions without it")
+	}
+	waitFor(t, "a's scrapes stopped", func() bool { return !scraped(a) })
+	if !scraped(b) {
+		t.Fatal("b, in every decision, is no longer scraped")
+	}
+
+	clock = clock.Add(time.Minute)
+	decide(a, b) // a is back
+	if !scraped(a) {
+		t.Fatal("a is not scraped again after it came back")
+	}
+	before := []*scrapeEntry{entry(a), entry(b)}
+	clock = clock.Add(time.Hour) // nothing decided for an hour
+	decide(b, a)
+	if after := []*scrapeEntry{entry(a), entry(b)}; !slices.Equal(before, after) {
+		t.Fatal("an hour without decisions made the policy forget its pool")
+	}
+}
