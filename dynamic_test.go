@@ -5,6 +5,7 @@ import (
 	"net/http"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -179,4 +180,58 @@ func TestScrapesForgetUpstreamsOutOfThePool(t *testing.T) {
 	if after := []*scrapeEntry{entry(a), entry(b)}; !slices.Equal(before, after) {
 		t.Fatal("an hour without decisions made the policy forget its pool")
 	}
+}
+
+// TestScrapesStress takes, forgets, drops as unusable and releases scrape handles from several
+// goroutines at once (run with -race) over a pool that keeps changing; once the policy is released, no
+// target is scraped any more.
+func TestScrapesStress(t *testing.T) {
+	cfg := &MetricsConfig{Interval: caddy.Duration(10 * time.Millisecond)}
+	cfg.provision()
+	sc := newScrapes(cfg, zap.NewNop())
+	var clock atomic.Int64
+	start := time.Unix(1_000_000, 0).UnixNano()
+	clock.Store(start)
+	sc.now = func() time.Time { return time.Unix(0, clock.Load()) }
+	// Ports 1-24 of 127.0.0.1, where nothing listens: every scrape fails at once, so upstreams are also
+	// dropped as having no usable metrics.
+	dials := make([]string, 24)
+	for i := range dials {
+		dials[i] = fmt.Sprintf("127.0.0.1:%d", i+1)
+	}
+	var wg sync.WaitGroup
+	for g := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range 600 {
+				// The pool, 6 of the 24 upstreams, moves on every 5 minutes of decisions, 3 s apart.
+				now := clock.Add(int64(3 * time.Second))
+				window := int((now-start)/int64(5*time.Minute)) % 4
+				sc.load(dials[window*6+(g+i)%6])
+				if i%50 == 0 {
+					sc.dropUnusable(dials[(g*7+i)%len(dials)])
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	sc.mu.RLock()
+	held := len(sc.handles)
+	sc.mu.RUnlock()
+	if held > 18 {
+		// The pool and the two before it, which left it less than 10 minutes ago: the fourth left it 10-15
+		// minutes ago, the policy having decided all along.
+		t.Errorf("%d upstreams held after the pool moved through all 24, want 18 at most", held)
+	}
+	sc.release()
+	waitFor(t, "every scrape stopped", func() bool {
+		for _, d := range dials {
+			target, _ := cfg.target(d)
+			if _, ok := scraper.Default.Status(target); ok {
+				return false
+			}
+		}
+		return true
+	})
 }
