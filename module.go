@@ -195,6 +195,7 @@ func (s *LLMSelection) Provision(ctx caddy.Context) error {
 	if s.Metrics == nil {
 		s.Metrics = new(MetricsConfig)
 	}
+	s.Metrics.upstreamTLS = upstreamTLS(ctx)
 	s.Metrics.provision()
 	if s.Availability == nil {
 		s.Availability = new(AvailabilityConfig)

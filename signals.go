@@ -1,8 +1,10 @@
 package caddyllm
 
 import (
+	"crypto/tls"
 	"fmt"
 	"net"
+	"net/http"
 	"net/url"
 	"strings"
 	"sync"
@@ -10,6 +12,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 
 	"github.com/tokenrouter/caddy-llm/scraper"
@@ -20,7 +23,9 @@ import (
 type MetricsConfig struct {
 	// Off turns scraping off (Caddyfile `metrics off`): routing uses this proxy's own signals only.
 	Off bool `json:"off,omitempty"`
-	// Scheme of the metrics URL. Default http.
+	// Scheme of the metrics URL. Default https when the reverse_proxy's transport (http or llm) uses TLS,
+	// else http. Scrapes over https use that transport's TLS settings (its trust pool, client
+	// certificate, tls_insecure_skip_verify, tls_server_name), as the proxied requests do.
 	Scheme string `json:"scheme,omitempty"`
 	// Port of the metrics endpoint; default the upstream's own port.
 	Port string `json:"port,omitempty"`
@@ -40,6 +45,9 @@ type MetricsConfig struct {
 	RequestTokens int64   `json:"request_tokens,omitempty"`
 	KVThreshold   float64 `json:"kv_threshold,omitempty"`
 	KVWeight      int64   `json:"kv_weight,omitempty"`
+
+	// upstreamTLS is the TLS client configuration of the reverse_proxy's transport; nil when it uses none.
+	upstreamTLS *tls.Config
 }
 
 const defaultSaturationBackoff = 2 * time.Second
@@ -47,6 +55,9 @@ const defaultSaturationBackoff = 2 * time.Second
 func (m *MetricsConfig) provision() {
 	if m.Scheme == "" {
 		m.Scheme = "http"
+		if m.upstreamTLS != nil {
+			m.Scheme = "https"
+		}
 	}
 	if m.Path == "" {
 		m.Path = "/metrics"
@@ -102,6 +113,8 @@ type scrapes struct {
 	latest, lastForget atomic.Int64
 	now                func() time.Time
 	forgetAfter        time.Duration
+	// tlsTransport sends the scrapes when they use the reverse_proxy's TLS settings; nil otherwise.
+	tlsTransport *http.Transport
 }
 
 // scrapeEntry is one upstream's handle (nil: the dial has no valid target, or its metrics were found
@@ -122,7 +135,7 @@ const maxScrapeTargets = 1024
 const scrapeForgetAfter = 10 * time.Minute
 
 func newScrapes(cfg *MetricsConfig, logger *zap.Logger) *scrapes {
-	return &scrapes{
+	sc := &scrapes{
 		cfg: cfg,
 		opts: scraper.Options{
 			Interval:   time.Duration(cfg.Interval),
@@ -135,6 +148,45 @@ func newScrapes(cfg *MetricsConfig, logger *zap.Logger) *scrapes {
 		now:         time.Now,
 		forgetAfter: scrapeForgetAfter,
 	}
+	if cfg.Scheme == "https" && cfg.upstreamTLS != nil {
+		tr := http.DefaultTransport.(*http.Transport).Clone()
+		tr.Proxy = nil // as the scraper's own clients: metrics are fetched directly
+		tr.MaxIdleConnsPerHost = 1
+		tr.TLSClientConfig = cfg.upstreamTLS
+		sc.tlsTransport = tr
+		sc.opts.Client = &http.Client{Transport: tr}
+	}
+	return sc
+}
+
+// upstreamTLS returns a copy of the TLS client configuration of the transport of the reverse_proxy
+// that ctx provisions a policy for (the http transport, or transport llm, which embeds it), made for
+// HTTP/1.1 scrapes; nil when that transport uses no TLS. The transport is provisioned before the
+// policy (reverseproxy.Handler.Provision).
+func upstreamTLS(ctx caddy.Context) *tls.Config {
+	for _, m := range ctx.Modules() {
+		h, ok := m.(*reverseproxy.Handler)
+		if !ok {
+			continue
+		}
+		var ht *reverseproxy.HTTPTransport
+		switch t := h.Transport.(type) {
+		case *reverseproxy.HTTPTransport:
+			ht = t
+		case *LLMTransport:
+			ht = &t.HTTPTransport
+		}
+		if ht == nil || !ht.TLSEnabled() || ht.Transport == nil || ht.Transport.TLSClientConfig == nil {
+			return nil
+		}
+		c := ht.Transport.TLSClientConfig.Clone()
+		c.NextProtos = nil // the scraper's client speaks HTTP/1.1
+		if strings.Contains(c.ServerName, "{") {
+			c.ServerName = "" // a per-request placeholder: verify the upstream's own host name
+		}
+		return c
+	}
+	return nil
 }
 
 // load returns the fresh snapshot of dial's metrics, starting to scrape it on first use. Each call notes
@@ -300,5 +352,8 @@ func (sc *scrapes) release() {
 		if e.h != nil {
 			e.h.Release()
 		}
+	}
+	if sc.tlsTransport != nil {
+		sc.tlsTransport.CloseIdleConnections() // a newer config scrapes with a client of its own
 	}
 }

@@ -3,10 +3,13 @@ package caddyllm
 import (
 	"context"
 	"encoding/json"
+	"encoding/pem"
 	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -594,4 +597,54 @@ func fastScrapeConfig(dial, extra string) string {
 	}
 }
 `, site, dial, extra)
+}
+
+// TestScrapesUseUpstreamTLS: behind a reverse_proxy whose transport speaks TLS to its upstreams (here
+// with a private CA in its trust pool), the metrics are scraped over https with the same settings; with
+// the scheme left to its default, plain http met a TLS server and the upstream was taken for one
+// without usable metrics.
+func TestScrapesUseUpstreamTLS(t *testing.T) {
+	for _, transport := range []string{"http", "llm"} {
+		t.Run(transport, func(t *testing.T) {
+			sim, err := vllmsim.New(vllmsim.Config{TimeScale: 1000, Seed: 1})
+			if err != nil {
+				t.Fatal(err)
+			}
+			srv := httptest.NewTLSServer(sim)
+			t.Cleanup(func() {
+				srv.CloseClientConnections()
+				sim.Close()
+				srv.Close()
+			})
+			dial := strings.TrimPrefix(srv.URL, "https://")
+			ca := filepath.Join(t.TempDir(), "ca.pem")
+			if err := os.WriteFile(ca, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: srv.Certificate().Raw}), 0o600); err != nil {
+				t.Fatal(err)
+			}
+
+			tester := caddytest.NewTester(t)
+			tester.InitServer(globalOptions+fmt.Sprintf(`
+%s {
+	reverse_proxy https://%s {
+		transport %s {
+			tls_trust_pool file %s
+		}
+		lb_policy llm {
+			metrics {
+				interval 20ms
+			}
+		}
+	}
+}
+`, site, dial, transport, ca), "caddyfile")
+
+			if res, body := post(t, tester.Client, "/v1/chat/completions", chatBody("sim-model", 10, false)); res.StatusCode != http.StatusOK {
+				t.Fatalf("status %d through the TLS upstream: %s", res.StatusCode, body)
+			}
+			waitFor(t, "a good scrape over https", func() bool {
+				m := adminUpstreams(t)[dial].Metrics
+				return m != nil && m.Fresh && m.Flavor == "vllm"
+			})
+		})
+	}
 }
