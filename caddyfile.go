@@ -2,6 +2,7 @@ package caddyllm
 
 import (
 	"fmt"
+	"net/http"
 	"slices"
 	"strconv"
 	"strings"
@@ -44,7 +45,7 @@ var caddyfileBlocks = [...]struct {
 	},
 	metricsBlock: {
 		name: "the metrics { } block of lb_policy llm",
-		options: []string{"scheme", "port", "path", "interval", "timeout", "stale_after", "model",
+		options: []string{"scheme", "port", "path", "interval", "timeout", "stale_after", "model", "header",
 			"request_tokens", "kv_threshold", "kv_weight"},
 		enums: map[string][]string{"scheme": {"http", "https"}},
 	},
@@ -186,6 +187,7 @@ func editDistance(a, b string) int {
 //			timeout        <duration>
 //			stale_after    <duration>
 //			model          <model_name>
+//			header         <field> <value>
 //		}
 //		availability off
 //		availability {
@@ -444,6 +446,17 @@ func parseLLMErrors(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 func (m *MetricsConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		option := d.Val()
+		if option == "header" {
+			args := d.RemainingArgs()
+			if len(args) != 2 {
+				return d.Errf("header takes a field name and a value, got %d arguments", len(args))
+			}
+			if m.Headers == nil {
+				m.Headers = make(http.Header)
+			}
+			m.Headers.Add(args[0], args[1])
+			continue
+		}
 		val, err := oneArg(d)
 		if err != nil {
 			return unknownOr(d, metricsBlock, option, err)

@@ -2,6 +2,7 @@ package caddyllm
 
 import (
 	"encoding/json"
+	"net/http"
 	"reflect"
 	"strings"
 	"testing"
@@ -38,6 +39,8 @@ func TestUnmarshalPolicy(t *testing.T) {
 			timeout 300ms
 			stale_after 10s
 			model llama
+			header Authorization "Bearer {env.METRICS_TOKEN}"
+			header X-Scraper caddy-llm
 			request_tokens 2000
 			kv_threshold 0.8
 			kv_weight 4096
@@ -60,7 +63,8 @@ func TestUnmarshalPolicy(t *testing.T) {
 		LoRALoadTime:      caddy.Duration(2 * time.Second),
 		Metrics: &MetricsConfig{Port: "9100", Path: "/prom", Interval: caddy.Duration(2 * time.Second),
 			Timeout: caddy.Duration(300 * time.Millisecond), StaleAfter: caddy.Duration(10 * time.Second),
-			Model: "llama", RequestTokens: 2000, KVThreshold: 0.8, KVWeight: 4096},
+			Model: "llama", RequestTokens: 2000, KVThreshold: 0.8, KVWeight: 4096,
+			Headers: http.Header{"Authorization": {"Bearer {env.METRICS_TOKEN}"}, "X-Scraper": {"caddy-llm"}}},
 		FallbackRaw: json.RawMessage(`{"fallback":{"policy":"first"},"field":"X-User","policy":"header"}`),
 	}
 	if !reflect.DeepEqual(s, want) {
@@ -70,28 +74,29 @@ func TestUnmarshalPolicy(t *testing.T) {
 
 func TestUnmarshalPolicyErrors(t *testing.T) {
 	for input, wantErr := range map[string]string{
-		`llm extra`:                              "wrong argument count",
-		`llm { mode }`:                           "wrong argument count",
-		`llm { mode a b }`:                       "wrong argument count",
-		`llm { speed 3 }`:                        "unrecognized option 'speed'",
-		`llm { max_body_size lots }`:             "max_body_size must be a size",
-		`llm { output_tokens -1 }`:               "output_tokens must be a positive whole number",
-		`llm { block_size 0 }`:                   "block_size must be a positive whole number",
-		`llm { route_ttl soon }`:                 "route_ttl must be a positive duration",
-		`llm { lora_load_time soon }`:            "lora_load_time must be a positive duration",
-		`llm { guard_factor 0 }`:                 "guard_factor must be a positive number",
-		`llm { prefill_weight -1 }`:              "prefill_weight must be a positive number",
-		`llm { fallback }`:                       "wrong argument count",
-		`llm { capacity 10.0.0.1:80 }`:           "wrong argument count",
-		`llm { capacity 10.0.0.1:80 -2 }`:        "capacity must be a positive number",
-		`llm { metrics x }`:                      "takes no argument but 'off'",
-		`llm { metrics off x }`:                  "takes no argument but 'off'",
-		`llm { metrics { interval soon } }`:      "interval must be a positive duration",
-		`llm { metrics { kv_threshold 2 } }`:     "kv_threshold must be a number between 0 and 1",
-		`llm { metrics { colour blue } }`:        "unrecognized option 'colour' in the metrics { } block",
-		`llm { metrics; metrics }`:               "metrics already specified",
-		`llm { fallback nope }`:                  "module not registered",
-		`llm { fallback first; fallback first }`: "fallback selection policy already specified",
+		`llm extra`:                                "wrong argument count",
+		`llm { mode }`:                             "wrong argument count",
+		`llm { mode a b }`:                         "wrong argument count",
+		`llm { speed 3 }`:                          "unrecognized option 'speed'",
+		`llm { max_body_size lots }`:               "max_body_size must be a size",
+		`llm { output_tokens -1 }`:                 "output_tokens must be a positive whole number",
+		`llm { block_size 0 }`:                     "block_size must be a positive whole number",
+		`llm { route_ttl soon }`:                   "route_ttl must be a positive duration",
+		`llm { lora_load_time soon }`:              "lora_load_time must be a positive duration",
+		`llm { guard_factor 0 }`:                   "guard_factor must be a positive number",
+		`llm { prefill_weight -1 }`:                "prefill_weight must be a positive number",
+		`llm { fallback }`:                         "wrong argument count",
+		`llm { capacity 10.0.0.1:80 }`:             "wrong argument count",
+		`llm { capacity 10.0.0.1:80 -2 }`:          "capacity must be a positive number",
+		`llm { metrics x }`:                        "takes no argument but 'off'",
+		`llm { metrics off x }`:                    "takes no argument but 'off'",
+		`llm { metrics { interval soon } }`:        "interval must be a positive duration",
+		`llm { metrics { kv_threshold 2 } }`:       "kv_threshold must be a number between 0 and 1",
+		`llm { metrics { colour blue } }`:          "unrecognized option 'colour' in the metrics { } block",
+		`llm { metrics { header Authorization } }`: "header takes a field name and a value, got 1 arguments",
+		`llm { metrics; metrics }`:                 "metrics already specified",
+		`llm { fallback nope }`:                    "module not registered",
+		`llm { fallback first; fallback first }`:   "fallback selection policy already specified",
 	} {
 		var s LLMSelection
 		err := s.UnmarshalCaddyfile(caddyfile.NewTestDispenser(multiline(input)))
@@ -111,6 +116,10 @@ func TestValidatePolicy(t *testing.T) {
 		"zero capacity":     {Mode: "combined", Tokenizer: "approx", Capacities: map[string]float64{"a:1": 0}},
 		"bad scheme":        {Mode: "combined", Tokenizer: "approx", Metrics: &MetricsConfig{Scheme: "ftp", Path: "/m"}},
 		"relative path":     {Mode: "combined", Tokenizer: "approx", Metrics: &MetricsConfig{Scheme: "http", Path: "m"}},
+		"bad header name": {Mode: "combined", Tokenizer: "approx",
+			Metrics: &MetricsConfig{Scheme: "http", Path: "/m", Headers: http.Header{"Bad Name": {"x"}}}},
+		"bad header value": {Mode: "combined", Tokenizer: "approx",
+			Metrics: &MetricsConfig{Scheme: "http", Path: "/m", Headers: http.Header{"Authorization": {"a\r\nb"}}}},
 	} {
 		if err := s.Validate(); err == nil {
 			t.Errorf("%s: Validate() accepted %+v", name, s)

@@ -14,6 +14,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
+	"golang.org/x/net/http/httpguts"
 
 	"github.com/tokenrouter/caddy-llm/scraper"
 )
@@ -40,6 +41,10 @@ type MetricsConfig struct {
 	StaleAfter caddy.Duration `json:"stale_after,omitempty"`
 	// Model filters series by their model_name label. Default: all models.
 	Model string `json:"model,omitempty"`
+	// Headers are sent with every scrape, for a /metrics behind authentication (a key checked by an
+	// auth proxy, or by a server that guards /metrics with its API key). Values may use global
+	// placeholders such as {env.METRICS_TOKEN}, replaced once at provisioning; they are never logged.
+	Headers http.Header `json:"headers,omitempty"`
 	// RequestTokens, KVThreshold and KVWeight are accepted for old configs and ignored: a backend's
 	// queue and KV pressure now show as its waiting requests and the slot count it runs at.
 	RequestTokens int64   `json:"request_tokens,omitempty"`
@@ -53,6 +58,16 @@ type MetricsConfig struct {
 const defaultSaturationBackoff = 2 * time.Second
 
 func (m *MetricsConfig) provision() {
+	if len(m.Headers) > 0 {
+		repl := caddy.NewReplacer()
+		headers := make(http.Header, len(m.Headers))
+		for field, values := range m.Headers {
+			for _, v := range values {
+				headers.Add(field, repl.ReplaceKnown(v, ""))
+			}
+		}
+		m.Headers = headers
+	}
 	if m.Scheme == "" {
 		m.Scheme = "http"
 		if m.upstreamTLS != nil {
@@ -76,6 +91,16 @@ func (m *MetricsConfig) validate() error {
 		return fmt.Errorf("metrics kv_threshold must be in [0, 1), got %g", m.KVThreshold)
 	case m.KVWeight < 0 || m.RequestTokens < 0:
 		return fmt.Errorf("metrics weights must be positive")
+	}
+	for field, values := range m.Headers {
+		if !httpguts.ValidHeaderFieldName(field) {
+			return fmt.Errorf("metrics header name %q is not a valid HTTP header name", field)
+		}
+		for _, v := range values {
+			if !httpguts.ValidHeaderFieldValue(v) {
+				return fmt.Errorf("metrics header %s: the value is not a valid HTTP header value", field)
+			}
+		}
 	}
 	return nil
 }
@@ -113,8 +138,9 @@ type scrapes struct {
 	latest, lastForget atomic.Int64
 	now                func() time.Time
 	forgetAfter        time.Duration
-	// tlsTransport sends the scrapes when they use the reverse_proxy's TLS settings; nil otherwise.
-	tlsTransport *http.Transport
+	// transport sends the scrapes when they use the reverse_proxy's TLS settings or headers of their
+	// own; nil otherwise (the scraper's own clients send them).
+	transport *http.Transport
 }
 
 // scrapeEntry is one upstream's handle (nil: the dial has no valid target, or its metrics were found
@@ -148,15 +174,36 @@ func newScrapes(cfg *MetricsConfig, logger *zap.Logger) *scrapes {
 		now:         time.Now,
 		forgetAfter: scrapeForgetAfter,
 	}
-	if cfg.Scheme == "https" && cfg.upstreamTLS != nil {
+	withTLS := cfg.Scheme == "https" && cfg.upstreamTLS != nil
+	if withTLS || len(cfg.Headers) > 0 {
 		tr := http.DefaultTransport.(*http.Transport).Clone()
 		tr.Proxy = nil // as the scraper's own clients: metrics are fetched directly
 		tr.MaxIdleConnsPerHost = 1
-		tr.TLSClientConfig = cfg.upstreamTLS
-		sc.tlsTransport = tr
-		sc.opts.Client = &http.Client{Transport: tr}
+		if withTLS {
+			tr.TLSClientConfig = cfg.upstreamTLS
+		}
+		sc.transport = tr
+		var rt http.RoundTripper = tr
+		if len(cfg.Headers) > 0 {
+			rt = headerTransport{base: tr, headers: cfg.Headers}
+		}
+		sc.opts.Client = &http.Client{Transport: rt}
 	}
 	return sc
+}
+
+// headerTransport adds headers to every request it sends through base.
+type headerTransport struct {
+	base    http.RoundTripper
+	headers http.Header
+}
+
+func (t headerTransport) RoundTrip(req *http.Request) (*http.Response, error) {
+	req = req.Clone(req.Context()) // a RoundTripper must not change the request it is given
+	for field, values := range t.headers {
+		req.Header[field] = values
+	}
+	return t.base.RoundTrip(req)
 }
 
 // upstreamTLS returns a copy of the TLS client configuration of the transport of the reverse_proxy
@@ -353,7 +400,7 @@ func (sc *scrapes) release() {
 			e.h.Release()
 		}
 	}
-	if sc.tlsTransport != nil {
-		sc.tlsTransport.CloseIdleConnections() // a newer config scrapes with a client of its own
+	if sc.transport != nil {
+		sc.transport.CloseIdleConnections() // a newer config scrapes with a client of its own
 	}
 }

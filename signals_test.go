@@ -13,6 +13,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -646,5 +647,61 @@ func TestScrapesUseUpstreamTLS(t *testing.T) {
 				return m != nil && m.Fresh && m.Flavor == "vllm"
 			})
 		})
+	}
+}
+
+// TestScrapesSendHeaders: a /metrics behind authentication (here a bearer token, given through an
+// environment placeholder) is scraped with the configured headers; the proxied requests are not given
+// them.
+func TestScrapesSendHeaders(t *testing.T) {
+	t.Setenv("CADDY_LLM_TEST_METRICS_TOKEN", "s3cret")
+	sim, err := vllmsim.New(vllmsim.Config{TimeScale: 1000, Seed: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var leaked atomic.Bool
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		auth := r.Header.Get("Authorization")
+		if r.URL.Path != "/metrics" {
+			leaked.Store(leaked.Load() || auth != "")
+			sim.ServeHTTP(w, r)
+			return
+		}
+		if auth != "Bearer s3cret" {
+			http.Error(w, "unauthorized", http.StatusUnauthorized)
+			return
+		}
+		sim.ServeHTTP(w, r)
+	}))
+	t.Cleanup(func() {
+		srv.CloseClientConnections()
+		sim.Close()
+		srv.Close()
+	})
+	dial := strings.TrimPrefix(srv.URL, "http://")
+
+	tester := caddytest.NewTester(t)
+	tester.InitServer(globalOptions+fmt.Sprintf(`
+%s {
+	reverse_proxy %s {
+		lb_policy llm {
+			metrics {
+				interval 20ms
+				header Authorization "Bearer {env.CADDY_LLM_TEST_METRICS_TOKEN}"
+			}
+		}
+	}
+}
+`, site, dial), "caddyfile")
+
+	if res, body := post(t, tester.Client, "/v1/chat/completions", chatBody("sim-model", 10, false)); res.StatusCode != http.StatusOK {
+		t.Fatalf("status %d: %s", res.StatusCode, body)
+	}
+	waitFor(t, "a good scrape with the token", func() bool {
+		m := adminUpstreams(t)[dial].Metrics
+		return m != nil && m.Fresh && m.Flavor == "vllm"
+	})
+	if leaked.Load() {
+		t.Error("a proxied request carried the scrapes' Authorization header")
 	}
 }
