@@ -26,17 +26,34 @@ import (
 // simBackend serves a simulated vLLM engine on 127.0.0.1.
 func simBackend(t *testing.T, cfg vllmsim.Config) (*vllmsim.Server, string) {
 	t.Helper()
+	sim, srv := simServer(t, cfg, false, nil)
+	return sim, srv.Listener.Addr().String()
+}
+
+// simServer serves a simulated vLLM engine on 127.0.0.1, over TLS when withTLS, through the handler
+// front makes of it (the engine itself when front is nil); both stop when the test ends.
+func simServer(t *testing.T, cfg vllmsim.Config, withTLS bool, front func(*vllmsim.Server) http.Handler) (*vllmsim.Server, *httptest.Server) {
+	t.Helper()
 	sim, err := vllmsim.New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := httptest.NewServer(sim)
+	var h http.Handler = sim
+	if front != nil {
+		h = front(sim)
+	}
+	srv := httptest.NewUnstartedServer(h)
+	if withTLS {
+		srv.StartTLS()
+	} else {
+		srv.Start()
+	}
 	t.Cleanup(func() {
 		srv.CloseClientConnections()
 		sim.Close()
 		srv.Close()
 	})
-	return sim, strings.TrimPrefix(srv.URL, "http://")
+	return sim, srv
 }
 
 // adminUpstreams reads GET /llm/upstreams of the in-process Caddy.
@@ -607,17 +624,8 @@ func fastScrapeConfig(dial, extra string) string {
 func TestScrapesUseUpstreamTLS(t *testing.T) {
 	for _, transport := range []string{"http", "llm"} {
 		t.Run(transport, func(t *testing.T) {
-			sim, err := vllmsim.New(vllmsim.Config{TimeScale: 1000, Seed: 1})
-			if err != nil {
-				t.Fatal(err)
-			}
-			srv := httptest.NewTLSServer(sim)
-			t.Cleanup(func() {
-				srv.CloseClientConnections()
-				sim.Close()
-				srv.Close()
-			})
-			dial := strings.TrimPrefix(srv.URL, "https://")
+			_, srv := simServer(t, vllmsim.Config{TimeScale: 1000, Seed: 1}, true, nil)
+			dial := srv.Listener.Addr().String()
 			ca := filepath.Join(t.TempDir(), "ca.pem")
 			if err := os.WriteFile(ca, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: srv.Certificate().Raw}), 0o600); err != nil {
 				t.Fatal(err)
@@ -655,30 +663,20 @@ func TestScrapesUseUpstreamTLS(t *testing.T) {
 // them.
 func TestScrapesSendHeaders(t *testing.T) {
 	t.Setenv("CADDY_LLM_TEST_METRICS_TOKEN", "s3cret")
-	sim, err := vllmsim.New(vllmsim.Config{TimeScale: 1000, Seed: 1})
-	if err != nil {
-		t.Fatal(err)
-	}
 	var leaked atomic.Bool
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		auth := r.Header.Get("Authorization")
-		if r.URL.Path != "/metrics" {
-			leaked.Store(leaked.Load() || auth != "")
+	_, srv := simServer(t, vllmsim.Config{TimeScale: 1000, Seed: 1}, false, func(sim *vllmsim.Server) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			auth := r.Header.Get("Authorization")
+			if r.URL.Path != "/metrics" {
+				leaked.Store(leaked.Load() || auth != "")
+			} else if auth != "Bearer s3cret" {
+				http.Error(w, "unauthorized", http.StatusUnauthorized)
+				return
+			}
 			sim.ServeHTTP(w, r)
-			return
-		}
-		if auth != "Bearer s3cret" {
-			http.Error(w, "unauthorized", http.StatusUnauthorized)
-			return
-		}
-		sim.ServeHTTP(w, r)
-	}))
-	t.Cleanup(func() {
-		srv.CloseClientConnections()
-		sim.Close()
-		srv.Close()
+		})
 	})
-	dial := strings.TrimPrefix(srv.URL, "http://")
+	dial := srv.Listener.Addr().String()
 
 	tester := caddytest.NewTester(t)
 	tester.InitServer(globalOptions+fmt.Sprintf(`
