@@ -24,9 +24,10 @@ import (
 type MetricsConfig struct {
 	// Off turns scraping off (Caddyfile `metrics off`): routing uses this proxy's own signals only.
 	Off bool `json:"off,omitempty"`
-	// Scheme of the metrics URL. Default https when the reverse_proxy's transport (http or llm) uses TLS,
-	// else http. Scrapes over https use that transport's TLS settings (its trust pool, client
-	// certificate, tls_insecure_skip_verify, tls_server_name), as the proxied requests do.
+	// Scheme of the metrics URL. Default https when the reverse_proxy's transport (http or llm) uses TLS
+	// and the metrics are on the upstreams' own port (Port unset), else http. Scrapes over https use
+	// that transport's TLS settings (its trust pool, client certificate, tls_insecure_skip_verify,
+	// tls_server_name), as the proxied requests do.
 	Scheme string `json:"scheme,omitempty"`
 	// Port of the metrics endpoint; default the upstream's own port.
 	Port string `json:"port,omitempty"`
@@ -70,8 +71,8 @@ func (m *MetricsConfig) provision() {
 	}
 	if m.Scheme == "" {
 		m.Scheme = "http"
-		if m.upstreamTLS != nil {
-			m.Scheme = "https"
+		if m.upstreamTLS != nil && m.Port == "" {
+			m.Scheme = "https" // the port the proxied requests use TLS on
 		}
 	}
 	if m.Path == "" {

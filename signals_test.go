@@ -2,6 +2,7 @@ package caddyllm
 
 import (
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"encoding/pem"
 	"fmt"
@@ -701,5 +702,30 @@ func TestScrapesSendHeaders(t *testing.T) {
 	})
 	if leaked.Load() {
 		t.Error("a proxied request carried the scrapes' Authorization header")
+	}
+}
+
+// TestMetricsSchemeDefault: the scrapes default to https where the proxied requests use TLS on the same
+// port, and to http elsewhere (a separate metrics port, a plain transport); a scheme set is kept.
+func TestMetricsSchemeDefault(t *testing.T) {
+	upstreamTLS := &tls.Config{MinVersion: tls.VersionTLS12}
+	for _, tc := range []struct {
+		name string
+		cfg  MetricsConfig
+		want string
+	}{
+		{"plain transport", MetricsConfig{}, "http"},
+		{"TLS transport, the upstreams' port", MetricsConfig{upstreamTLS: upstreamTLS}, "https"},
+		{"TLS transport, a metrics port of its own", MetricsConfig{upstreamTLS: upstreamTLS, Port: "9100"}, "http"},
+		{"scheme set", MetricsConfig{upstreamTLS: upstreamTLS, Scheme: "http"}, "http"},
+		{"https set on a plain transport", MetricsConfig{Scheme: "https"}, "https"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := tc.cfg
+			cfg.provision()
+			if cfg.Scheme != tc.want {
+				t.Errorf("scheme %q, want %q", cfg.Scheme, tc.want)
+			}
+		})
 	}
 }
