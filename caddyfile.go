@@ -449,7 +449,7 @@ func (m *MetricsConfig) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		if option == "header" {
 			args := d.RemainingArgs()
 			if len(args) != 2 {
-				return d.Errf("header takes a field name and a value, got %d arguments", len(args))
+				return d.Err("header takes a field name and a value: header <field> <value>")
 			}
 			if m.Headers == nil {
 				m.Headers = make(http.Header)

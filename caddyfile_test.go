@@ -93,7 +93,7 @@ func TestUnmarshalPolicyErrors(t *testing.T) {
 		`llm { metrics { interval soon } }`:        "interval must be a positive duration",
 		`llm { metrics { kv_threshold 2 } }`:       "kv_threshold must be a number between 0 and 1",
 		`llm { metrics { colour blue } }`:          "unrecognized option 'colour' in the metrics { } block",
-		`llm { metrics { header Authorization } }`: "header takes a field name and a value, got 1 arguments",
+		`llm { metrics { header Authorization } }`: "header takes a field name and a value: header <field> <value>",
 		`llm { metrics; metrics }`:                 "metrics already specified",
 		`llm { fallback nope }`:                    "module not registered",
 		`llm { fallback first; fallback first }`:   "fallback selection policy already specified",
