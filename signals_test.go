@@ -729,3 +729,59 @@ func TestMetricsSchemeDefault(t *testing.T) {
 		})
 	}
 }
+
+// llamaCppFront serves a simulated engine's chat completions and, on /metrics, llama.cpp llama-server's
+// text for a server running running requests with waiting deferred, its decode and token counters
+// moving on at every scrape as a busy server's do.
+func llamaCppFront(running, waiting int) func(*vllmsim.Server) http.Handler {
+	return func(sim *vllmsim.Server) http.Handler {
+		var scrapes atomic.Int64
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path != "/metrics" {
+				sim.ServeHTTP(w, r)
+				return
+			}
+			n := scrapes.Add(1)
+			w.Header().Set("Content-Type", "text/plain; version=0.0.4")
+			fmt.Fprintf(w, "# HELP llamacpp:tokens_predicted_total Number of generation tokens processed.\n"+
+				"# TYPE llamacpp:tokens_predicted_total counter\nllamacpp:tokens_predicted_total %d\n"+
+				"# HELP llamacpp:n_decode_total Total number of llama_decode() calls\n"+
+				"# TYPE llamacpp:n_decode_total counter\nllamacpp:n_decode_total %d\n"+
+				"# HELP llamacpp:requests_processing Number of requests processing\n"+
+				"# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing %d\n"+
+				"# HELP llamacpp:requests_deferred Number of requests deferred\n"+
+				"# TYPE llamacpp:requests_deferred gauge\nllamacpp:requests_deferred %d\n",
+				10*n*int64(running), 10*n, running, waiting)
+		})
+	}
+}
+
+// TestLlamaCppMetrics: llama.cpp's llama-server (--metrics) is scraped as vLLM and SGLang are: a server
+// whose one slot is busy with requests deferred behind it is learned to run one at a time from its
+// metrics alone, and new requests go to the idle one.
+func TestLlamaCppMetrics(t *testing.T) {
+	simA, srvA := simServer(t, vllmsim.Config{TimeScale: 1000, Seed: 1}, false, llamaCppFront(0, 0))
+	simB, srvB := simServer(t, vllmsim.Config{TimeScale: 1000, Seed: 2}, false, llamaCppFront(1, 4))
+	a, b := srvA.Listener.Addr().String(), srvB.Listener.Addr().String()
+	sims := map[string]*vllmsim.Server{a: simA, b: simB}
+
+	tester := caddytest.NewTester(t)
+	tester.InitServer(globalOptions+fmt.Sprintf(`
+%s {
+	reverse_proxy %s %s {
+		lb_policy llm {
+			metrics {
+				interval 50ms
+				stale_after 30s
+			}
+		}
+	}
+}
+`, site, a, b), "caddyfile")
+
+	waitFor(t, "B's one slot learned from its llama.cpp metrics", func() bool {
+		u := adminUpstreams(t)[b]
+		return u.Metrics != nil && u.Metrics.Flavor == "llamacpp" && u.Metrics.Waiting == 4 && u.Model != nil && u.Model.Slots == 1
+	})
+	sendAllTo(t, tester.Client, sims, a, 10)
+}

@@ -15,8 +15,9 @@ import (
 
 // Flavors reported in Snapshot.Flavor.
 const (
-	FlavorVLLM   = "vllm"
-	FlavorSGLang = "sglang"
+	FlavorVLLM     = "vllm"
+	FlavorSGLang   = "sglang"
+	FlavorLlamaCpp = "llamacpp"
 )
 
 // ErrNoMetrics is returned by Parse (wrapped) when the text parsed but carries none of the load
@@ -68,7 +69,8 @@ type Snapshot struct {
 	// if several processes report one); zero when absent. A change means the backend restarted, and
 	// with it its KV cache is empty and its counters start again from zero.
 	StartTime float64
-	// Flavor is FlavorVLLM or FlavorSGLang. A text carrying both families is read as vLLM.
+	// Flavor is FlavorVLLM, FlavorSGLang or FlavorLlamaCpp (llama.cpp's llama-server, started with
+	// --metrics). A text carrying several families is read as the first of these.
 	Flavor string
 	// At is when the scrape that produced this snapshot started (Parse leaves it zero).
 	At time.Time
@@ -91,11 +93,19 @@ var (
 	sglangGenerated   = []string{"sglang:generation_tokens_total", "sglang:generation_tokens"}
 	sglangFinished    = []string{"sglang:num_requests_total", "sglang:num_requests"}
 	sglangPrompt      = []string{"sglang:prompt_tokens_total", "sglang:prompt_tokens"}
+	// llama-server: its busy slots, the requests deferred until one frees, the KV-cache ratio (builds of
+	// 2024-2025 only), the tokens it generated and its llama_decode() calls (one per batch: a step).
+	llamacppRunning   = []string{"llamacpp:requests_processing"}
+	llamacppWaiting   = []string{"llamacpp:requests_deferred"}
+	llamacppKV        = []string{"llamacpp:kv_cache_usage_ratio"}
+	llamacppGenerated = []string{"llamacpp:tokens_predicted_total"}
+	llamacppSteps     = []string{"llamacpp:n_decode_total"}
 )
 
 const modelLabel = "model_name"
 
-// Parse reads Prometheus text exposition (format 0.0.4, as served by vLLM's and SGLang's /metrics)
+// Parse reads Prometheus text exposition (format 0.0.4, as served by vLLM's, SGLang's and llama.cpp's
+// /metrics)
 // with expfmt's text parser and extracts the load signals into a Snapshot. Metric and label names
 // are validated with the UTF-8 scheme, so names with ':' parse.
 //
@@ -116,6 +126,8 @@ func Parse(r io.Reader, model string) (Snapshot, error) {
 		s.Flavor = FlavorVLLM
 	} else if ok := extractSGLang(families, model, &s); ok {
 		s.Flavor = FlavorSGLang
+	} else if ok := extractLlamaCpp(families, model, &s); ok {
+		s.Flavor = FlavorLlamaCpp
 	} else {
 		if model != "" {
 			return Snapshot{}, fmt.Errorf("parsing metrics text for model %q: %w", model, ErrNoMetrics)
@@ -167,6 +179,22 @@ func extractVLLM(families map[string]*dto.MetricFamily, model string, s *Snapsho
 	s.BlockSize, s.NumBlocks = geometryFromLabels(families["vllm:cache_config_info"], model, "block_size", "num_gpu_blocks")
 	s.Model = modelName(families, vllmRunning[0], model)
 	s.LoRA = loraFromLabels(families[vllmLoRAInfo], model)
+	return true
+}
+
+// extractLlamaCpp reads llama.cpp's llama-server. It serves one model and labels no series with it, so a
+// model filter keeps them all; its prompt counter counts the tokens it evaluated, with no count of those
+// its prompt cache answered, so there are no prefix-cache counters to check predictions against.
+func extractLlamaCpp(families map[string]*dto.MetricFamily, model string, s *Snapshot) bool {
+	running, okR := sum(families, llamacppRunning, model)
+	waiting, okW := sum(families, llamacppWaiting, model)
+	if !okR && !okW {
+		return false
+	}
+	s.Running, s.Waiting = running, waiting
+	s.KVUsage, _ = mean(families, llamacppKV, model)
+	s.GenerationTokens, _ = sum(families, llamacppGenerated, model)
+	s.Steps, _ = sum(families, llamacppSteps, model)
 	return true
 }
 

@@ -82,6 +82,22 @@ func TestParseRecorded(t *testing.T) {
 			want:  Snapshot{Running: 6, Waiting: 8, KVUsage: 0.75, BlockSize: 32, NumBlocks: 1000, Flavor: FlavorVLLM},
 		},
 		{
+			name: "llama.cpp llama-server: busy slots running, deferred requests waiting",
+			file: "llamacpp.txt",
+			want: Snapshot{Running: 4, Waiting: 3, GenerationTokens: 7801, Steps: 7522, Flavor: FlavorLlamaCpp},
+		},
+		{
+			name:  "llama.cpp labels no model: a filter keeps its series",
+			file:  "llamacpp.txt",
+			model: "qwen2.5-7b-instruct",
+			want:  Snapshot{Running: 4, Waiting: 3, GenerationTokens: 7801, Steps: 7522, Flavor: FlavorLlamaCpp},
+		},
+		{
+			name: "llama.cpp builds with the KV-cache ratio",
+			file: "llamacpp_kv.txt",
+			want: Snapshot{Running: 1, Waiting: 0, KVUsage: 0.25, GenerationTokens: 128, Flavor: FlavorLlamaCpp},
+		},
+		{
 			name: "two models, no filter sums both",
 			file: "vllm_two_models.txt",
 			want: Snapshot{Running: 8, Waiting: 9, KVUsage: 0.5, BlockSize: 32, NumBlocks: 1000, Flavor: FlavorVLLM},
@@ -290,7 +306,7 @@ func TestHitRate(t *testing.T) {
 }
 
 func FuzzParse(f *testing.F) {
-	for _, name := range []string{"vllm_v1_two_engines.txt", "vllm_legacy.txt", "sglang.txt", "sglang_gauges.txt", "vllm_two_models.txt", "vllm_lora.txt", "garbage.txt"} {
+	for _, name := range []string{"vllm_v1_two_engines.txt", "vllm_legacy.txt", "sglang.txt", "sglang_gauges.txt", "vllm_two_models.txt", "vllm_lora.txt", "llamacpp.txt", "llamacpp_kv.txt", "garbage.txt"} {
 		f.Add(readTestdata(f, name), "")
 	}
 	f.Fuzz(func(t *testing.T, text []byte, model string) {
@@ -298,7 +314,7 @@ func FuzzParse(f *testing.F) {
 		if err != nil {
 			return
 		}
-		if s.Flavor != FlavorVLLM && s.Flavor != FlavorSGLang {
+		if s.Flavor != FlavorVLLM && s.Flavor != FlavorSGLang && s.Flavor != FlavorLlamaCpp {
 			t.Errorf("Flavor = %q", s.Flavor)
 		}
 		for name, v := range map[string]float64{"Running": s.Running, "Waiting": s.Waiting, "PrefixHits": s.PrefixHits, "PrefixQueries": s.PrefixQueries} {
