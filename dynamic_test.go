@@ -235,3 +235,35 @@ func TestScrapesStress(t *testing.T) {
 		return true
 	})
 }
+
+// TestNestedProxyScrapesItsOwnUpstreams pins a bug: a policy inside a reverse_proxy nested in another's
+// handle_response took the outer proxy's upstreams (and transport) for its own, so it scraped and
+// listed an upstream it never routes to. Each policy now reads the nearest reverse_proxy above it.
+func TestNestedProxyScrapesItsOwnUpstreams(t *testing.T) {
+	_, outer := simBackend(t, vllmsim.Config{TimeScale: 1000, Seed: 1})
+	_, inner := simBackend(t, vllmsim.Config{TimeScale: 1000, Seed: 2})
+	tester := caddytest.NewTester(t)
+	tester.InitServer(globalOptions+fmt.Sprintf(`
+%s {
+	reverse_proxy %s {
+		@any status 2xx
+		handle_response @any {
+			reverse_proxy %s {
+				lb_policy llm {
+					metrics {
+						interval 20ms
+					}
+				}
+			}
+		}
+	}
+}
+`, site, outer, inner), "caddyfile")
+	waitFor(t, "the inner upstream scraped from provisioning", func() bool {
+		m := adminUpstreams(t)[inner].Metrics
+		return m != nil && m.Fresh
+	})
+	if _, listed := adminUpstreams(t)[outer]; listed {
+		t.Errorf("the outer proxy's upstream %s is listed: the inner policy took it for its own", outer)
+	}
+}

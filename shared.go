@@ -68,20 +68,30 @@ func scaledPrior(capacity float64) selection.Service {
 // staticUpstreams returns the dial addresses of the reverse_proxy handler provisioning this policy (its
 // parent module), without placeholders: they can be scraped and reported before the first request.
 func staticUpstreams(ctx caddy.Context) []string {
+	h := proxyHandler(ctx)
+	if h == nil {
+		return nil
+	}
 	var out []string
-	for _, m := range ctx.Modules() {
-		h, ok := m.(*reverseproxy.Handler)
-		if !ok {
+	for _, u := range h.Upstreams {
+		if u == nil || strings.Contains(u.Dial, "{") {
 			continue
 		}
-		for _, u := range h.Upstreams {
-			if u == nil || strings.Contains(u.Dial, "{") {
-				continue
-			}
-			if _, _, err := net.SplitHostPort(u.Dial); err == nil {
-				out = append(out, u.Dial)
-			}
+		if _, _, err := net.SplitHostPort(u.Dial); err == nil {
+			out = append(out, u.Dial)
 		}
 	}
 	return out
+}
+
+// proxyHandler is the reverse_proxy handler ctx provisions a module for: the nearest in its ancestry (a
+// reverse_proxy inside another's handle_response routes has its own); nil outside one.
+func proxyHandler(ctx caddy.Context) *reverseproxy.Handler {
+	mods := ctx.Modules()
+	for i := len(mods) - 1; i >= 0; i-- {
+		if h, ok := mods[i].(*reverseproxy.Handler); ok {
+			return h
+		}
+	}
+	return nil
 }

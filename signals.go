@@ -212,29 +212,26 @@ func (t headerTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 // HTTP/1.1 scrapes; nil when that transport uses no TLS. The transport is provisioned before the
 // policy (reverseproxy.Handler.Provision).
 func upstreamTLS(ctx caddy.Context) *tls.Config {
-	for _, m := range ctx.Modules() {
-		h, ok := m.(*reverseproxy.Handler)
-		if !ok {
-			continue
-		}
-		var ht *reverseproxy.HTTPTransport
-		switch t := h.Transport.(type) {
-		case *reverseproxy.HTTPTransport:
-			ht = t
-		case *LLMTransport:
-			ht = &t.HTTPTransport
-		}
-		if ht == nil || !ht.TLSEnabled() || ht.Transport == nil || ht.Transport.TLSClientConfig == nil {
-			return nil
-		}
-		c := ht.Transport.TLSClientConfig.Clone()
-		c.NextProtos = nil // the scraper's client speaks HTTP/1.1
-		if strings.Contains(c.ServerName, "{") {
-			c.ServerName = "" // a per-request placeholder: verify the upstream's own host name
-		}
-		return c
+	h := proxyHandler(ctx)
+	if h == nil {
+		return nil
 	}
-	return nil
+	var ht *reverseproxy.HTTPTransport
+	switch t := h.Transport.(type) {
+	case *reverseproxy.HTTPTransport:
+		ht = t
+	case *LLMTransport:
+		ht = &t.HTTPTransport
+	}
+	if ht == nil || !ht.TLSEnabled() || ht.Transport == nil || ht.Transport.TLSClientConfig == nil {
+		return nil
+	}
+	c := ht.Transport.TLSClientConfig.Clone()
+	c.NextProtos = nil // the scraper's client speaks HTTP/1.1
+	if strings.Contains(c.ServerName, "{") {
+		c.ServerName = "" // a per-request placeholder: verify the upstream's own host name
+	}
+	return c
 }
 
 // load returns the fresh snapshot of dial's metrics, starting to scrape it on first use. Each call notes
