@@ -18,6 +18,7 @@ const (
 	FlavorVLLM     = "vllm"
 	FlavorSGLang   = "sglang"
 	FlavorLlamaCpp = "llamacpp"
+	FlavorNIM      = "nim"
 )
 
 // ErrNoMetrics is returned by Parse (wrapped) when the text parsed but carries none of the load
@@ -69,8 +70,9 @@ type Snapshot struct {
 	// if several processes report one); zero when absent. A change means the backend restarted, and
 	// with it its KV cache is empty and its counters start again from zero.
 	StartTime float64
-	// Flavor is FlavorVLLM, FlavorSGLang or FlavorLlamaCpp (llama.cpp's llama-server, started with
-	// --metrics). A text carrying several families is read as the first of these.
+	// Flavor is FlavorVLLM, FlavorSGLang, FlavorLlamaCpp (llama.cpp's llama-server, started with
+	// --metrics) or FlavorNIM (NVIDIA NIM for LLMs, at /v1/metrics). A text carrying several families is
+	// read as the first of these.
 	Flavor string
 	// At is when the scrape that produced this snapshot started (Parse leaves it zero).
 	At time.Time
@@ -100,12 +102,18 @@ var (
 	llamacppKV        = []string{"llamacpp:kv_cache_usage_ratio"}
 	llamacppGenerated = []string{"llamacpp:tokens_predicted_total"}
 	llamacppSteps     = []string{"llamacpp:n_decode_total"}
+	// NVIDIA NIM for LLMs: vLLM's names without the prefix.
+	nimRunning       = []string{"num_requests_running"}
+	nimWaiting       = []string{"num_requests_waiting"}
+	nimKV            = []string{"gpu_cache_usage_perc"}
+	nimGenerated     = []string{"generation_tokens_total"}
+	nimRequestPrompt = "request_prompt_tokens"
 )
 
 const modelLabel = "model_name"
 
-// Parse reads Prometheus text exposition (format 0.0.4, as served by vLLM's, SGLang's and llama.cpp's
-// /metrics)
+// Parse reads Prometheus text exposition (format 0.0.4, as served by vLLM's, SGLang's, llama.cpp's and
+// NVIDIA NIM's metrics endpoints)
 // with expfmt's text parser and extracts the load signals into a Snapshot. Metric and label names
 // are validated with the UTF-8 scheme, so names with ':' parse.
 //
@@ -128,6 +136,8 @@ func Parse(r io.Reader, model string) (Snapshot, error) {
 		s.Flavor = FlavorSGLang
 	} else if ok := extractLlamaCpp(families, model, &s); ok {
 		s.Flavor = FlavorLlamaCpp
+	} else if ok := extractNIM(families, model, &s); ok {
+		s.Flavor = FlavorNIM
 	} else {
 		if model != "" {
 			return Snapshot{}, fmt.Errorf("parsing metrics text for model %q: %w", model, ErrNoMetrics)
@@ -195,6 +205,23 @@ func extractLlamaCpp(families map[string]*dto.MetricFamily, model string, s *Sna
 	s.KVUsage, _ = mean(families, llamacppKV, model)
 	s.GenerationTokens, _ = sum(families, llamacppGenerated, model)
 	s.Steps, _ = sum(families, llamacppSteps, model)
+	return true
+}
+
+// extractNIM reads NVIDIA NIM for LLMs: its running and waiting requests, KV-cache usage, generated
+// tokens and finished prompts under vLLM's names without the "vllm:" prefix. It reports no prefix-cache
+// counters.
+func extractNIM(families map[string]*dto.MetricFamily, model string, s *Snapshot) bool {
+	running, okR := sum(families, nimRunning, model)
+	waiting, okW := sum(families, nimWaiting, model)
+	if !okR || !okW {
+		return false // both, as NIM serves them: one alone is too generic a name to go by
+	}
+	s.Running, s.Waiting = running, waiting
+	s.KVUsage, _ = mean(families, nimKV, model)
+	s.GenerationTokens, _ = sum(families, nimGenerated, model)
+	s.FinishedRequests, s.FinishedPrompt = histogramTotals(families[nimRequestPrompt], model)
+	s.Model = modelName(families, nimRunning[0], model)
 	return true
 }
 

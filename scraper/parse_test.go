@@ -98,6 +98,17 @@ func TestParseRecorded(t *testing.T) {
 			want: Snapshot{Running: 1, Waiting: 0, KVUsage: 0.25, GenerationTokens: 128, Flavor: FlavorLlamaCpp},
 		},
 		{
+			name: "NVIDIA NIM: vLLM's names without the prefix",
+			file: "nim.txt",
+			want: Snapshot{Running: 7, Waiting: 2, KVUsage: 0.31, GenerationTokens: 204800, Flavor: FlavorNIM},
+		},
+		{
+			name:  "NVIDIA NIM filtered by its model",
+			file:  "nim.txt",
+			model: "meta/llama-3.1-8b-instruct",
+			want:  Snapshot{Running: 7, Waiting: 2, KVUsage: 0.31, GenerationTokens: 204800, Flavor: FlavorNIM},
+		},
+		{
 			name: "two models, no filter sums both",
 			file: "vllm_two_models.txt",
 			want: Snapshot{Running: 8, Waiting: 9, KVUsage: 0.5, BlockSize: 32, NumBlocks: 1000, Flavor: FlavorVLLM},
@@ -182,6 +193,9 @@ vllm:request_prompt_tokens_count{engine="0",model_name="other"} 99
 	}
 	if got, _ := Parse(strings.NewReader(string(readTestdata(t, "vllm_v1_two_engines.txt"))), ""); got.FinishedRequests != 0 {
 		t.Errorf("a text without the histogram: %+v, want no finished requests", got)
+	}
+	if got, err := Parse(strings.NewReader(string(readTestdata(t, "nim.txt"))), ""); err != nil || got.FinishedRequests != 800 || got.FinishedPrompt != 912345 {
+		t.Errorf("NVIDIA NIM's request_prompt_tokens: %+v, %v; want 800 finished requests of 912345 prompt tokens", got, err)
 	}
 }
 
@@ -306,7 +320,7 @@ func TestHitRate(t *testing.T) {
 }
 
 func FuzzParse(f *testing.F) {
-	for _, name := range []string{"vllm_v1_two_engines.txt", "vllm_legacy.txt", "sglang.txt", "sglang_gauges.txt", "vllm_two_models.txt", "vllm_lora.txt", "llamacpp.txt", "llamacpp_kv.txt", "garbage.txt"} {
+	for _, name := range []string{"vllm_v1_two_engines.txt", "vllm_legacy.txt", "sglang.txt", "sglang_gauges.txt", "vllm_two_models.txt", "vllm_lora.txt", "llamacpp.txt", "llamacpp_kv.txt", "nim.txt", "garbage.txt"} {
 		f.Add(readTestdata(f, name), "")
 	}
 	f.Fuzz(func(t *testing.T, text []byte, model string) {
@@ -314,7 +328,7 @@ func FuzzParse(f *testing.F) {
 		if err != nil {
 			return
 		}
-		if s.Flavor != FlavorVLLM && s.Flavor != FlavorSGLang && s.Flavor != FlavorLlamaCpp {
+		if !slices.Contains([]string{FlavorVLLM, FlavorSGLang, FlavorLlamaCpp, FlavorNIM}, s.Flavor) {
 			t.Errorf("Flavor = %q", s.Flavor)
 		}
 		for name, v := range map[string]float64{"Running": s.Running, "Waiting": s.Waiting, "PrefixHits": s.PrefixHits, "PrefixQueries": s.PrefixQueries} {
