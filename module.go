@@ -101,11 +101,11 @@ type LLMSelection struct {
 	GuardRequestSlack int64   `json:"guard_request_slack,omitempty"`
 	PrefillWeight     float64 `json:"prefill_weight,omitempty"`
 
-	// Metrics scrapes each upstream's Prometheus metrics (vLLM or SGLang): the requests they show beyond
-	// this proxy's own - other clients, other proxies - join the decision, and the running count at which
-	// a backend starts queueing teaches its slot count. On by default (every upstream's /metrics on its
+	// Metrics scrapes each upstream's Prometheus metrics (vLLM, SGLang, llama.cpp, NIM): the requests
+	// they show beyond this proxy's own - other clients, other proxies - join the decision, and the
+	// running count at which a backend starts queueing teaches its slot count. On by default (every upstream's /metrics on its
 	// own port, every second); {"off": true} (Caddyfile `metrics off`) turns it off. An upstream without
-	// usable metrics (404, not Prometheus text, not vLLM or SGLang) is logged once and routed on this
+	// usable metrics (404, not Prometheus text, no load gauge it knows) is logged once and routed on this
 	// proxy's own signals.
 	Metrics *MetricsConfig `json:"metrics,omitempty"`
 

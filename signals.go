@@ -19,7 +19,7 @@ import (
 	"github.com/tokenrouter/caddy-llm/scraper"
 )
 
-// MetricsConfig turns on scraping of each upstream's Prometheus /metrics (vLLM and SGLang names) so that
+// MetricsConfig turns on scraping of each upstream's Prometheus /metrics (vLLM, SGLang, llama.cpp and NVIDIA NIM names) so that
 // load this proxy cannot see itself - other clients, other proxies - enters the routing decision.
 type MetricsConfig struct {
 	// Off turns scraping off (Caddyfile `metrics off`): routing uses this proxy's own signals only.
@@ -327,7 +327,7 @@ func (sc *scrapes) dropUnusable(dial string) {
 const unusableAfter = 3
 
 // checkUsable stops scraping dial, saying so once in the log, when its metrics never answered usefully
-// (404, not Prometheus text, not vLLM or SGLang: a generic OpenAI-compatible server). Routing there goes
+// (404, not Prometheus text, no load gauge it knows: a generic OpenAI-compatible server). Routing there goes
 // on with this proxy's own signals. Called only while no scrape of dial has succeeded.
 func (sc *scrapes) checkUsable(dial string, e *scrapeEntry) {
 	t, err := sc.cfg.target(dial)

@@ -23,7 +23,7 @@ const (
 
 // ErrNoMetrics is returned by Parse (wrapped) when the text parsed but carries none of the load
 // gauges it knows (running, waiting, KV usage), for instance because the model filter excluded every
-// series or the target is not a vLLM or SGLang server.
+// series or the target is not a server it knows (vLLM, SGLang, llama.cpp, NVIDIA NIM).
 var ErrNoMetrics = errors.New("no known load metrics")
 
 // Snapshot is the last good scrape of one target. It is a plain value, safe to copy.

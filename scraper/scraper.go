@@ -1,6 +1,6 @@
-// Package scraper polls LLM inference servers' Prometheus /metrics endpoints (vLLM and SGLang) and
-// keeps the last good load snapshot of each one: running and waiting requests, KV-cache usage,
-// prefix-cache counters and cache geometry.
+// Package scraper polls LLM inference servers' Prometheus /metrics endpoints (vLLM, SGLang, llama.cpp,
+// NVIDIA NIM) and keeps the last good load snapshot of each one: running and waiting requests, KV-cache
+// usage, prefix-cache counters and cache geometry.
 //
 // A Registry runs one polling goroutine per Target, shared by every holder of a Handle for that
 // target (several policies, overlapping configurations during a reload), and stops it when the last
