@@ -103,10 +103,10 @@ type LLMSelection struct {
 
 	// Metrics scrapes each upstream's Prometheus metrics (vLLM, SGLang, llama.cpp, NIM): the requests
 	// they show beyond this proxy's own - other clients, other proxies - join the decision, and the
-	// running count at which a backend starts queueing teaches its slot count. On by default (every upstream's /metrics on its
-	// own port, every second); {"off": true} (Caddyfile `metrics off`) turns it off. An upstream without
-	// usable metrics (404, not Prometheus text, no load gauge it knows) is logged once and routed on this
-	// proxy's own signals.
+	// running count at which a backend starts queueing teaches its slot count. On by default (every
+	// upstream's /metrics on its own port, every second); {"off": true} (Caddyfile `metrics off`) turns
+	// it off. An upstream without usable metrics (404, not Prometheus text, no load gauge it knows) is
+	// logged once and routed on this proxy's own signals.
 	Metrics *MetricsConfig `json:"metrics,omitempty"`
 
 	// Capacities gives upstreams (by dial address) a relative speed, default 1: the service model of an
