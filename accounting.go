@@ -709,6 +709,7 @@ func (l *upstreamLoad) scrapedLocked(snap *scraper.Snapshot) {
 		l.queueGen, l.queueSteps = snap.GenerationTokens, snap.Steps
 		l.model.ObserveQueue(snap.Running, snap.Waiting, snap.KVUsage)
 	}
+	l.model.ReportSlots(snap.MaxRunning) // a backend that says how many it runs at once (NIM); 0: ignored
 	l.observeBusyLocked(snap)
 }
 

@@ -706,3 +706,23 @@ func TestScrapeCountsSequences(t *testing.T) {
 		t.Errorf("after the release: %d sequences, %d requests in flight, want 0", l.sequences.Load(), l.requests.Load())
 	}
 }
+
+// TestReportedSlotsFromScrape: a backend whose metrics report its slot count (NVIDIA NIM) is known to
+// run that many from its first scrape, before any queue showed it; restarted with another count, the
+// next scrape's report replaces it.
+func TestReportedSlotsFromScrape(t *testing.T) {
+	lt := newTestLoads()
+	const dial = "10.0.0.2:8000"
+	at := time.Unix(1_700_000_000, 0)
+	snap := scraper.Snapshot{Running: 3, MaxRunning: 256, StartTime: 100, At: at}
+	lt.observeScrape(dial, &snap)
+	if s := lt.lookup(dial).model.Service().Slots; s != 256 {
+		t.Fatalf("slots %v after the first scrape reported 256, want 256", s)
+	}
+	restarted := scraper.Snapshot{Running: 0, MaxRunning: 64, StartTime: 200, At: at.Add(time.Second)}
+	lt.noteScrape(dial, &restarted, restarted.At.UnixNano())
+	lt.observeScrape(dial, &restarted)
+	if s := lt.lookup(dial).model.Service().Slots; s != 64 {
+		t.Errorf("slots %v after a restart reported 64, want 64", s)
+	}
+}

@@ -66,6 +66,10 @@ type Snapshot struct {
 	// LoRA is the adapter residency vLLM reports in vllm:lora_requests_info; its zero value (MaxLoRA 0)
 	// when the target does not report it (LoRA disabled, SGLang, older versions).
 	LoRA LoRA
+	// MaxRunning is the most requests the target runs at once, as it reports it itself (NVIDIA NIM's
+	// num_request_max, summed over the matching series); zero when it does not. The others' slot counts
+	// are learned from their running and waiting counts.
+	MaxRunning float64
 	// StartTime is the backend process's start (process_start_time_seconds, Unix seconds, the largest
 	// if several processes report one); zero when absent. A change means the backend restarted, and
 	// with it its KV cache is empty and its counters start again from zero.
@@ -108,6 +112,7 @@ var (
 	nimKV            = []string{"gpu_cache_usage_perc"}
 	nimGenerated     = []string{"generation_tokens_total"}
 	nimRequestPrompt = "request_prompt_tokens"
+	nimMaxRunning    = []string{"num_request_max"}
 )
 
 const modelLabel = "model_name"
@@ -152,6 +157,7 @@ func Parse(r io.Reader, model string) (Snapshot, error) {
 	s.Steps = clampCount(s.Steps)
 	s.FinishedRequests = clampCount(s.FinishedRequests)
 	s.FinishedPrompt = clampCount(s.FinishedPrompt)
+	s.MaxRunning = clampCount(s.MaxRunning)
 	s.KVUsage = math.Min(math.Max(s.KVUsage, 0), 1)
 	if start, ok := maxValue(families["process_start_time_seconds"], ""); ok && start > 0 && !math.IsInf(start, 0) {
 		s.StartTime = start
@@ -209,8 +215,8 @@ func extractLlamaCpp(families map[string]*dto.MetricFamily, model string, s *Sna
 }
 
 // extractNIM reads NVIDIA NIM for LLMs: its running and waiting requests, KV-cache usage, generated
-// tokens and finished prompts under vLLM's names without the "vllm:" prefix. It reports no prefix-cache
-// counters.
+// tokens and finished prompts under vLLM's names without the "vllm:" prefix, and the slot count it
+// reports (num_request_max). It reports no prefix-cache counters.
 func extractNIM(families map[string]*dto.MetricFamily, model string, s *Snapshot) bool {
 	running, okR := sum(families, nimRunning, model)
 	waiting, okW := sum(families, nimWaiting, model)
@@ -221,6 +227,7 @@ func extractNIM(families map[string]*dto.MetricFamily, model string, s *Snapshot
 	s.KVUsage, _ = mean(families, nimKV, model)
 	s.GenerationTokens, _ = sum(families, nimGenerated, model)
 	s.FinishedRequests, s.FinishedPrompt = histogramTotals(families[nimRequestPrompt], model)
+	s.MaxRunning, _ = sum(families, nimMaxRunning, model)
 	s.Model = modelName(families, nimRunning[0], model)
 	return true
 }

@@ -194,8 +194,11 @@ vllm:request_prompt_tokens_count{engine="0",model_name="other"} 99
 	if got, _ := Parse(strings.NewReader(string(readTestdata(t, "vllm_v1_two_engines.txt"))), ""); got.FinishedRequests != 0 {
 		t.Errorf("a text without the histogram: %+v, want no finished requests", got)
 	}
-	if got, err := Parse(strings.NewReader(string(readTestdata(t, "nim.txt"))), ""); err != nil || got.FinishedRequests != 800 || got.FinishedPrompt != 912345 {
-		t.Errorf("NVIDIA NIM's request_prompt_tokens: %+v, %v; want 800 finished requests of 912345 prompt tokens", got, err)
+	if got, err := Parse(strings.NewReader(string(readTestdata(t, "nim.txt"))), ""); err != nil || got.FinishedRequests != 800 || got.FinishedPrompt != 912345 || got.MaxRunning != 256 {
+		t.Errorf("NVIDIA NIM: %+v, %v; want 800 finished requests of 912345 prompt tokens and 256 slots reported", got, err)
+	}
+	if got, _ := Parse(strings.NewReader(string(readTestdata(t, "vllm_v1_two_engines.txt"))), ""); got.MaxRunning != 0 {
+		t.Errorf("vLLM reports no slot count, got %v", got.MaxRunning)
 	}
 }
 

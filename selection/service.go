@@ -101,6 +101,7 @@ type ServiceModel struct {
 	meanDur   float64
 	slots     float64 // the most it runs, once seen pinned at that ceiling with others waiting; 0: unknown
 	ceiling   float64 // the most it was seen running
+	reported  float64 // the slot count the backend reports itself (ReportSlots); 0: none
 	atCeil    int     // scrapes with requests waiting (and cache room) running at the ceiling
 	belowCeil int     // and running below it
 }
@@ -135,7 +136,7 @@ func (m *ServiceModel) resetLocked(prior Service) {
 	m.ttft, m.ttftN = newRLS2(prior.Overhead, prior.PrefillSecondsPerToken*1000), 0
 	m.busy, m.busyN = newRLS2(prior.TokenSeconds, prior.PrefillSecondsPerToken*1000), 0
 	m.logScale, m.durN = 0, 0
-	m.slots, m.ceiling, m.atCeil, m.belowCeil = 0, 0, 0, 0
+	m.slots, m.ceiling, m.atCeil, m.belowCeil, m.reported = 0, 0, 0, 0, 0
 }
 
 // ObserveFirstToken records a first token that came ttft seconds after the request was sent, where
@@ -260,7 +261,19 @@ func (m *ServiceModel) ObserveQueue(running, waiting, kvUsage float64) {
 func (m *ServiceModel) ForgetSlots() {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	m.slots, m.ceiling, m.atCeil, m.belowCeil = 0, 0, 0, 0
+	m.slots, m.ceiling, m.atCeil, m.belowCeil, m.reported = 0, 0, 0, 0, 0
+}
+
+// ReportSlots records the slot count the backend reports itself (NVIDIA NIM's num_request_max): it is the
+// model's Slots from then on, over what the scrapes taught, until ForgetSlots. Not kept in State: the next
+// scrape reports it again. A count below one is ignored.
+func (m *ServiceModel) ReportSlots(n float64) {
+	if !(n >= 1) || math.IsInf(n, 0) {
+		return
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.reported = n
 }
 
 // SlotBound reports whether a backend's own counts, running and waiting requests at KV-cache usage
@@ -308,6 +321,9 @@ func (m *ServiceModel) serviceLocked() Service {
 	}
 	if m.atCeil >= 2 && m.belowCeil == 0 {
 		s.LikelySlots = m.ceiling
+	}
+	if m.reported > 0 {
+		s.Slots, s.LikelySlots = m.reported, 0
 	}
 	// Keep estimates within a plausible band: no GPU is 50x faster or slower than the prior.
 	if m.ttftN >= minFirstTokens {

@@ -445,3 +445,29 @@ func TestServiceModelSteadyMix(t *testing.T) {
 		}
 	}
 }
+
+// TestServiceModelReportedSlots: a slot count the backend reports itself (NVIDIA NIM's num_request_max)
+// is the model's from the first scrape, over what the queue taught, and goes with ForgetSlots (a restart)
+// until reported again; a count below one says nothing.
+func TestServiceModelReportedSlots(t *testing.T) {
+	m := NewServiceModel(Prior)
+	m.ReportSlots(0)
+	m.ReportSlots(math.NaN())
+	if s := m.Service(); s.Slots != 0 {
+		t.Fatalf("slots %v after reports of none, want 0 (unknown)", s.Slots)
+	}
+	m.ReportSlots(256)
+	if s := m.Service(); s.Slots != 256 || s.LikelySlots != 0 {
+		t.Errorf("slots %v (likely %v) as reported, want 256", s.Slots, s.LikelySlots)
+	}
+	for range 5 { // requests waiting for the KV cache's room at 40: no slot count of 40
+		m.ObserveQueue(40, 3, 0.5)
+	}
+	if s := m.Service().Slots; s != 256 {
+		t.Errorf("slots %v after the queue pointed at 40, want the reported 256", s)
+	}
+	m.ForgetSlots()
+	if s := m.Service().Slots; s != 0 {
+		t.Errorf("slots %v after ForgetSlots, want 0 until reported again", s)
+	}
+}
