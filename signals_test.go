@@ -730,39 +730,13 @@ func TestMetricsSchemeDefault(t *testing.T) {
 	}
 }
 
-// llamaCppFront serves a simulated engine's chat completions and, on /metrics, llama.cpp llama-server's
-// text for a server running running requests with waiting deferred, its decode and token counters
-// moving on at every scrape as a busy server's do.
-func llamaCppFront(running, waiting int) func(*vllmsim.Server) http.Handler {
-	return func(sim *vllmsim.Server) http.Handler {
-		var scrapes atomic.Int64
-		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			if r.URL.Path != "/metrics" {
-				sim.ServeHTTP(w, r)
-				return
-			}
-			n := scrapes.Add(1)
-			w.Header().Set("Content-Type", "text/plain; version=0.0.4")
-			fmt.Fprintf(w, "# HELP llamacpp:tokens_predicted_total Number of generation tokens processed.\n"+
-				"# TYPE llamacpp:tokens_predicted_total counter\nllamacpp:tokens_predicted_total %d\n"+
-				"# HELP llamacpp:n_decode_total Total number of llama_decode() calls\n"+
-				"# TYPE llamacpp:n_decode_total counter\nllamacpp:n_decode_total %d\n"+
-				"# HELP llamacpp:requests_processing Number of requests processing\n"+
-				"# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing %d\n"+
-				"# HELP llamacpp:requests_deferred Number of requests deferred\n"+
-				"# TYPE llamacpp:requests_deferred gauge\nllamacpp:requests_deferred %d\n",
-				10*n*int64(running), 10*n, running, waiting)
-		})
-	}
-}
-
 // TestLlamaCppMetrics: llama.cpp's llama-server (--metrics) is scraped as vLLM and SGLang are: a server
-// whose one slot is busy with requests deferred behind it is learned to run one at a time from its
-// metrics alone, and new requests go to the idle one.
+// whose one slot is busy with requests deferred behind it (another client's) is learned to run one at a
+// time from its metrics alone, and new requests go to the idle one.
 func TestLlamaCppMetrics(t *testing.T) {
-	simA, srvA := simServer(t, vllmsim.Config{TimeScale: 1000, Seed: 1}, false, llamaCppFront(0, 0))
-	simB, srvB := simServer(t, vllmsim.Config{TimeScale: 1000, Seed: 2}, false, llamaCppFront(1, 4))
-	a, b := srvA.Listener.Addr().String(), srvB.Listener.Addr().String()
+	simA, a := simBackend(t, vllmsim.Config{TimeScale: 1000, Seed: 1, Metrics: vllmsim.MetricsLlamaCpp})
+	simB, b := simBackend(t, vllmsim.Config{TimeScale: 1, MaxNumSeqs: 1, DecodeStep: 300 * time.Millisecond, Seed: 2,
+		Metrics: vllmsim.MetricsLlamaCpp})
 	sims := map[string]*vllmsim.Server{a: simA, b: simB}
 
 	tester := caddytest.NewTester(t)
@@ -771,7 +745,7 @@ func TestLlamaCppMetrics(t *testing.T) {
 	reverse_proxy %s %s {
 		lb_policy llm {
 			metrics {
-				interval 50ms
+				interval 100ms
 				stale_after 30s
 			}
 		}
@@ -779,9 +753,25 @@ func TestLlamaCppMetrics(t *testing.T) {
 }
 `, site, a, b), "caddyfile")
 
+	loadDirectly(t, b, 5)
 	waitFor(t, "B's one slot learned from its llama.cpp metrics", func() bool {
 		u := adminUpstreams(t)[b]
-		return u.Metrics != nil && u.Metrics.Flavor == "llamacpp" && u.Metrics.Waiting == 4 && u.Model != nil && u.Model.Slots == 1
+		return u.Metrics != nil && u.Metrics.Flavor == "llamacpp" && u.Model != nil && u.Model.Slots == 1
 	})
 	sendAllTo(t, tester.Client, sims, a, 10)
+}
+
+// TestNIMReportedSlots: NVIDIA NIM says how many requests it runs at once (num_request_max); that count
+// is the slot count from the first scrape, with no queue seen at it yet.
+func TestNIMReportedSlots(t *testing.T) {
+	_, dial := simBackend(t, vllmsim.Config{TimeScale: 1000, Seed: 1, MaxNumSeqs: 48, Metrics: vllmsim.MetricsNIM})
+	tester := caddytest.NewTester(t)
+	tester.InitServer(fastScrapeConfig(dial, ""), "caddyfile")
+	waitFor(t, "the slot count NIM reports", func() bool {
+		u := adminUpstreams(t)[dial]
+		return u.Metrics != nil && u.Metrics.Flavor == "nim" && u.Model != nil && u.Model.Slots == 48
+	})
+	if res, body := post(t, tester.Client, "/v1/chat/completions", chatBody("sim-model", 10, false)); res.StatusCode != http.StatusOK {
+		t.Fatalf("status %d: %s", res.StatusCode, body)
+	}
 }

@@ -27,7 +27,7 @@ type Config struct {
 	DecodeStepPerSeq    time.Duration // added per running sequence, default 0.25ms (step time grows with batch)
 	TimeScale           float64       // >1 runs faster than real time: every simulated duration is divided by it; default 1
 	TokensPerChunk      int           // output tokens per SSE chunk (default 1 = like vLLM); lets benchmarks save CPU
-	Metrics             string        // "vllm" (default), "vllm-legacy" (gpu_cache_usage_perc, gpu_prefix_cache_*), "sglang"
+	Metrics             string        // "vllm" (default), "vllm-legacy" (gpu_cache_usage_perc, gpu_prefix_cache_*), "sglang", "llamacpp", "nim"
 	ErrorRate           float64       // fraction of requests answered 500 (seeded RNG)
 	DropMidStreamRate   float64       // fraction of streams whose connection is dropped mid-stream (panic(http.ErrAbortHandler))
 	CutStreamAfter      int           // drop every stream's connection after this many output tokens (if it has more); 0 = never
@@ -67,6 +67,12 @@ const (
 	MetricsVLLM       = "vllm"
 	MetricsVLLMLegacy = "vllm-legacy"
 	MetricsSGLang     = "sglang"
+	// MetricsLlamaCpp is llama.cpp's llama-server with --metrics: busy slots, deferred requests, token
+	// and decode counters, no model label, no prefix-cache counters.
+	MetricsLlamaCpp = "llamacpp"
+	// MetricsNIM is NVIDIA NIM for LLMs (served at /metrics here, /v1/metrics by NIM): vLLM's names
+	// without the prefix, and num_request_max, the slot count.
+	MetricsNIM = "nim"
 )
 
 // defaultMaxTokens is the output length of a request that names neither max_tokens nor
@@ -153,9 +159,9 @@ func (cfg Config) withDefaults() (Config, error) {
 		errs = append(errs, fmt.Errorf("time_scale must be positive, got %v", cfg.TimeScale))
 	}
 	switch cfg.Metrics {
-	case MetricsVLLM, MetricsVLLMLegacy, MetricsSGLang:
+	case MetricsVLLM, MetricsVLLMLegacy, MetricsSGLang, MetricsLlamaCpp, MetricsNIM:
 	default:
-		errs = append(errs, fmt.Errorf("unknown metrics flavour %q (want vllm, vllm-legacy or sglang)", cfg.Metrics))
+		errs = append(errs, fmt.Errorf("unknown metrics flavour %q (want vllm, vllm-legacy, sglang, llamacpp or nim)", cfg.Metrics))
 	}
 	if err := validRate("error_rate", cfg.ErrorRate); err != nil {
 		errs = append(errs, err)

@@ -1,6 +1,8 @@
 package vllmsim
 
 import (
+	"github.com/tokenrouter/caddy-llm/scraper"
+
 	"bytes"
 	"context"
 	"encoding/json"
@@ -414,5 +416,45 @@ func TestResponseIDsDifferAcrossServers(t *testing.T) {
 			}
 			seen[id] = i
 		}
+	}
+}
+
+// TestMetricsFlavoursScrape: each flavour's text is read by the policy's scraper as that kind of server,
+// with the engine's own figures: the llama.cpp one with its decode calls as steps and no model label,
+// the NIM one with its slot count (max_num_seqs).
+func TestMetricsFlavoursScrape(t *testing.T) {
+	for _, tt := range []struct{ flavour, want string }{
+		{MetricsVLLM, scraper.FlavorVLLM},
+		{MetricsVLLMLegacy, scraper.FlavorVLLM},
+		{MetricsSGLang, scraper.FlavorSGLang},
+		{MetricsLlamaCpp, scraper.FlavorLlamaCpp},
+		{MetricsNIM, scraper.FlavorNIM},
+	} {
+		t.Run(tt.flavour, func(t *testing.T) {
+			s, ts := newTestServer(t, Config{Metrics: tt.flavour, MaxNumSeqs: 12})
+			chat(t, ts, chatBodyJSON(t, longText("s", 500), "u", 2, false))
+			resp, err := http.Get(ts.URL + "/metrics")
+			if err != nil {
+				t.Fatal(err)
+			}
+			snap, err := scraper.Parse(resp.Body, "")
+			resp.Body.Close()
+			if err != nil {
+				t.Fatal(err)
+			}
+			st := s.State()
+			if snap.Flavor != tt.want || snap.Running != float64(st.Running) || snap.Waiting != float64(st.Waiting) {
+				t.Errorf("scraped %s: running %v waiting %v; want %s, %d, %d", snap.Flavor, snap.Running, snap.Waiting, tt.want, st.Running, st.Waiting)
+			}
+			if snap.GenerationTokens != 2 {
+				t.Errorf("generated tokens %v, want the one request's 2", snap.GenerationTokens)
+			}
+			if tt.flavour == MetricsLlamaCpp && (snap.Steps != float64(st.Steps) || snap.Steps == 0) {
+				t.Errorf("llama.cpp decode calls %v, want the engine's %d steps", snap.Steps, st.Steps)
+			}
+			if want := map[string]float64{MetricsNIM: 12}[tt.flavour]; snap.MaxRunning != want {
+				t.Errorf("reported slots %v, want %v", snap.MaxRunning, want)
+			}
+		})
 	}
 }

@@ -41,18 +41,43 @@ func (s *Server) metricsText() []byte {
 	}
 	model := `"` + labelEscaper.Replace(s.cfg.Model) + `"`
 	metric := func(name, typ, help, labels string, v float64) {
-		fmt.Fprintf(&b, "# HELP %s %s\n# TYPE %s %s\n%s{%s} %s\n", name, help, name, typ, name, labels,
+		if labels != "" {
+			labels = "{" + labels + "}"
+		}
+		fmt.Fprintf(&b, "# HELP %s %s\n# TYPE %s %s\n%s%s %s\n", name, help, name, typ, name, labels,
 			strconv.FormatFloat(v, 'g', -1, 64))
 	}
-	// The counters both flavours export, read together under one lock.
+	// The counters every flavour exports, read together under one lock.
 	s.mu.Lock()
 	started := s.started
 	promptTotal, outputTotal, finished, finishedPrompt := s.promptTotal, s.outputTotal, s.finished, s.finishedPrompt
 	s.mu.Unlock()
-	// Like prometheus_client's process collector, which both vLLM and SGLang export.
-	fmt.Fprintf(&b, "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds %s\n",
-		strconv.FormatFloat(float64(started.UnixNano())/1e9, 'f', -1, 64))
+	if s.cfg.Metrics != MetricsLlamaCpp {
+		// Like prometheus_client's process collector, which vLLM, SGLang and NIM export (llama.cpp's C++
+		// server does not).
+		fmt.Fprintf(&b, "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds %s\n",
+			strconv.FormatFloat(float64(started.UnixNano())/1e9, 'f', -1, 64))
+	}
 	switch s.cfg.Metrics {
+	case MetricsLlamaCpp:
+		// Like llama-server: one model, no labels; requests_processing counts busy slots and
+		// requests_deferred the tasks waiting for one; n_decode_total counts llama_decode() calls (steps).
+		metric("llamacpp:prompt_tokens_total", "counter", "Number of prompt tokens processed.", "", float64(promptTotal))
+		metric("llamacpp:tokens_predicted_total", "counter", "Number of generation tokens processed.", "", float64(outputTotal))
+		metric("llamacpp:n_decode_total", "counter", "Total number of llama_decode() calls", "", float64(st.Steps))
+		metric("llamacpp:requests_processing", "gauge", "Number of requests processing", "", float64(st.Running))
+		metric("llamacpp:requests_deferred", "gauge", "Number of requests deferred", "", float64(st.Waiting))
+	case MetricsNIM:
+		labels := "model_name=" + model
+		metric("num_requests_running", "gauge", "Number of requests currently running on GPU.", labels, float64(st.Running))
+		metric("num_requests_waiting", "gauge", "Number of requests waiting to be processed.", labels, float64(st.Waiting))
+		metric("num_request_max", "gauge", "Max number of concurrently running requests.", labels, float64(s.cfg.MaxNumSeqs))
+		metric("gpu_cache_usage_perc", "gauge", "GPU KV-cache usage. 1 means 100 percent usage.", labels, usage)
+		metric("prompt_tokens_total", "counter", "Number of prefill tokens processed.", labels, float64(promptTotal))
+		metric("generation_tokens_total", "counter", "Number of generation tokens processed.", labels, float64(outputTotal))
+		fmt.Fprintf(&b, "# HELP request_prompt_tokens Histogram of number of prefill tokens processed.\n# TYPE request_prompt_tokens histogram\n"+
+			"request_prompt_tokens_bucket{%s,le=\"+Inf\"} %d\nrequest_prompt_tokens_sum{%s} %d\nrequest_prompt_tokens_count{%s} %d\n",
+			labels, finished, labels, finishedPrompt, labels, finished)
 	case MetricsSGLang:
 		labels := "model_name=" + model
 		metric("sglang:num_running_reqs", "gauge", "The number of running requests.", labels, float64(st.Running))
@@ -68,6 +93,7 @@ func (s *Server) metricsText() []byte {
 		// Like SGLang's tokenizer manager: a request and its prompt tokens are counted when it finishes.
 		metric("sglang:prompt_tokens_total", "counter", "Number of prefill tokens processed.", labels, float64(finishedPrompt))
 		metric("sglang:num_requests_total", "counter", "Number of requests processed.", labels, float64(finished))
+		metric("sglang:generation_tokens_total", "counter", "Number of generation tokens processed.", labels, float64(outputTotal))
 	default:
 		labels := "engine=\"0\",model_name=" + model
 		metric("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", labels, float64(st.Running))

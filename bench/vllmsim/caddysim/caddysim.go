@@ -79,7 +79,7 @@ type Handler struct {
 	TimeScale float64 `json:"time_scale,omitempty"`
 	// TokensPerChunk is the number of output tokens per streamed chunk. Default: 1, like vLLM.
 	TokensPerChunk int `json:"tokens_per_chunk,omitempty"`
-	// Metrics selects the /metrics names: "vllm" (default), "vllm-legacy" or "sglang".
+	// Metrics selects the /metrics names: "vllm" (default), "vllm-legacy", "sglang", "llamacpp" or "nim".
 	Metrics string `json:"metrics,omitempty"`
 	// ErrorRate is the fraction of completion requests answered 500. Default: 0.
 	ErrorRate float64 `json:"error_rate,omitempty"`
