@@ -228,7 +228,7 @@ func parseCaddyfile(helper httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, e
 //		decode_step_per_seq    <duration>
 //		time_scale             <factor>
 //		tokens_per_chunk       <n>
-//		metrics                vllm|vllm-legacy|sglang
+//		metrics                vllm|vllm-legacy|sglang|llamacpp|nim
 //		error_rate             <0..1>
 //		drop_mid_stream_rate   <0..1>
 //		cut_stream_after       <tokens>
