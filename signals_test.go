@@ -121,8 +121,13 @@ func sendCounting(t *testing.T, client *http.Client, body string, sims map[strin
 // fastAndSlow starts two simulated backends: a, fast, and b, with one slot and a decode step of step in
 // real time.
 func fastAndSlow(t *testing.T, step time.Duration) (a, b string, sims map[string]*vllmsim.Server) {
-	simA, a := simBackend(t, vllmsim.Config{TimeScale: 1000, Seed: 1})
-	simB, b := simBackend(t, vllmsim.Config{TimeScale: 1, MaxNumSeqs: 1, DecodeStep: step, Seed: 2})
+	return fastAndSlowServing(t, step, vllmsim.MetricsVLLM)
+}
+
+// fastAndSlowServing is fastAndSlow with both backends' metrics in the given flavour.
+func fastAndSlowServing(t *testing.T, step time.Duration, metrics string) (a, b string, sims map[string]*vllmsim.Server) {
+	simA, a := simBackend(t, vllmsim.Config{TimeScale: 1000, Seed: 1, Metrics: metrics})
+	simB, b := simBackend(t, vllmsim.Config{TimeScale: 1, MaxNumSeqs: 1, DecodeStep: step, Seed: 2, Metrics: metrics})
 	return a, b, map[string]*vllmsim.Server{a: simA, b: simB}
 }
 
@@ -201,11 +206,15 @@ func TestScrapedQueueSteersRequests(t *testing.T) {
 // decision happens to read. Another client keeps backend B full (one slot, four waiting) while this
 // proxy routes nothing; B's slot count is learned from its metrics alone, and the first requests, in the
 // default mode (where a cache claim could otherwise draw one to B, its wait not yet priced), all go to A.
+// So for every kind of server the scraper reads: vLLM, SGLang, llama.cpp's llama-server (busy slots and
+// deferred requests) and NVIDIA NIM (which reports its slot count outright).
 func TestScrapesTeachWhileIdle(t *testing.T) {
-	a, b, sims := fastAndSlow(t, 300*time.Millisecond)
+	for _, flavour := range []string{vllmsim.MetricsVLLM, vllmsim.MetricsSGLang, vllmsim.MetricsLlamaCpp, vllmsim.MetricsNIM} {
+		t.Run(flavour, func(t *testing.T) {
+			a, b, sims := fastAndSlowServing(t, 300*time.Millisecond, flavour)
 
-	tester := caddytest.NewTester(t)
-	tester.InitServer(globalOptions+fmt.Sprintf(`
+			tester := caddytest.NewTester(t)
+			tester.InitServer(globalOptions+fmt.Sprintf(`
 %s {
 	reverse_proxy %s %s {
 		lb_policy llm {
@@ -218,15 +227,19 @@ func TestScrapesTeachWhileIdle(t *testing.T) {
 }
 `, site, a, b), "caddyfile")
 
-	loadDirectly(t, b, 5)
-	waitFor(t, "B's slot count learned from its scrapes alone", func() bool {
-		m := adminUpstreams(t)[b].Model
-		return m != nil && m.Slots == 1
-	})
-	if n := sims[a].State().Requests + sims[b].State().Requests; n != 5 {
-		t.Fatalf("the backends saw %d requests before any was sent through the proxy, want the other client's 5", n)
+			loadDirectly(t, b, 5)
+			waitFor(t, "B's queue scraped and its slot count learned from its scrapes alone", func() bool {
+				// The queue too: NIM reports its slot count from the first scrape, before one shows it.
+				u := adminUpstreams(t)[b]
+				return u.Metrics != nil && u.Metrics.Flavor == flavour && u.Metrics.Waiting == 4 &&
+					u.Model != nil && u.Model.Slots == 1
+			})
+			if n := sims[a].State().Requests + sims[b].State().Requests; n != 5 {
+				t.Fatalf("the backends saw %d requests before any was sent through the proxy, want the other client's 5", n)
+			}
+			sendAllTo(t, tester.Client, sims, a, 10)
+		})
 	}
-	sendAllTo(t, tester.Client, sims, a, 10)
 }
 
 // TestAdminEndpointAndMetrics: GET /llm/upstreams shows in-flight work and learned routes, DELETE
@@ -728,37 +741,6 @@ func TestMetricsSchemeDefault(t *testing.T) {
 			}
 		})
 	}
-}
-
-// TestLlamaCppMetrics: llama.cpp's llama-server (--metrics) is scraped as vLLM and SGLang are: a server
-// whose one slot is busy with requests deferred behind it (another client's) is learned to run one at a
-// time from its metrics alone, and new requests go to the idle one.
-func TestLlamaCppMetrics(t *testing.T) {
-	simA, a := simBackend(t, vllmsim.Config{TimeScale: 1000, Seed: 1, Metrics: vllmsim.MetricsLlamaCpp})
-	simB, b := simBackend(t, vllmsim.Config{TimeScale: 1, MaxNumSeqs: 1, DecodeStep: 300 * time.Millisecond, Seed: 2,
-		Metrics: vllmsim.MetricsLlamaCpp})
-	sims := map[string]*vllmsim.Server{a: simA, b: simB}
-
-	tester := caddytest.NewTester(t)
-	tester.InitServer(globalOptions+fmt.Sprintf(`
-%s {
-	reverse_proxy %s %s {
-		lb_policy llm {
-			metrics {
-				interval 100ms
-				stale_after 30s
-			}
-		}
-	}
-}
-`, site, a, b), "caddyfile")
-
-	loadDirectly(t, b, 5)
-	waitFor(t, "B's one slot learned from its llama.cpp metrics", func() bool {
-		u := adminUpstreams(t)[b]
-		return u.Metrics != nil && u.Metrics.Flavor == "llamacpp" && u.Model != nil && u.Model.Slots == 1
-	})
-	sendAllTo(t, tester.Client, sims, a, 10)
 }
 
 // TestNIMReportedSlots: NVIDIA NIM says how many requests it runs at once (num_request_max); that count
