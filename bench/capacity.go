@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/cespare/xxhash/v2"
+
+	"github.com/tokenrouter/caddy-llm/bench/vllmsim"
 )
 
 // simSettings are the simulated backends' engine parameters (a subset of vllmsim.Config) that the
@@ -24,10 +26,17 @@ type simSettings struct {
 	// answered 500 and of streams whose connection drops mid-way.
 	ErrorRate         float64 `json:"error_rate,omitempty"`
 	DropMidStreamRate float64 `json:"drop_mid_stream_rate,omitempty"`
+	// Metrics is the dialect of the simulators' /metrics (-metrics): vllm (""), sglang, llamacpp or nim.
+	Metrics string `json:"metrics,omitempty"`
 }
 
 // describe summarises the settings for reports.
 func (s simSettings) describe() string {
+	if s.Metrics != "" && s.Metrics != vllmsim.MetricsVLLM {
+		c := s
+		c.Metrics = ""
+		return c.describe() + ", /metrics as " + s.Metrics
+	}
 	return fmt.Sprintf("%.0f prefill tok/s, decode step %v + %v/seq, max_num_seqs %d, %d KV blocks of %d tokens, time scale %gx, %d tokens per SSE chunk",
 		s.PrefillTokensPerSec, s.DecodeStep, s.DecodeStepPerSeq, s.MaxNumSeqs, s.NumGPUBlocks, s.BlockSize, s.TimeScale, s.TokensPerChunk)
 }

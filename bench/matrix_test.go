@@ -400,7 +400,16 @@ func TestParseMatrixOptions(t *testing.T) {
 	if len(o.regimes) != 1 || o.regimes[0].Name != "default" || !slices.Equal(o.workloads, []string{"shared-prefix"}) || len(o.policies) != 2 {
 		t.Errorf("-goodput: regimes %v, workloads %v, policies %v", o.regimes, o.workloads, o.policies)
 	}
-	for _, bad := range [][]string{{"-matrix", "-regimes", "nope"}, {"-matrix", "-seeds", "0"}, {"-matrix", "-goodput"}} {
+	o, err = parseOptions([]string{"-matrix", "-regimes", "hetero", "-metrics", "llamacpp"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, s := range o.regimes[0].build(4, o.sim) {
+		if s.Metrics != "llamacpp" {
+			t.Errorf("-metrics llamacpp: backend %d of hetero serves %q metrics", i, s.Metrics)
+		}
+	}
+	for _, bad := range [][]string{{"-matrix", "-regimes", "nope"}, {"-matrix", "-seeds", "0"}, {"-matrix", "-goodput"}, {"-metrics", "tgi"}} {
 		if _, err := parseOptions(bad); err == nil {
 			t.Errorf("parseOptions(%q) = nil error, want an error", bad)
 		}

@@ -18,12 +18,12 @@ type regime struct {
 }
 
 // build returns the settings of n backends under the regime, running at base's time scale and
-// SSE chunking.
+// SSE chunking, with base's /metrics dialect.
 func (r regime) build(n int, base simSettings) []simSettings {
 	out := make([]simSettings, n)
 	for i := range out {
 		s := r.backend(i, n)
-		s.TimeScale, s.TokensPerChunk = base.TimeScale, base.TokensPerChunk
+		s.TimeScale, s.TokensPerChunk, s.Metrics = base.TimeScale, base.TokensPerChunk, base.Metrics
 		out[i] = s
 	}
 	return out

@@ -58,6 +58,7 @@ func startCluster(sims []simSettings, seed int64) (*cluster, error) {
 			TokensPerChunk:      sim.TokensPerChunk,
 			ErrorRate:           sim.ErrorRate,
 			DropMidStreamRate:   sim.DropMidStreamRate,
+			Metrics:             sim.Metrics,
 			Seed:                seed + int64(i),
 		})
 		if err != nil {
