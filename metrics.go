@@ -205,7 +205,9 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 			if m.Fresh {
 				ch <- prometheus.MustNewConstMetric(descQueue, prometheus.GaugeValue, m.Waiting, u.Upstream)
 				ch <- prometheus.MustNewConstMetric(descRunning, prometheus.GaugeValue, m.Running, u.Upstream)
-				ch <- prometheus.MustNewConstMetric(descKV, prometheus.GaugeValue, m.KVUsage, u.Upstream)
+				if m.KVUsage != nil {
+					ch <- prometheus.MustNewConstMetric(descKV, prometheus.GaugeValue, *m.KVUsage, u.Upstream)
+				}
 			}
 			if m.AgeSeconds >= 0 {
 				ch <- prometheus.MustNewConstMetric(descScrapeAge, prometheus.GaugeValue, m.AgeSeconds, u.Upstream)
@@ -318,16 +320,16 @@ func reportService(s selection.Service, overrun, tokenScale float64) *serviceMod
 }
 
 type scrapedMetrics struct {
-	Flavor     string  `json:"flavor,omitempty"`
-	Running    float64 `json:"running"`
-	Waiting    float64 `json:"waiting"`
-	KVUsage    float64 `json:"kv_cache_usage"`
-	BlockSize  int     `json:"block_size,omitempty"`
-	NumBlocks  int     `json:"num_blocks,omitempty"`
-	AgeSeconds float64 `json:"age_seconds"` // -1 before the first good scrape
-	Fresh      bool    `json:"fresh"`
-	Errors     uint64  `json:"errors"`
-	LastError  string  `json:"last_error,omitempty"`
+	Flavor     string   `json:"flavor,omitempty"`
+	Running    float64  `json:"running"`
+	Waiting    float64  `json:"waiting"`
+	KVUsage    *float64 `json:"kv_cache_usage,omitempty"` // absent for a server that does not report it (llama.cpp)
+	BlockSize  int      `json:"block_size,omitempty"`
+	NumBlocks  int      `json:"num_blocks,omitempty"`
+	AgeSeconds float64  `json:"age_seconds"` // -1 before the first good scrape
+	Fresh      bool     `json:"fresh"`
+	Errors     uint64   `json:"errors"`
+	LastError  string   `json:"last_error,omitempty"`
 	// LastErrorAgeSeconds is the time since LastError; beside AgeSeconds it tells a failure that is over
 	// from one that is not. Absent with LastError.
 	LastErrorAgeSeconds *float64 `json:"last_error_age_seconds,omitempty"`
@@ -428,11 +430,15 @@ func upstreamReport(withRoutes bool) []upstreamStatus {
 func reportScrape(st scraper.Status) *scrapedMetrics {
 	m := &scrapedMetrics{
 		Flavor: st.Snapshot.Flavor, Running: st.Snapshot.Running, Waiting: st.Snapshot.Waiting,
-		KVUsage: st.Snapshot.KVUsage, BlockSize: st.Snapshot.BlockSize, NumBlocks: st.Snapshot.NumBlocks,
+		BlockSize: st.Snapshot.BlockSize, NumBlocks: st.Snapshot.NumBlocks,
 		AgeSeconds: -1, Fresh: st.Fresh, Errors: st.Errors, LastError: st.LastError,
 	}
 	if !st.Snapshot.At.IsZero() {
 		m.AgeSeconds = st.Age.Seconds()
+	}
+	if st.Snapshot.KVReported || st.Snapshot.At.IsZero() {
+		kv := st.Snapshot.KVUsage // 0 before the first good scrape, as the other figures
+		m.KVUsage = &kv
 	}
 	if st.LastError != "" {
 		age := st.LastErrorAge.Seconds()

@@ -237,6 +237,9 @@ func TestScrapesTeachWhileIdle(t *testing.T) {
 			if n := sims[a].State().Requests + sims[b].State().Requests; n != 5 {
 				t.Fatalf("the backends saw %d requests before any was sent through the proxy, want the other client's 5", n)
 			}
+			if kv := adminUpstreams(t)[b].Metrics.KVUsage; (kv == nil) != (flavour == vllmsim.MetricsLlamaCpp) {
+				t.Errorf("kv_cache_usage %v: want it absent exactly where the server reports none (llama.cpp)", kv)
+			}
 			sendAllTo(t, tester.Client, sims, a, 10)
 		})
 	}

@@ -35,6 +35,9 @@ type Snapshot struct {
 	// vllm:gpu_cache_usage_perc, or sglang:token_usage. It is the mean over engines (a ratio does not
 	// add up), clamped to [0, 1].
 	KVUsage float64
+	// KVReported says the target reports its KV-cache usage; llama.cpp's builds since 2025 do not, and
+	// their KVUsage is 0 for unknown, not for empty.
+	KVReported bool
 	// PrefixHits and PrefixQueries are the vLLM prefix-cache counters in tokens
 	// (vllm:prefix_cache_{hits,queries}_total or the older vllm:gpu_prefix_cache_*), summed over
 	// engines. Zero for SGLang. See HitRate for a ratio between two snapshots.
@@ -186,7 +189,7 @@ func extractVLLM(families map[string]*dto.MetricFamily, model string, s *Snapsho
 	if !okR && !okW && !okK {
 		return false
 	}
-	s.Running, s.Waiting, s.KVUsage = running, waiting, kv
+	s.Running, s.Waiting, s.KVUsage, s.KVReported = running, waiting, kv, okK
 	s.PrefixHits, _ = sum(families, vllmPrefixHits, model)
 	s.PrefixQueries, _ = sum(families, vllmPrefixQueries, model)
 	s.GenerationTokens, _ = sum(families, vllmGenerated, model)
@@ -208,7 +211,7 @@ func extractLlamaCpp(families map[string]*dto.MetricFamily, model string, s *Sna
 		return false
 	}
 	s.Running, s.Waiting = running, waiting
-	s.KVUsage, _ = mean(families, llamacppKV, model)
+	s.KVUsage, s.KVReported = mean(families, llamacppKV, model)
 	s.GenerationTokens, _ = sum(families, llamacppGenerated, model)
 	s.Steps, _ = sum(families, llamacppSteps, model)
 	return true
@@ -224,7 +227,7 @@ func extractNIM(families map[string]*dto.MetricFamily, model string, s *Snapshot
 		return false // both, as NIM serves them: one alone is too generic a name to go by
 	}
 	s.Running, s.Waiting = running, waiting
-	s.KVUsage, _ = mean(families, nimKV, model)
+	s.KVUsage, s.KVReported = mean(families, nimKV, model)
 	s.GenerationTokens, _ = sum(families, nimGenerated, model)
 	s.FinishedRequests, s.FinishedPrompt = histogramTotals(families[nimRequestPrompt], model)
 	s.MaxRunning, _ = sum(families, nimMaxRunning, model)
@@ -239,7 +242,7 @@ func extractSGLang(families map[string]*dto.MetricFamily, model string, s *Snaps
 	if !okR && !okW && !okK {
 		return false
 	}
-	s.Running, s.Waiting, s.KVUsage = running, waiting, kv
+	s.Running, s.Waiting, s.KVUsage, s.KVReported = running, waiting, kv, okK
 	s.GenerationTokens, _ = sum(families, sglangGenerated, model)
 	// SGLang counts a request and its prompt tokens in these two when the request finishes (its tokenizer
 	// manager's observe_one_finished_request): what vLLM's prompt histogram counts.

@@ -31,55 +31,55 @@ func TestParseRecorded(t *testing.T) {
 		{
 			name: "vLLM V1 two engines are summed, KV usage averaged",
 			file: "vllm_v1_two_engines.txt",
-			want: Snapshot{Running: 12, Waiting: 4, KVUsage: 0.52, PrefixHits: 120000, PrefixQueries: 200000,
+			want: Snapshot{Running: 12, Waiting: 4, KVUsage: 0.52, KVReported: true, PrefixHits: 120000, PrefixQueries: 200000,
 				GenerationTokens: 75319, BlockSize: 16, NumBlocks: 2 * 27165, StartTime: 1.73210040912e+09, Flavor: FlavorVLLM},
 		},
 		{
 			name:  "vLLM V1 filtered by its own model",
 			file:  "vllm_v1_two_engines.txt",
 			model: "meta-llama/Llama-3.1-8B-Instruct",
-			want: Snapshot{Running: 12, Waiting: 4, KVUsage: 0.52, PrefixHits: 120000, PrefixQueries: 200000,
+			want: Snapshot{Running: 12, Waiting: 4, KVUsage: 0.52, KVReported: true, PrefixHits: 120000, PrefixQueries: 200000,
 				GenerationTokens: 75319, BlockSize: 16, NumBlocks: 2 * 27165, StartTime: 1.73210040912e+09, Flavor: FlavorVLLM},
 		},
 		{
 			name: "legacy vLLM names",
 			file: "vllm_legacy.txt",
-			want: Snapshot{Running: 4, Waiting: 9, KVUsage: 0.875, PrefixHits: 12500, PrefixQueries: 50000,
+			want: Snapshot{Running: 4, Waiting: 9, KVUsage: 0.875, KVReported: true, PrefixHits: 12500, PrefixQueries: 50000,
 				BlockSize: 16, NumBlocks: 8192, Flavor: FlavorVLLM},
 		},
 		{
 			name: "SGLang two DP ranks",
 			file: "sglang.txt",
-			want: Snapshot{Running: 22, Waiting: 30, KVUsage: 0.7, BlockSize: 1, NumBlocks: 308000, Flavor: FlavorSGLang},
+			want: Snapshot{Running: 22, Waiting: 30, KVUsage: 0.7, KVReported: true, BlockSize: 1, NumBlocks: 308000, Flavor: FlavorSGLang},
 		},
 		{
 			name:  "SGLang filtered by model keeps unlabelled cache info",
 			file:  "sglang.txt",
 			model: "meta-llama/Llama-3.1-8B-Instruct",
-			want:  Snapshot{Running: 22, Waiting: 30, KVUsage: 0.7, BlockSize: 1, NumBlocks: 308000, Flavor: FlavorSGLang},
+			want:  Snapshot{Running: 22, Waiting: 30, KVUsage: 0.7, KVReported: true, BlockSize: 1, NumBlocks: 308000, Flavor: FlavorSGLang},
 		},
 		{
 			name: "SGLang geometry as gauges",
 			file: "sglang_gauges.txt",
-			want: Snapshot{Running: 2, Waiting: 0, KVUsage: 0.05, BlockSize: 64, NumBlocks: 4096, Flavor: FlavorSGLang},
+			want: Snapshot{Running: 2, Waiting: 0, KVUsage: 0.05, KVReported: true, BlockSize: 64, NumBlocks: 4096, Flavor: FlavorSGLang},
 		},
 		{
 			name: "vLLM with LoRA: the newest info sample of each engine, adapters unioned, slots summed",
 			file: "vllm_lora.txt",
-			want: Snapshot{Running: 5, Waiting: 1, KVUsage: 0.2, BlockSize: 16, NumBlocks: 8192, Flavor: FlavorVLLM,
+			want: Snapshot{Running: 5, Waiting: 1, KVUsage: 0.2, KVReported: true, BlockSize: 16, NumBlocks: 8192, Flavor: FlavorVLLM,
 				LoRA: LoRA{Running: "chat-lora,legal-lora,sql-lora", Waiting: "math-lora", MaxLoRA: 4}},
 		},
 		{
 			name:  "two models, filter llama",
 			file:  "vllm_two_models.txt",
 			model: "llama",
-			want:  Snapshot{Running: 2, Waiting: 1, KVUsage: 0.25, BlockSize: 32, NumBlocks: 1000, Flavor: FlavorVLLM},
+			want:  Snapshot{Running: 2, Waiting: 1, KVUsage: 0.25, KVReported: true, BlockSize: 32, NumBlocks: 1000, Flavor: FlavorVLLM},
 		},
 		{
 			name:  "two models, filter qwen",
 			file:  "vllm_two_models.txt",
 			model: "qwen",
-			want:  Snapshot{Running: 6, Waiting: 8, KVUsage: 0.75, BlockSize: 32, NumBlocks: 1000, Flavor: FlavorVLLM},
+			want:  Snapshot{Running: 6, Waiting: 8, KVUsage: 0.75, KVReported: true, BlockSize: 32, NumBlocks: 1000, Flavor: FlavorVLLM},
 		},
 		{
 			name: "llama.cpp llama-server: busy slots running, deferred requests waiting",
@@ -95,23 +95,23 @@ func TestParseRecorded(t *testing.T) {
 		{
 			name: "llama.cpp builds with the KV-cache ratio",
 			file: "llamacpp_kv.txt",
-			want: Snapshot{Running: 1, Waiting: 0, KVUsage: 0.25, GenerationTokens: 128, Flavor: FlavorLlamaCpp},
+			want: Snapshot{Running: 1, Waiting: 0, KVUsage: 0.25, KVReported: true, GenerationTokens: 128, Flavor: FlavorLlamaCpp},
 		},
 		{
 			name: "NVIDIA NIM: vLLM's names without the prefix",
 			file: "nim.txt",
-			want: Snapshot{Running: 7, Waiting: 2, KVUsage: 0.31, GenerationTokens: 204800, Flavor: FlavorNIM},
+			want: Snapshot{Running: 7, Waiting: 2, KVUsage: 0.31, KVReported: true, GenerationTokens: 204800, Flavor: FlavorNIM},
 		},
 		{
 			name:  "NVIDIA NIM filtered by its model",
 			file:  "nim.txt",
 			model: "meta/llama-3.1-8b-instruct",
-			want:  Snapshot{Running: 7, Waiting: 2, KVUsage: 0.31, GenerationTokens: 204800, Flavor: FlavorNIM},
+			want:  Snapshot{Running: 7, Waiting: 2, KVUsage: 0.31, KVReported: true, GenerationTokens: 204800, Flavor: FlavorNIM},
 		},
 		{
 			name: "two models, no filter sums both",
 			file: "vllm_two_models.txt",
-			want: Snapshot{Running: 8, Waiting: 9, KVUsage: 0.5, BlockSize: 32, NumBlocks: 1000, Flavor: FlavorVLLM},
+			want: Snapshot{Running: 8, Waiting: 9, KVUsage: 0.5, KVReported: true, BlockSize: 32, NumBlocks: 1000, Flavor: FlavorVLLM},
 		},
 	}
 	for _, tt := range tests {
@@ -130,6 +130,7 @@ func TestParseRecorded(t *testing.T) {
 func snapshotsClose(a, b Snapshot) bool {
 	near := func(x, y float64) bool { return math.Abs(x-y) < 1e-9 }
 	return near(a.Running, b.Running) && near(a.Waiting, b.Waiting) && near(a.KVUsage, b.KVUsage) &&
+		a.KVReported == b.KVReported &&
 		near(a.PrefixHits, b.PrefixHits) && near(a.PrefixQueries, b.PrefixQueries) &&
 		near(a.GenerationTokens, b.GenerationTokens) && near(a.Steps, b.Steps) &&
 		a.BlockSize == b.BlockSize && a.NumBlocks == b.NumBlocks && a.Flavor == b.Flavor && a.At.Equal(b.At) &&
@@ -280,7 +281,7 @@ vllm:cache_config_info{block_size="None",num_gpu_blocks="-5"} 1
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := Snapshot{Running: 0, Waiting: math.MaxFloat64, KVUsage: 1, Flavor: FlavorVLLM}
+	want := Snapshot{Running: 0, Waiting: math.MaxFloat64, KVUsage: 1, KVReported: true, Flavor: FlavorVLLM}
 	if got != want {
 		t.Errorf("Parse() = %+v, want %+v", got, want)
 	}

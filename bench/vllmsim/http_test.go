@@ -449,6 +449,9 @@ func TestMetricsFlavoursScrape(t *testing.T) {
 			if snap.GenerationTokens != 2 {
 				t.Errorf("generated tokens %v, want the one request's 2", snap.GenerationTokens)
 			}
+			if snap.KVReported == (tt.flavour == MetricsLlamaCpp) {
+				t.Errorf("KV usage reported %v; llama.cpp's recent builds report none, the others do", snap.KVReported)
+			}
 			if tt.flavour == MetricsLlamaCpp && (snap.Steps != float64(st.Steps) || snap.Steps == 0) {
 				t.Errorf("llama.cpp decode calls %v, want the engine's %d steps", snap.Steps, st.Steps)
 			}
