@@ -11,6 +11,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/tokenrouter/caddy-llm/scraper"
 )
 
 // newTestServer starts a fast simulator behind an httptest server; both stop at cleanup.
@@ -149,4 +151,30 @@ func newBenchHTTP(b *testing.B, h http.Handler) string {
 	ts := httptest.NewServer(h)
 	b.Cleanup(ts.Close)
 	return ts.URL
+}
+
+// getMetrics returns the text of ts's /metrics.
+func getMetrics(t *testing.T, ts *httptest.Server) []byte {
+	t.Helper()
+	resp, err := http.Get(ts.URL + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	raw, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return raw
+}
+
+// scrapeMetrics reads ts's /metrics as the policy's scraper does.
+func scrapeMetrics(t *testing.T, ts *httptest.Server) scraper.Snapshot {
+	t.Helper()
+	raw := getMetrics(t, ts)
+	snap, err := scraper.Parse(bytes.NewReader(raw), "")
+	if err != nil {
+		t.Fatalf("scraping: %v\n%s", err, raw)
+	}
+	return snap
 }

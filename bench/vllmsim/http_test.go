@@ -319,13 +319,7 @@ func TestMetricsFlavours(t *testing.T) {
 			s, ts := newTestServer(t, Config{Metrics: tt.flavour, Model: `m"x`, NumGPUBlocks: 100})
 			chat(t, ts, chatBodyJSON(t, longText("s", 500), "u", 2, false))
 			chat(t, ts, chatBodyJSON(t, longText("s", 500), "u", 2, false))
-			resp, err := http.Get(ts.URL + "/metrics")
-			if err != nil {
-				t.Fatal(err)
-			}
-			raw, _ := io.ReadAll(resp.Body)
-			resp.Body.Close()
-			fams := parseMetrics(t, raw)
+			fams := parseMetrics(t, getMetrics(t, ts))
 			for _, name := range tt.want {
 				f, ok := fams[name]
 				if !ok {
@@ -433,15 +427,7 @@ func TestMetricsFlavoursScrape(t *testing.T) {
 		t.Run(tt.flavour, func(t *testing.T) {
 			s, ts := newTestServer(t, Config{Metrics: tt.flavour, MaxNumSeqs: 12})
 			chat(t, ts, chatBodyJSON(t, longText("s", 500), "u", 2, false))
-			resp, err := http.Get(ts.URL + "/metrics")
-			if err != nil {
-				t.Fatal(err)
-			}
-			snap, err := scraper.Parse(resp.Body, "")
-			resp.Body.Close()
-			if err != nil {
-				t.Fatal(err)
-			}
+			snap := scrapeMetrics(t, ts)
 			st := s.State()
 			if snap.Flavor != tt.want || snap.Running != float64(st.Running) || snap.Waiting != float64(st.Waiting) {
 				t.Errorf("scraped %s: running %v waiting %v; want %s, %d, %d", snap.Flavor, snap.Running, snap.Waiting, tt.want, st.Running, st.Waiting)

@@ -165,15 +165,7 @@ func TestLoRAOverHTTP(t *testing.T) {
 	stream := post(t, ctx, ts.URL+"/v1/chat/completions", body("legal", 1000, true), nil)
 	defer stream.Body.Close()
 	waitFor(t, "legal to run", func() bool { return s.State().Running == 1 })
-	mresp, err := http.Get(ts.URL + "/metrics")
-	if err != nil {
-		t.Fatal(err)
-	}
-	snap, err := scraper.Parse(mresp.Body, "")
-	mresp.Body.Close()
-	if err != nil {
-		t.Fatal(err)
-	}
+	snap := scrapeMetrics(t, ts)
 	if want := (scraper.LoRA{Running: "legal", MaxLoRA: 2}); snap.LoRA != want {
 		t.Errorf("scraped LoRA = %+v, want %+v", snap.LoRA, want)
 	}

@@ -3,8 +3,6 @@ package vllmsim
 import (
 	"context"
 	"encoding/json"
-	"io"
-	"net/http"
 	"testing"
 )
 
@@ -45,12 +43,7 @@ func TestNWhole(t *testing.T) {
 	if st := s.State(); st.Running != 0 || st.Waiting != 0 || st.UsedBlocks != 0 {
 		t.Errorf("after the requests: %+v, want nothing running, waiting or held", st)
 	}
-	resp, err := http.Get(ts.URL + "/metrics")
-	if err != nil {
-		t.Fatal(err)
-	}
-	raw, _ := io.ReadAll(resp.Body)
-	resp.Body.Close()
+	raw := getMetrics(t, ts)
 	f, ok := parseMetrics(t, raw)["vllm:generation_tokens_total"]
 	if !ok || len(f.GetMetric()) != 1 {
 		t.Fatalf("no vllm:generation_tokens_total in %s", raw)
