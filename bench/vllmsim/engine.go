@@ -323,17 +323,20 @@ func (s *Server) setPendingLocked(r *request) {
 	r.pendingEst = pending
 }
 
-// abort removes r from the engine if it is still there and releases its blocks.
-func (s *Server) abort(r *request) {
+// abort removes each of reqs (the sequences of one request, or one) from the engine if it is still
+// there and releases its blocks.
+func (s *Server) abort(reqs ...*request) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	switch r.state {
-	case stateWaiting:
-		s.numWaiting--
-		s.retireLocked(r)
-	case stateRunning:
-		s.removeRunningLocked(r)
-		s.retireLocked(r)
+	for _, r := range reqs {
+		switch r.state {
+		case stateWaiting:
+			s.numWaiting--
+			s.retireLocked(r)
+		case stateRunning:
+			s.removeRunningLocked(r)
+			s.retireLocked(r)
+		}
 	}
 }
 

@@ -143,9 +143,7 @@ func (s *Server) admit(w http.ResponseWriter, model string, reqs ...*request) (o
 	for i, req := range reqs {
 		req.adapter = adapter
 		if err := s.enqueue(req); err != nil {
-			for _, queued := range reqs[:i] {
-				s.abort(queued)
-			}
+			s.abort(reqs[:i]...)
 			s.refuse(w, req, err)
 			return false
 		}
@@ -195,11 +193,7 @@ func (s *Server) serveCompletion(w http.ResponseWriter, r *http.Request, kind ap
 	if !s.admit(w, p.model, reqs...) {
 		return
 	}
-	defer func() {
-		for _, r := range reqs {
-			s.abort(r) // no-op once the request has left the engine
-		}
-	}()
+	defer s.abort(reqs...) // no-op for the sequences that have left the engine
 	faults := s.faults.Load()
 	drop := r.Header.Get("X-Sim-Drop") == "mid-stream" || p.stream && s.chance(faults.DropMidStreamRate)
 	cutAfter := faults.CutStreamAfter
@@ -291,9 +285,7 @@ func (s *Server) serveStream(w http.ResponseWriter, r *http.Request, rs *respons
 			}
 		}
 		if drop && sent[0] >= dropAt {
-			for _, q := range rs.reqs {
-				s.abort(q)
-			}
+			s.abort(rs.reqs...)
 			panic(http.ErrAbortHandler)
 		}
 		if allDone {
