@@ -139,14 +139,7 @@ func TestScrapesForgetUpstreamsOutOfThePool(t *testing.T) {
 			sc.load(d)
 		}
 	}
-	scraped := func(dial string) bool {
-		target, err := cfg.target(dial)
-		if err != nil {
-			t.Fatal(err)
-		}
-		_, ok := scraper.Default.Status(target)
-		return ok
-	}
+	scraped := func(dial string) bool { return scrapedNow(t, cfg, dial) }
 	entry := func(dial string) *scrapeEntry {
 		sc.mu.RLock()
 		defer sc.mu.RUnlock()
@@ -231,14 +224,19 @@ func TestScrapesStress(t *testing.T) {
 	}
 	sc.release()
 	waitFor(t, "every scrape stopped", func() bool {
-		for _, d := range dials {
-			target, _ := cfg.target(d)
-			if _, ok := scraper.Default.Status(target); ok {
-				return false
-			}
-		}
-		return true
+		return !slices.ContainsFunc(dials, func(d string) bool { return scrapedNow(t, cfg, d) })
 	})
+}
+
+// scrapedNow reports whether the process scrapes dial's metrics under cfg (some policy holds a handle).
+func scrapedNow(t *testing.T, cfg *MetricsConfig, dial string) bool {
+	t.Helper()
+	target, err := cfg.target(dial)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, ok := scraper.Default.Status(target)
+	return ok
 }
 
 // TestNestedProxyScrapesItsOwnUpstreams pins a bug: a policy inside a reverse_proxy nested in another's
