@@ -47,6 +47,11 @@ func (s *Server) metricsText() []byte {
 		fmt.Fprintf(&b, "# HELP %s %s\n# TYPE %s %s\n%s%s %s\n", name, help, name, typ, name, labels,
 			strconv.FormatFloat(v, 'g', -1, 64))
 	}
+	// histogram writes a histogram with only its +Inf bucket, its sum and its count (labels not empty).
+	histogram := func(name, help, labels string, count, sum int64) {
+		fmt.Fprintf(&b, "# HELP %s %s\n# TYPE %s histogram\n%s_bucket{%s,le=\"+Inf\"} %d\n%s_sum{%s} %d\n%s_count{%s} %d\n",
+			name, help, name, name, labels, count, name, labels, sum, name, labels, count)
+	}
 	// The counters every flavour exports, read together under one lock.
 	s.mu.Lock()
 	started := s.started
@@ -75,9 +80,7 @@ func (s *Server) metricsText() []byte {
 		metric("gpu_cache_usage_perc", "gauge", "GPU KV-cache usage. 1 means 100 percent usage.", labels, usage)
 		metric("prompt_tokens_total", "counter", "Number of prefill tokens processed.", labels, float64(promptTotal))
 		metric("generation_tokens_total", "counter", "Number of generation tokens processed.", labels, float64(outputTotal))
-		fmt.Fprintf(&b, "# HELP request_prompt_tokens Histogram of number of prefill tokens processed.\n# TYPE request_prompt_tokens histogram\n"+
-			"request_prompt_tokens_bucket{%s,le=\"+Inf\"} %d\nrequest_prompt_tokens_sum{%s} %d\nrequest_prompt_tokens_count{%s} %d\n",
-			labels, finished, labels, finishedPrompt, labels, finished)
+		histogram("request_prompt_tokens", "Histogram of number of prefill tokens processed.", labels, finished, finishedPrompt)
 	case MetricsSGLang:
 		labels := "model_name=" + model
 		metric("sglang:num_running_reqs", "gauge", "The number of running requests.", labels, float64(st.Running))
@@ -113,13 +116,9 @@ func (s *Server) metricsText() []byte {
 		metric("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", labels, float64(outputTotal))
 		// Like vLLM: a histogram of the tokens each engine step processed, one observation a step
 		// (only its count and sum here, with the +Inf bucket).
-		fmt.Fprintf(&b, "# HELP vllm:iteration_tokens_total Histogram of number of tokens per engine_step.\n# TYPE vllm:iteration_tokens_total histogram\n"+
-			"vllm:iteration_tokens_total_bucket{%s,le=\"+Inf\"} %d\nvllm:iteration_tokens_total_sum{%s} %d\nvllm:iteration_tokens_total_count{%s} %d\n",
-			labels, st.Steps, labels, promptTotal+outputTotal, labels, st.Steps)
+		histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", labels, st.Steps, promptTotal+outputTotal)
 		// Like vLLM: each finished request's prompt tokens (count and sum only, with the +Inf bucket).
-		fmt.Fprintf(&b, "# HELP vllm:request_prompt_tokens Number of prefill tokens processed.\n# TYPE vllm:request_prompt_tokens histogram\n"+
-			"vllm:request_prompt_tokens_bucket{%s,le=\"+Inf\"} %d\nvllm:request_prompt_tokens_sum{%s} %d\nvllm:request_prompt_tokens_count{%s} %d\n",
-			labels, finished, labels, finishedPrompt, labels, finished)
+		histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", labels, finished, finishedPrompt)
 		metric("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig.",
 			fmt.Sprintf("block_size=\"%d\",engine=\"0\",model_name=%s,num_gpu_blocks=\"%d\"", s.cfg.BlockSize, model, st.NumBlocks), 1)
 		if len(s.cfg.LoRAAdapters) > 0 {
