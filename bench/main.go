@@ -181,10 +181,8 @@ func parseOptions(args []string) (options, error) {
 	if !(o.load > 0) {
 		return o, fmt.Errorf("-load must be positive")
 	}
-	switch o.sim.Metrics {
-	case "", vllmsim.MetricsVLLM, vllmsim.MetricsVLLMLegacy, vllmsim.MetricsSGLang, vllmsim.MetricsLlamaCpp, vllmsim.MetricsNIM:
-	default:
-		return o, fmt.Errorf("-metrics must be vllm, vllm-legacy, sglang, llamacpp or nim, got %q", o.sim.Metrics)
+	if o.sim.Metrics != "" && !slices.Contains(vllmsim.MetricsFlavours, o.sim.Metrics) {
+		return o, fmt.Errorf("-metrics must be one of %s, got %q", strings.Join(vllmsim.MetricsFlavours, ", "), o.sim.Metrics)
 	}
 	if modes := btoi(o.matrix) + btoi(o.goodput) + btoi(o.faults) + btoi(o.overhead) + btoi(o.rejudge != "") + btoi(o.compare != ""); modes > 1 {
 		return o, fmt.Errorf("-matrix, -goodput, -faults, -overhead, -rejudge and -compare are separate modes")

@@ -75,6 +75,9 @@ const (
 	MetricsNIM = "nim"
 )
 
+// MetricsFlavours lists every flavour Config.Metrics accepts.
+var MetricsFlavours = []string{MetricsVLLM, MetricsVLLMLegacy, MetricsSGLang, MetricsLlamaCpp, MetricsNIM}
+
 // defaultMaxTokens is the output length of a request that names neither max_tokens nor
 // max_completion_tokens.
 const defaultMaxTokens = 64
@@ -158,10 +161,8 @@ func (cfg Config) withDefaults() (Config, error) {
 	if !(cfg.TimeScale > 0) || math.IsInf(cfg.TimeScale, 0) {
 		errs = append(errs, fmt.Errorf("time_scale must be positive, got %v", cfg.TimeScale))
 	}
-	switch cfg.Metrics {
-	case MetricsVLLM, MetricsVLLMLegacy, MetricsSGLang, MetricsLlamaCpp, MetricsNIM:
-	default:
-		errs = append(errs, fmt.Errorf("unknown metrics flavour %q (want vllm, vllm-legacy, sglang, llamacpp or nim)", cfg.Metrics))
+	if !slices.Contains(MetricsFlavours, cfg.Metrics) {
+		errs = append(errs, fmt.Errorf("unknown metrics flavour %q (want one of %s)", cfg.Metrics, strings.Join(MetricsFlavours, ", ")))
 	}
 	if err := validRate("error_rate", cfg.ErrorRate); err != nil {
 		errs = append(errs, err)
