@@ -335,12 +335,13 @@ func writeTables(w io.Writer, rows []fields) {
 		name, _ := fs.get("upstream")
 		when := ""
 		if age, ok := number(fs, "metrics.last_error_age_seconds"); ok {
-			when = " (" + formatSeconds(age) + " ago)"
+			since := ""
 			// A scrape that succeeded after it (the demo's first scrape, sent before its in-process
 			// backends listened) makes the error history, not the upstream's state.
 			if last, ok := number(fs, "metrics.age_seconds"); ok && last >= 0 && last < age {
-				when = " (" + formatSeconds(age) + " ago; scraped since)"
+				since = "; scraped since"
 			}
+			when = " (" + formatSeconds(age) + " ago" + since + ")"
 		}
 		fmt.Fprintf(w, "  %s: %s%s\n", formatValue(name), formatValue(msg), when)
 	}
