@@ -306,7 +306,7 @@ func (sc *scrapes) forget(latest int64) {
 // checkDue reports whether it is time for one more check of an upstream whose metrics never answered:
 // once a second per policy, so the hot path pays one atomic load otherwise.
 func (sc *scrapes) checkDue() bool {
-	now := time.Now().UnixNano()
+	now := sc.now().UnixNano()
 	last := sc.lastCheck.Load()
 	return now-last >= int64(time.Second) && sc.lastCheck.CompareAndSwap(last, now)
 }
