@@ -293,14 +293,20 @@ func (sc *scrapes) forget(latest int64) {
 		}
 	}
 	sc.mu.Unlock()
-	if len(gone) > 0 {
-		// Off the request path: Release waits for the poller's goroutine to stop.
-		go func() {
-			for _, h := range gone {
-				h.Release()
-			}
-		}()
+	releaseLater(gone...)
+}
+
+// releaseLater releases handles on a goroutine of its own, off the request path: Release waits for a
+// poller's goroutine to stop.
+func releaseLater(handles ...*scraper.Handle) {
+	if len(handles) == 0 {
+		return
 	}
+	go func() {
+		for _, h := range handles {
+			h.Release()
+		}
+	}()
 }
 
 // checkDue reports whether it is time for one more check of an upstream whose metrics never answered:
@@ -348,7 +354,7 @@ func (sc *scrapes) checkUsable(dial string, e *scrapeEntry) {
 	unusable.seen.Store(e.seen.Load())
 	sc.handles[dial] = unusable
 	sc.mu.Unlock()
-	go e.h.Release() // off the request path: Release waits for the poller's goroutine to stop
+	releaseLater(e.h)
 	sc.logger.Info("upstream has no usable metrics; routing it on this proxy's own signals",
 		zap.String("upstream", dial), zap.String("metrics_url", t.URL), zap.String("last_error", st.LastError),
 		zap.String("hint", "without metrics, add transport llm so the policy sees each first token and the queue behind it"))
