@@ -908,6 +908,9 @@ func (t *loadTable) snapshot(now int64) []upstreamInflight {
 		out[i].Tokens, out[i].Requests = l.tokens.Load(), l.requests.Load()
 		out[i].Service = l.model.Service()
 		out[i].QueuedSeconds = max(float64(l.prefillUntil.Load()-now)/1e9, 0)
+		if out[i].Requests == 0 {
+			out[i].IdleSeconds = max(float64(now-l.lastUsed.Load())/1e9, 0)
+		}
 		out[i].Cache = l.cacheFigures()
 		l.mu.Lock()
 		out[i].Overrun = l.overdueLocked(now, out[i].Service)
@@ -930,6 +933,7 @@ type upstreamInflight struct {
 	Prefilling, Decoding int64
 	PrefillTokens        int64
 	QueuedSeconds        float64
+	IdleSeconds          float64 // since a request last began or ended there (or the entry was made); 0 while any is in flight
 	Overrun              float64 // see overdueLocked
 	TokenScale           float64 // the backend's tokens per token of this proxy's count (tokenScale)
 	Service              selection.Service

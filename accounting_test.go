@@ -40,6 +40,9 @@ func TestPhaseAccounting(t *testing.T) {
 	if s := snap(now); s.Prefilling != 2 || s.Decoding != 0 || s.PrefillTokens != 12000 {
 		t.Errorf("snapshot = %+v, want 2 prefilling with 12000 tokens", s)
 	}
+	if s := snap(now + int64(time.Hour)); s.IdleSeconds != 0 {
+		t.Errorf("with requests in flight an hour: idle %v s, want 0", s.IdleSeconds)
+	}
 
 	// a's first token comes 0.5 s early: b, queued behind it, moves up by as much. Its prefill started
 	// when a's ended, an overhead before a's first token.
@@ -62,9 +65,14 @@ func TestPhaseAccounting(t *testing.T) {
 		t.Errorf("after b's cancel: %+v, want nothing queued and 1 request", v)
 	}
 	b.release(aDone, false) // a second release changes nothing
-	a.release(aDone+int64(time.Second), true)
+	end := aDone + int64(time.Second)
+	a.release(end, true)
 	if tokens, requests := lt.get(dial); tokens != 0 || requests != 0 {
 		t.Errorf("after every release: %d tokens, %d requests, want 0", tokens, requests)
+	}
+	// Idle is counted from the last release (a backend dropped from a dynamic pool shows it growing).
+	if s := snap(end + int64(90*time.Second)); math.Abs(s.IdleSeconds-90) > 1e-9 {
+		t.Errorf("90 s after the last release: idle %v s, want 90", s.IdleSeconds)
 	}
 }
 

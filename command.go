@@ -52,6 +52,9 @@ Prints GET /llm/upstreams of the running Caddy as a table, one row per upstream:
   TO_PREFILL, QUEUED
                 prompt tokens still to prefill, and how long that takes
   SATURATED     yes while the upstream is in its 429 backoff
+  IDLE          time since a request last began or ended there ("-" while
+                requests are in flight): a backend dropped from the pool
+                keeps its row, idle ever longer
   ROUTES        learned prefix routes pointing at it
   RUNNING, WAITING, KV
                 the backend's own scraped numbers (metrics { }): running and
@@ -157,6 +160,18 @@ var upstreamColumns = []upstreamColumn{
 		return ""
 	}},
 	plain("SATURATED", "saturated"),
+	{"IDLE", []string{"idle_seconds"}, func(fs fields) string {
+		f, ok := number(fs, "idle_seconds")
+		switch {
+		case !ok:
+			return ""
+		case f == 0:
+			if n, _ := number(fs, "inflight_requests"); n > 0 {
+				return "-"
+			}
+		}
+		return formatSeconds(f)
+	}},
 	plain("ROUTES", "learned_routes"),
 	scraped(plain("RUNNING", "metrics.running")),
 	scraped(plain("WAITING", "metrics.waiting")),
@@ -481,8 +496,11 @@ func formatSeconds(s float64) string {
 		return strconv.FormatFloat(s, 'f', 1, 64) + "s"
 	case s < 60:
 		return strconv.FormatFloat(s, 'f', 0, 64) + "s"
-	default:
+	case s < 3600:
 		m := int(s) / 60
 		return fmt.Sprintf("%dm%ds", m, int(s)-60*m)
+	default:
+		h := int(s) / 3600
+		return fmt.Sprintf("%dh%dm", h, (int(s)-3600*h)/60)
 	}
 }

@@ -14,10 +14,10 @@ import (
 
 // upstreamsTable is testdata/upstreams.json as `caddy llm upstreams` prints it. The fixture has
 // fields the table does not name (model, cache, weight, a list): they show generically.
-const upstreamsTable = `UPSTREAM        REQS  PREFILL  DECODE  TOKENS  TO_PREFILL  QUEUED  SATURATED  ROUTES  RUNNING  WAITING  KV     SCRAPE                      WEIGHT
-127.0.0.1:8001  3     1        2       4219    3100        388ms   no         81      3        0        2.1%   vllm 400ms                  1.5
-127.0.0.1:8002  0     0        0       0       0           0s      yes        0       0        12       97.0%  sglang stale 12s, 3 errors  -
-10.0.0.9:8000   1     -        -       12      -           -       no         -       -        -        -      never, 1 error              -
+const upstreamsTable = `UPSTREAM        REQS  PREFILL  DECODE  TOKENS  TO_PREFILL  QUEUED  SATURATED  IDLE  ROUTES  RUNNING  WAITING  KV     SCRAPE                      WEIGHT
+127.0.0.1:8001  3     1        2       4219    3100        388ms   no         -     81      3        0        2.1%   vllm 400ms                  1.5
+127.0.0.1:8002  0     0        0       0       0           0s      yes        1h6m  0       0        12       97.0%  sglang stale 12s, 3 errors  -
+10.0.0.9:8000   1     -        -       12      -           -       no         -     -       -        -        -      never, 1 error              -
 
 MODEL
 UPSTREAM        PREFILL_TOKENS_PER_SEC  OVERHEAD_MS  MS_PER_OUTPUT_TOKEN  SLOTS  MEAN_REQUEST_SECONDS
@@ -64,25 +64,25 @@ func TestRenderUpstreams(t *testing.T) {
 			body: `{"upstreams":[{"upstream":"a:1","inflight_tokens":7,"inflight_requests":1,"saturated":false,` +
 				`"metrics":{"flavor":"vllm","running":1,"waiting":0,"kv_cache_usage":0.5,"age_seconds":0.2,"fresh":true,"errors":0,` +
 				`"lora":{"running":["fin"],"waiting":[],"max_lora":2}}}]}`,
-			want: "UPSTREAM  REQS  PREFILL  DECODE  TOKENS  TO_PREFILL  QUEUED  SATURATED  ROUTES  RUNNING  WAITING  KV     SCRAPE\n" +
-				"a:1       1     -        -       7       -           -       no         -       1        0        50.0%  vllm 200ms\n",
+			want: "UPSTREAM  REQS  PREFILL  DECODE  TOKENS  TO_PREFILL  QUEUED  SATURATED  IDLE  ROUTES  RUNNING  WAITING  KV     SCRAPE\n" +
+				"a:1       1     -        -       7       -           -       no         -     -       1        0        50.0%  vllm 200ms\n",
 		},
 		{
 			// The demo's first scrape goes out before its in-process backends listen: an error that a
 			// later scrape superseded is history, and says so.
 			name: "an error scraped since",
-			body: `{"upstreams":[{"upstream":"a:1","inflight_tokens":0,"inflight_requests":0,"saturated":false,` +
+			body: `{"upstreams":[{"upstream":"a:1","inflight_tokens":0,"inflight_requests":0,"saturated":false,"idle_seconds":0,` +
 				`"metrics":{"flavor":"vllm","running":0,"waiting":0,"kv_cache_usage":0,"age_seconds":0.5,"fresh":true,"errors":1,` +
 				`"last_error":"scraping http://a:1/metrics: connection refused","last_error_age_seconds":15}}]}`,
-			want: "UPSTREAM  REQS  PREFILL  DECODE  TOKENS  TO_PREFILL  QUEUED  SATURATED  ROUTES  RUNNING  WAITING  KV    SCRAPE\n" +
-				"a:1       0     -        -       0       -           -       no         -       0        0        0.0%  vllm 500ms, 1 error\n" +
+			want: "UPSTREAM  REQS  PREFILL  DECODE  TOKENS  TO_PREFILL  QUEUED  SATURATED  IDLE  ROUTES  RUNNING  WAITING  KV    SCRAPE\n" +
+				"a:1       0     -        -       0       -           -       no         0s    -       0        0        0.0%  vllm 500ms, 1 error\n" +
 				"\nLast scrape errors:\n  a:1: scraping http://a:1/metrics: connection refused (15s ago; scraped since)\n",
 		},
 		{
 			name: "before scraping, no routes object",
 			body: `{"upstreams":[{"upstream":"a:1","inflight_tokens":7,"inflight_requests":1,"saturated":false}]}`,
-			want: "UPSTREAM  REQS  PREFILL  DECODE  TOKENS  TO_PREFILL  QUEUED  SATURATED  ROUTES  RUNNING  WAITING  KV  SCRAPE\n" +
-				"a:1       1     -        -       7       -           -       no         -       -        -        -   -\n",
+			want: "UPSTREAM  REQS  PREFILL  DECODE  TOKENS  TO_PREFILL  QUEUED  SATURATED  IDLE  ROUTES  RUNNING  WAITING  KV  SCRAPE\n" +
+				"a:1       1     -        -       7       -           -       no         -     -       -        -        -   -\n",
 		},
 	}
 	for _, tt := range tests {
@@ -192,7 +192,7 @@ func TestUpstreamsCommand(t *testing.T) {
 }
 
 func TestFormatSeconds(t *testing.T) {
-	for s, want := range map[float64]string{0: "0s", 0.0421: "42ms", 0.4: "400ms", 3.42: "3.4s", 12.3: "12s", 185: "3m5s"} {
+	for s, want := range map[float64]string{0: "0s", 0.0421: "42ms", 0.4: "400ms", 3.42: "3.4s", 12.3: "12s", 185: "3m5s", 3599: "59m59s", 3600: "1h0m", 90061: "25h1m"} {
 		if got := formatSeconds(s); got != want {
 			t.Errorf("formatSeconds(%v) = %q, want %q", s, got, want)
 		}

@@ -120,6 +120,16 @@ func TestDynamicUpstreams(t *testing.T) {
 			t.Fatalf("a conversation pinned to %s, which left, went to %s, not %s", a, got, c)
 		}
 	}
+	// b, out of the pool, keeps its row (and what was learned of it), idle since before c's last
+	// requests; nothing is in flight anywhere.
+	m := adminUpstreams(t)
+	idleB, idleC := m[b].IdleSeconds, m[c].IdleSeconds
+	if idleC == nil || m[c].InflightRequests != 0 || *idleC <= 0 {
+		t.Fatalf("%s after its requests: %+v, want idle_seconds > 0 and nothing in flight", c, m[c])
+	}
+	if idleB != nil && *idleB <= *idleC {
+		t.Errorf("%s, out of the pool, idle %.3f s; %s, which served last, idle %.3f s", b, *idleB, c, *idleC)
+	}
 }
 
 // TestScrapesForgetUpstreamsOutOfThePool: an upstream out of every decision for scrapeForgetAfter while

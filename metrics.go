@@ -238,13 +238,18 @@ type upstreamStatus struct {
 	Saturated        bool   `json:"saturated"`
 	// Prefilling and Decoding split InflightRequests by phase (observed first tokens, else predicted);
 	// PrefillTokens is what the prefilling ones still have to prefill and QueuedSeconds how long that takes.
-	Prefilling    int64           `json:"prefilling"`
-	Decoding      int64           `json:"decoding"`
-	PrefillTokens int64           `json:"prefill_tokens"`
-	QueuedSeconds float64         `json:"queued_prefill_seconds"`
-	Model         *serviceModel   `json:"model,omitempty"`
-	Routes        *int            `json:"learned_routes,omitempty"`
-	Metrics       *scrapedMetrics `json:"metrics,omitempty"`
+	Prefilling    int64   `json:"prefilling"`
+	Decoding      int64   `json:"decoding"`
+	PrefillTokens int64   `json:"prefill_tokens"`
+	QueuedSeconds float64 `json:"queued_prefill_seconds"`
+	// IdleSeconds is how long ago a request last began or ended there, or the policy first met the
+	// upstream if none has (0 while any is in flight): an upstream a dynamic source dropped, or one
+	// the policy has stopped choosing, keeps its row (and what was learned of it) with this growing.
+	// Absent for an upstream only scraped so far.
+	IdleSeconds *float64        `json:"idle_seconds,omitempty"`
+	Model       *serviceModel   `json:"model,omitempty"`
+	Routes      *int            `json:"learned_routes,omitempty"`
+	Metrics     *scrapedMetrics `json:"metrics,omitempty"`
 	// Availability is the upstream's adaptive availability (the lowest, if policies with different
 	// controller settings track it); absent while availability is off.
 	Availability *float64 `json:"availability,omitempty"`
@@ -379,7 +384,7 @@ func upstreamReport(withRoutes bool) []upstreamStatus {
 		out = append(out, upstreamStatus{
 			Upstream: l.Dial, InflightTokens: l.Tokens, InflightRequests: l.Requests,
 			Saturated: loads.saturated(l.Dial, now), Prefilling: l.Prefilling, Decoding: l.Decoding,
-			PrefillTokens: l.PrefillTokens, QueuedSeconds: l.QueuedSeconds, Model: reportService(l.Service, l.Overrun, l.TokenScale),
+			PrefillTokens: l.PrefillTokens, QueuedSeconds: l.QueuedSeconds, IdleSeconds: &l.IdleSeconds, Model: reportService(l.Service, l.Overrun, l.TokenScale),
 			Cache: reportCache(l.Cache), cache: &l.Cache,
 		})
 	}
