@@ -30,7 +30,8 @@ type MetricsConfig struct {
 	// that transport's TLS settings (its trust pool, client certificate, tls_insecure_skip_verify,
 	// tls_server_name), as the proxied requests do.
 	Scheme string `json:"scheme,omitempty"`
-	// Port of the metrics endpoint; default the upstream's own port.
+	// Port of the metrics endpoint; default the upstream's own port. An upstream on a unix socket
+	// (`unix//run/vllm.sock`) is scraped through its socket and takes no port.
 	Port string `json:"port,omitempty"`
 	// Path of the metrics endpoint. Default /metrics.
 	Path string `json:"path,omitempty"`
@@ -107,8 +108,16 @@ func (m *MetricsConfig) validate() error {
 	return nil
 }
 
-// target is the metrics URL of an upstream dialled at dial.
+// target is the metrics URL of an upstream dialled at dial. An upstream on a unix socket
+// (`unix//run/vllm.sock`) serves its metrics on that socket.
 func (m *MetricsConfig) target(dial string) (scraper.Target, error) {
+	if network, socket, ok := strings.Cut(dial, "/"); ok && caddy.IsUnixNetwork(network) {
+		if m.Port != "" {
+			return scraper.Target{}, fmt.Errorf("metrics target for %s: metrics port %s does not apply to an upstream on a unix socket, whose metrics are on its socket", dial, m.Port)
+		}
+		u := url.URL{Scheme: m.Scheme, Host: "localhost", Path: m.Path}
+		return scraper.Target{URL: u.String(), Model: m.Model, Socket: socket}, nil
+	}
 	host, port, err := net.SplitHostPort(dial)
 	if err != nil {
 		return scraper.Target{}, fmt.Errorf("metrics target for %s: %w", dial, err)
@@ -141,8 +150,10 @@ type scrapes struct {
 	now                func() time.Time
 	forgetAfter        time.Duration
 	// transport sends the scrapes when they use the reverse_proxy's TLS settings or headers of their
-	// own; nil otherwise (the scraper's own clients send them).
-	transport *http.Transport
+	// own; nil otherwise (the scraper's own clients send them). socketClients are its copies that dial
+	// the unix socket of an upstream on one, by socket path (guarded by mu).
+	transport     *http.Transport
+	socketClients map[string]*http.Client
 }
 
 // scrapeEntry is one upstream's handle (nil: the dial has no valid target, or its metrics were found
@@ -185,20 +196,42 @@ func newScrapes(cfg *MetricsConfig, logger *zap.Logger) *scrapes {
 			tr.TLSClientConfig = cfg.upstreamTLS
 		}
 		sc.transport = tr
-		var rt http.RoundTripper = tr
-		if len(cfg.Headers) > 0 {
-			rt = headerTransport{base: tr, headers: cfg.Headers}
-		}
-		sc.opts.Client = &http.Client{Transport: rt}
+		sc.opts.Client = sc.clientFor(tr)
 	}
 	return sc
 }
 
+// clientFor is the client that sends scrapes through tr, with the configured headers.
+func (sc *scrapes) clientFor(tr *http.Transport) *http.Client {
+	if len(sc.cfg.Headers) > 0 {
+		return &http.Client{Transport: headerTransport{base: tr, headers: sc.cfg.Headers}}
+	}
+	return &http.Client{Transport: tr}
+}
+
+// socketClient returns the policy's own client made to dial socket, one per socket. sc.mu must be held.
+func (sc *scrapes) socketClient(socket string) *http.Client {
+	if c, ok := sc.socketClients[socket]; ok {
+		return c
+	}
+	tr := sc.transport.Clone()
+	tr.DialContext = scraper.DialSocket(socket)
+	c := sc.clientFor(tr)
+	if sc.socketClients == nil {
+		sc.socketClients = make(map[string]*http.Client)
+	}
+	sc.socketClients[socket] = c
+	return c
+}
+
 // headerTransport adds headers to every request it sends through base.
 type headerTransport struct {
-	base    http.RoundTripper
+	base    *http.Transport
 	headers http.Header
 }
+
+// CloseIdleConnections closes base's idle connections (http.Client.CloseIdleConnections calls it).
+func (t headerTransport) CloseIdleConnections() { t.base.CloseIdleConnections() }
 
 func (t headerTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	req = req.Clone(req.Context()) // a RoundTripper must not change the request it is given
@@ -356,7 +389,7 @@ func (sc *scrapes) checkUsable(dial string, e *scrapeEntry) {
 	sc.mu.Unlock()
 	releaseLater(e.h)
 	sc.logger.Info("upstream has no usable metrics; routing it on this proxy's own signals",
-		zap.String("upstream", dial), zap.String("metrics_url", t.URL), zap.String("last_error", st.LastError),
+		zap.String("upstream", dial), zap.String("metrics_url", t.String()), zap.String("last_error", st.LastError),
 		zap.String("hint", "without metrics, add transport llm so the policy sees each first token and the queue behind it"))
 }
 
@@ -376,6 +409,9 @@ func (sc *scrapes) acquire(dial string) *scrapeEntry {
 		return e
 	}
 	opts := sc.opts
+	if t.Socket != "" && sc.transport != nil {
+		opts.Client = sc.socketClient(t.Socket)
+	}
 	// Every scrape teaches the upstream's load and service model as it arrives: read only at decisions,
 	// a scrape taken while no request was routed taught nothing (a backend another client keeps full
 	// showed its slot count only to the requests that came after it).
@@ -399,6 +435,7 @@ func (sc *scrapes) release() {
 	handles := sc.handles
 	sc.handles = nil
 	sc.closed = true
+	sockets := sc.socketClients
 	sc.mu.Unlock()
 	for _, e := range handles {
 		if e.h != nil {
@@ -407,5 +444,8 @@ func (sc *scrapes) release() {
 	}
 	if sc.transport != nil {
 		sc.transport.CloseIdleConnections() // a newer config scrapes with a client of its own
+	}
+	for _, c := range sockets {
+		c.CloseIdleConnections()
 	}
 }

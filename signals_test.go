@@ -7,6 +7,7 @@ import (
 	"encoding/pem"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -22,6 +23,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/tokenrouter/caddy-llm/bench/vllmsim"
+	"github.com/tokenrouter/caddy-llm/scraper"
 )
 
 // simBackend serves a simulated vLLM engine on 127.0.0.1.
@@ -758,5 +760,97 @@ func TestNIMReportedSlots(t *testing.T) {
 	})
 	if res, body := post(t, tester.Client, "/v1/chat/completions", chatBody("sim-model", 10, false)); res.StatusCode != http.StatusOK {
 		t.Fatalf("status %d: %s", res.StatusCode, body)
+	}
+}
+
+// TestScrapesUnixSocketUpstream: a backend served on a unix socket (vLLM's --uds, llama-server on a
+// .sock), proxied as `unix//path`, is scraped over that socket, with the policy's own client and with
+// the one it builds for metrics headers.
+func TestScrapesUnixSocketUpstream(t *testing.T) {
+	for _, withHeader := range []bool{false, true} {
+		t.Run(fmt.Sprintf("header=%v", withHeader), func(t *testing.T) {
+			sim, err := vllmsim.New(vllmsim.Config{TimeScale: 1000, Seed: 1})
+			if err != nil {
+				t.Fatal(err)
+			}
+			dir, err := os.MkdirTemp("", "llm-uds") // short: a socket path is limited to ~100 bytes
+			if err != nil {
+				t.Fatal(err)
+			}
+			socket := filepath.Join(dir, "vllm.sock")
+			ln, err := net.Listen("unix", socket)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var headerSeen atomic.Bool
+			srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if r.URL.Path == "/metrics" && r.Header.Get("X-Metrics-Key") == "k" {
+					headerSeen.Store(true)
+				}
+				sim.ServeHTTP(w, r)
+			})}
+			go func() { _ = srv.Serve(ln) }()
+			t.Cleanup(func() {
+				_ = srv.Close()
+				sim.Close()
+				_ = os.RemoveAll(dir)
+			})
+			extra := ""
+			if withHeader {
+				extra = "header X-Metrics-Key k"
+			}
+
+			tester := caddytest.NewTester(t)
+			tester.InitServer(globalOptions+fmt.Sprintf(`
+%s {
+	reverse_proxy unix/%s {
+		lb_policy llm {
+			metrics {
+				interval 20ms
+				%s
+			}
+		}
+	}
+}
+`, site, socket, extra), "caddyfile")
+
+			if res, body := post(t, tester.Client, "/v1/chat/completions", chatBody("sim-model", 10, false)); res.StatusCode != http.StatusOK {
+				t.Fatalf("status %d through the unix socket upstream: %s", res.StatusCode, body)
+			}
+			dial := "unix/" + socket
+			waitFor(t, "a good scrape over the socket", func() bool {
+				m := adminUpstreams(t)[dial].Metrics
+				return m != nil && m.Fresh && m.Flavor == "vllm"
+			})
+			if withHeader && !headerSeen.Load() {
+				t.Error("the scrapes over the socket did not send the configured header")
+			}
+		})
+	}
+}
+
+// TestMetricsTarget: where an upstream's metrics are fetched from, by its dial address.
+func TestMetricsTarget(t *testing.T) {
+	for _, tc := range []struct {
+		dial    string
+		cfg     MetricsConfig
+		want    scraper.Target
+		wantErr bool
+	}{
+		{dial: "10.0.0.1:8000", want: scraper.Target{URL: "http://10.0.0.1:8000/metrics"}},
+		{dial: "[::1]:8000", cfg: MetricsConfig{Port: "9100", Model: "m"}, want: scraper.Target{URL: "http://[::1]:9100/metrics", Model: "m"}},
+		{dial: "unix//run/vllm.sock", want: scraper.Target{URL: "http://localhost/metrics", Socket: "/run/vllm.sock"}},
+		{dial: "unix//run/nim.sock", cfg: MetricsConfig{Path: "/v1/metrics"}, want: scraper.Target{URL: "http://localhost/v1/metrics", Socket: "/run/nim.sock"}},
+		{dial: "unix//run/vllm.sock", cfg: MetricsConfig{Port: "9100"}, wantErr: true},
+		{dial: "no-port", wantErr: true},
+	} {
+		t.Run(tc.dial, func(t *testing.T) {
+			cfg := tc.cfg
+			cfg.provision()
+			got, err := cfg.target(tc.dial)
+			if (err != nil) != tc.wantErr || got != tc.want {
+				t.Errorf("target(%q) = %+v, %v; want %+v (error %v)", tc.dial, got, err, tc.want, tc.wantErr)
+			}
+		})
 	}
 }

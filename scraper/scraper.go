@@ -19,6 +19,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/url"
 	"runtime/debug"
@@ -56,6 +57,27 @@ type Target struct {
 	URL string
 	// Model, when not empty, keeps only series whose model_name label equals it.
 	Model string
+	// Socket, when not empty, is the unix socket the scrapes dial (a server started with vLLM's
+	// --uds); URL's host is then only the Host header. A Client given in Options must dial it itself
+	// (DialSocket).
+	Socket string
+}
+
+// String is the URL, with the socket it is fetched through, if any: what logs and errors name.
+func (t Target) String() string {
+	if t.Socket == "" {
+		return redact(t.URL)
+	}
+	return redact(t.URL) + " via unix socket " + t.Socket
+}
+
+// DialSocket returns a DialContext for an http.Transport that dials the unix socket at path whatever
+// address it is asked for.
+func DialSocket(path string) func(ctx context.Context, network, addr string) (net.Conn, error) {
+	return func(ctx context.Context, _, _ string) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(ctx, "unix", path)
+	}
 }
 
 // Options tune polling. The zero value is valid: every zero field takes its default.
@@ -264,10 +286,13 @@ func newPoller(t Target, r *Registry) *poller {
 	tr := http.DefaultTransport.(*http.Transport).Clone()
 	tr.Proxy = nil
 	tr.MaxIdleConnsPerHost = 1
+	if t.Socket != "" {
+		tr.DialContext = DialSocket(t.Socket)
+	}
 	return &poller{
 		target:    t,
 		registry:  r,
-		logURL:    redact(t.URL),
+		logURL:    t.String(),
 		stopCh:    make(chan struct{}),
 		done:      make(chan struct{}),
 		ctx:       ctx,

@@ -4,8 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"runtime"
 	"slices"
 	"strings"
@@ -99,6 +102,46 @@ func TestScrapeOnceLoadsSnapshot(t *testing.T) {
 	}
 	if s.Running != 12 || s.Waiting != 4 || s.Flavor != FlavorVLLM || !s.At.Equal(clock.Now()) {
 		t.Errorf("Load() = %+v, want 12 running, 4 waiting, vllm, At=%v", s, clock.Now())
+	}
+}
+
+// TestScrapeOverUnixSocket: a target with a socket is fetched through it (the URL's host is not
+// dialled), and its errors name the socket; two sockets behind one URL are two targets.
+func TestScrapeOverUnixSocket(t *testing.T) {
+	dir, err := os.MkdirTemp("", "scrape") // short: a socket path is limited to ~100 bytes
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	socket := filepath.Join(dir, "a.sock")
+	ln, err := net.Listen("unix", socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: serveBody(readTestdata(t, "vllm_v1_two_engines.txt"))}
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+
+	r := NewRegistry()
+	clock := newFakeClock()
+	h := r.Acquire(Target{URL: "http://localhost/metrics", Socket: socket}, slowOptions(clock))
+	defer h.Release()
+	if err := h.ScrapeOnce(context.Background()); err != nil {
+		t.Fatalf("ScrapeOnce() over the socket = %v", err)
+	}
+	if s, _ := h.Load(); s.Running != 12 || s.Flavor != FlavorVLLM {
+		t.Errorf("Load() = %+v, want 12 running, vllm", s)
+	}
+
+	missing := Target{URL: "http://localhost/metrics", Socket: filepath.Join(dir, "none.sock")}
+	h2 := r.Acquire(missing, slowOptions(clock))
+	defer h2.Release()
+	err = h2.ScrapeOnce(context.Background())
+	if err == nil || !strings.Contains(err.Error(), "none.sock") {
+		t.Errorf("ScrapeOnce() of a missing socket = %v, want an error naming it", err)
+	}
+	if st, _ := r.Status(Target{URL: "http://localhost/metrics", Socket: socket}); st.Errors != 0 {
+		t.Errorf("the good socket's status counts %d errors: the two targets share a poller", st.Errors)
 	}
 }
 
