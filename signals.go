@@ -111,6 +111,13 @@ func (m *MetricsConfig) validate() error {
 // target is the metrics URL of an upstream dialled at dial. An upstream on a unix socket
 // (`unix//run/vllm.sock`) serves its metrics on that socket.
 func (m *MetricsConfig) target(dial string) (scraper.Target, error) {
+	if strings.Contains(dial, "{") {
+		// Global placeholders ({env.VLLM_HOST}:8000) are what Caddy dials; those of a request it
+		// resolves per request, and nothing can scrape.
+		if dial = caddy.NewReplacer().ReplaceKnown(dial, ""); strings.Contains(dial, "{") {
+			return scraper.Target{}, fmt.Errorf("metrics target for %s: the address has placeholders known only per request", dial)
+		}
+	}
 	if network, socket, ok := strings.Cut(dial, "/"); ok && caddy.IsUnixNetwork(network) {
 		if m.Port != "" {
 			return scraper.Target{}, fmt.Errorf("metrics target for %s: metrics port %s does not apply to an upstream on a unix socket, whose metrics are on its socket", dial, m.Port)

@@ -831,6 +831,7 @@ func TestScrapesUnixSocketUpstream(t *testing.T) {
 
 // TestMetricsTarget: where an upstream's metrics are fetched from, by its dial address.
 func TestMetricsTarget(t *testing.T) {
+	t.Setenv("CADDY_LLM_TEST_HOST", "10.1.2.3")
 	for _, tc := range []struct {
 		dial    string
 		cfg     MetricsConfig
@@ -843,6 +844,8 @@ func TestMetricsTarget(t *testing.T) {
 		{dial: "unix//run/nim.sock", cfg: MetricsConfig{Path: "/v1/metrics"}, want: scraper.Target{URL: "http://localhost/v1/metrics", Socket: "/run/nim.sock"}},
 		{dial: "unix//run/vllm.sock", cfg: MetricsConfig{Port: "9100"}, wantErr: true},
 		{dial: "no-port", wantErr: true},
+		{dial: "{env.CADDY_LLM_TEST_HOST}:8000", want: scraper.Target{URL: "http://10.1.2.3:8000/metrics"}},
+		{dial: "{http.request.host}:8000", wantErr: true},
 	} {
 		t.Run(tc.dial, func(t *testing.T) {
 			cfg := tc.cfg
@@ -853,4 +856,34 @@ func TestMetricsTarget(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestScrapesPlaceholderUpstream: an upstream written with a global placeholder ({env.*}), which
+// Caddy resolves when it dials, is scraped at the address it resolves to.
+func TestScrapesPlaceholderUpstream(t *testing.T) {
+	_, addr := simBackend(t, vllmsim.Config{TimeScale: 1000, Seed: 1})
+	_, port, _ := net.SplitHostPort(addr)
+	t.Setenv("CADDY_LLM_TEST_UPSTREAM_HOST", "127.0.0.1")
+	dial := "{env.CADDY_LLM_TEST_UPSTREAM_HOST}:" + port
+
+	tester := caddytest.NewTester(t)
+	tester.InitServer(globalOptions+fmt.Sprintf(`
+%s {
+	reverse_proxy %s {
+		lb_policy llm {
+			metrics {
+				interval 20ms
+			}
+		}
+	}
+}
+`, site, dial), "caddyfile")
+
+	if res, body := post(t, tester.Client, "/v1/chat/completions", chatBody("sim-model", 10, false)); res.StatusCode != http.StatusOK {
+		t.Fatalf("status %d through the upstream %s: %s", res.StatusCode, dial, body)
+	}
+	waitFor(t, "a good scrape of "+addr, func() bool {
+		m := adminUpstreams(t)[dial].Metrics
+		return m != nil && m.Fresh && m.Flavor == "vllm"
+	})
 }
