@@ -795,15 +795,16 @@ func TestScrapesUnixSocketUpstream(t *testing.T) {
 				sim.Close()
 				_ = os.RemoveAll(dir)
 			})
-			extra := ""
+			extra, transport := "", ""
 			if withHeader {
-				extra = "header X-Metrics-Key k"
+				extra, transport = "header X-Metrics-Key k", "transport llm" // which observes the responses too
 			}
 
 			tester := caddytest.NewTester(t)
 			tester.InitServer(globalOptions+fmt.Sprintf(`
 %s {
 	reverse_proxy unix/%s {
+		%s
 		lb_policy llm {
 			metrics {
 				interval 20ms
@@ -812,7 +813,7 @@ func TestScrapesUnixSocketUpstream(t *testing.T) {
 		}
 	}
 }
-`, site, socket, extra), "caddyfile")
+`, site, socket, transport, extra), "caddyfile")
 
 			if res, body := post(t, tester.Client, "/v1/chat/completions", chatBody("sim-model", 10, false)); res.StatusCode != http.StatusOK {
 				t.Fatalf("status %d through the unix socket upstream: %s", res.StatusCode, body)
@@ -824,6 +825,9 @@ func TestScrapesUnixSocketUpstream(t *testing.T) {
 			})
 			if withHeader && !headerSeen.Load() {
 				t.Error("the scrapes over the socket did not send the configured header")
+			}
+			if model := adminUpstreams(t)[dial].Model; withHeader && (model == nil || model.FirstTokens != 1) {
+				t.Errorf("transport llm over the socket: model %+v, want one first token observed", model)
 			}
 		})
 	}
