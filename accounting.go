@@ -747,17 +747,23 @@ func backendMeanUncached(snap *scraper.Snapshot) float64 {
 // finished requests: counters move only when a step ends, and one prefill step can outlast a scrape
 // interval (8k tokens at 2k tokens/s), so a shorter interval would credit a step's work to less than its
 // time. A scrape with nothing running, or counters that went back (a restart), starts a new interval. A
-// backend without prefix-cache counters (SGLang) shows no prefill this way, and an interval without
-// prefill does not pin the prefill speed (ObserveBusy). The caller holds l.mu.
+// backend without prefix-cache counters shows its prefill as the prompt tokens it says it computed
+// (llama.cpp), or not at all (SGLang, NIM, TGI), and an interval without prefill does not pin the
+// prefill speed (ObserveBusy). The caller holds l.mu.
 func (l *upstreamLoad) observeBusyLocked(snap *scraper.Snapshot) {
 	from := &l.busyFrom
 	if from.At.IsZero() || !snap.At.After(from.At) || snap.Running < 1 || from.Running < 1 ||
 		snap.PrefixQueries < from.PrefixQueries || snap.PrefixHits < from.PrefixHits ||
-		snap.GenerationTokens < from.GenerationTokens || snap.Steps < from.Steps {
+		snap.GenerationTokens < from.GenerationTokens || snap.Steps < from.Steps ||
+		snap.PrefilledTokens < from.PrefilledTokens {
 		l.busyFrom = *snap
 		return
 	}
 	uncached := (snap.PrefixQueries - from.PrefixQueries) - (snap.PrefixHits - from.PrefixHits)
+	if snap.PrefixQueries == 0 && snap.PrefilledTokens > 0 {
+		// No prefix-cache counters, but a count of the prompt tokens computed (llama.cpp).
+		uncached = snap.PrefilledTokens - from.PrefilledTokens
+	}
 	// The steps the engine ran: counted by vLLM's per-step histogram, else estimated as the tokens
 	// generated over the batch size (which undercounts when part of the batch is prefilling).
 	steps := (snap.GenerationTokens - from.GenerationTokens) / max((snap.Running+from.Running)/2, 1)

@@ -416,8 +416,17 @@ func TestCacheTrust(t *testing.T) {
 // TestBusyIntervalsTeachPrefill: a backend's own counters between scrapes, while it runs requests
 // throughout, pin its prefill speed (here 2k tokens/s, a quarter of the prior's): scrapes inside one long
 // step (no counter moved) extend the interval rather than end it, an idle scrape and a restart start a
-// new one, and no proxy-side timing enters.
+// new one, and no proxy-side timing enters. The prefill done is the prefix-cache queries not hit
+// (vLLM), or the prompt tokens the backend says it evaluated (llama.cpp).
 func TestBusyIntervalsTeachPrefill(t *testing.T) {
+	for _, evaluated := range []bool{false, true} {
+		t.Run(map[bool]string{false: "prefix-cache counters", true: "prompt tokens evaluated"}[evaluated], func(t *testing.T) {
+			testBusyIntervalsTeachPrefill(t, evaluated)
+		})
+	}
+}
+
+func testBusyIntervalsTeachPrefill(t *testing.T, evaluated bool) {
 	const (
 		dial     = "10.0.0.1:8000"
 		step     = 0.005      // seconds a decode step
@@ -437,8 +446,12 @@ func TestBusyIntervalsTeachPrefill(t *testing.T) {
 	// the rest of the second.
 	work := func(steps int) {
 		uncached := (1 - float64(steps)*step) / perToken
-		snap.PrefixQueries += uncached + 500
-		snap.PrefixHits += 500
+		if evaluated {
+			snap.PrefilledTokens += uncached
+		} else {
+			snap.PrefixQueries += uncached + 500
+			snap.PrefixHits += 500
+		}
 		snap.GenerationTokens += float64(steps * running)
 	}
 	busy := func() int { return lt.lookup(dial).model.Service().BusyIntervals }
@@ -472,14 +485,14 @@ func TestBusyIntervalsTeachPrefill(t *testing.T) {
 		t.Errorf("%d busy intervals after an idle scrape and a restart, want still 3", n)
 	}
 
-	// No prefix-cache counters (SGLang): the prefill done is unknown, nothing is learned.
+	// Neither (SGLang): the prefill done is unknown, nothing is learned.
 	const sglang = "10.0.0.2:30000"
 	for i := range 5 {
 		s := scraper.Snapshot{Running: running, GenerationTokens: float64(i * 80), At: at.Add(time.Duration(i) * time.Second)}
 		lt.view(sglang, s.At.UnixNano(), &s)
 	}
 	if n := lt.lookup(sglang).model.Service().BusyIntervals; n != 0 {
-		t.Errorf("%d busy intervals without prefix-cache counters, want 0", n)
+		t.Errorf("%d busy intervals without a count of the prefill done, want 0", n)
 	}
 }
 

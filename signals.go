@@ -19,8 +19,8 @@ import (
 	"github.com/tokenrouter/caddy-llm/scraper"
 )
 
-// MetricsConfig turns on scraping of each upstream's Prometheus /metrics (vLLM, SGLang, llama.cpp and
-// NVIDIA NIM names) so that load this proxy cannot see itself - other clients, other proxies - enters
+// MetricsConfig turns on scraping of each upstream's Prometheus /metrics (vLLM, SGLang, llama.cpp,
+// NVIDIA NIM and TGI names) so that load this proxy cannot see itself - other clients, other proxies - enters
 // the routing decision.
 type MetricsConfig struct {
 	// Off turns scraping off (Caddyfile `metrics off`): routing uses this proxy's own signals only.

@@ -209,9 +209,9 @@ func TestScrapedQueueSteersRequests(t *testing.T) {
 // proxy routes nothing; B's slot count is learned from its metrics alone, and the first requests, in the
 // default mode (where a cache claim could otherwise draw one to B, its wait not yet priced), all go to A.
 // So for every kind of server the scraper reads: vLLM, SGLang, llama.cpp's llama-server (busy slots and
-// deferred requests) and NVIDIA NIM (which reports its slot count outright).
+// deferred requests), NVIDIA NIM (which reports its slot count outright) and TGI (its batch and queue).
 func TestScrapesTeachWhileIdle(t *testing.T) {
-	for _, flavour := range []string{vllmsim.MetricsVLLM, vllmsim.MetricsSGLang, vllmsim.MetricsLlamaCpp, vllmsim.MetricsNIM} {
+	for _, flavour := range []string{vllmsim.MetricsVLLM, vllmsim.MetricsSGLang, vllmsim.MetricsLlamaCpp, vllmsim.MetricsNIM, vllmsim.MetricsTGI} {
 		t.Run(flavour, func(t *testing.T) {
 			a, b, sims := fastAndSlowServing(t, 300*time.Millisecond, flavour)
 
@@ -239,8 +239,9 @@ func TestScrapesTeachWhileIdle(t *testing.T) {
 			if n := sims[a].State().Requests + sims[b].State().Requests; n != 5 {
 				t.Fatalf("the backends saw %d requests before any was sent through the proxy, want the other client's 5", n)
 			}
-			if kv := adminUpstreams(t)[b].Metrics.KVUsage; (kv == nil) != (flavour == vllmsim.MetricsLlamaCpp) {
-				t.Errorf("kv_cache_usage %v: want it absent exactly where the server reports none (llama.cpp)", kv)
+			noKV := flavour == vllmsim.MetricsLlamaCpp || flavour == vllmsim.MetricsTGI
+			if kv := adminUpstreams(t)[b].Metrics.KVUsage; (kv == nil) != noKV {
+				t.Errorf("kv_cache_usage %v: want it absent exactly where the server reports none (llama.cpp, TGI)", kv)
 			}
 			sendAllTo(t, tester.Client, sims, a, 10)
 		})

@@ -156,7 +156,7 @@ func parseOptions(args []string) (options, error) {
 	fs.Float64Var(&o.bypassRate, "bypass-rate", 0, "extra requests per simulated second sent straight to backend 0, not through Caddy (another client)")
 	fs.Float64Var(&o.sim.TimeScale, "timescale", defaultSim.TimeScale, "how many times faster than real time the simulators run")
 	fs.IntVar(&o.sim.NumGPUBlocks, "kv-blocks", defaultSim.NumGPUBlocks, "KV cache blocks (16 tokens) per simulated backend")
-	fs.StringVar(&o.sim.Metrics, "metrics", "", "the simulators' /metrics dialect: vllm (default), sglang, llamacpp or nim (what the policy can learn from each kind of server)")
+	fs.StringVar(&o.sim.Metrics, "metrics", "", "the simulators' /metrics dialect: vllm (default), vllm-legacy, sglang, llamacpp, nim or tgi (what the policy can learn from each kind of server)")
 	fs.IntVar(&o.maxReruns, "reruns", 2, "run a policy again up to this many times when the load generator's scheduling lag shows the machine was busy")
 	fs.IntVar(&o.instances, "instances", 0, "run N Caddy processes behind a random splitter: one instance vs N sharing through redis-server vs N unshared")
 	fs.BoolVar(&o.restart, "restart", false, "restart Caddy under load: hit rate in the first simulated minute after the restart vs the minute before, with and without persist")

@@ -19,11 +19,12 @@ const (
 	FlavorSGLang   = "sglang"
 	FlavorLlamaCpp = "llamacpp"
 	FlavorNIM      = "nim"
+	FlavorTGI      = "tgi"
 )
 
 // ErrNoMetrics is returned by Parse (wrapped) when the text parsed but carries none of the load
 // gauges it knows (running, waiting, KV usage), for instance because the model filter excluded every
-// series or the target is not a server it knows (vLLM, SGLang, llama.cpp, NVIDIA NIM).
+// series or the target is not a server it knows (vLLM, SGLang, llama.cpp, NVIDIA NIM, TGI).
 var ErrNoMetrics = errors.New("no known load metrics")
 
 // Snapshot is the last good scrape of one target. It is a plain value, safe to copy.
@@ -42,12 +43,19 @@ type Snapshot struct {
 	// (vllm:prefix_cache_{hits,queries}_total or the older vllm:gpu_prefix_cache_*), summed over
 	// engines. Zero for SGLang. See HitRate for a ratio between two snapshots.
 	PrefixHits, PrefixQueries float64
+	// PrefilledTokens is the prompt tokens the target computed, not those its cache answered, for a
+	// target without prefix-cache counters that counts them: llama.cpp's prompt_tokens_total (a prompt's
+	// evaluated tokens, added when its prefill ends). Zero when absent; for vLLM, PrefixQueries less
+	// PrefixHits is the same figure.
+	PrefilledTokens float64
 	// GenerationTokens is the output tokens the target has generated (vllm:generation_tokens_total,
-	// sglang:generation_tokens_total), summed over engines; zero when absent. With the prefix-cache
+	// sglang:generation_tokens_total; TGI counts a request's as it finishes), summed over engines; zero
+	// when absent. With the prefix-cache
 	// counters it tells how much prefill and decode work the target did between two snapshots.
 	GenerationTokens float64
 	// Steps is how many engine steps the target has run: the count of vLLM's vllm:iteration_tokens_total
-	// histogram (one observation a step), summed over engines; zero when absent.
+	// histogram (one observation a step), llama.cpp's llama_decode() calls or TGI's forward passes
+	// (prefill and decode), summed over engines; zero when absent.
 	Steps float64
 	// FinishedRequests and FinishedPrompt are how many requests the target has finished and their prompt
 	// tokens, in the backend's tokenizer: the count and the sum of vLLM's vllm:request_prompt_tokens
@@ -78,8 +86,8 @@ type Snapshot struct {
 	// with it its KV cache is empty and its counters start again from zero.
 	StartTime float64
 	// Flavor is FlavorVLLM, FlavorSGLang, FlavorLlamaCpp (llama.cpp's llama-server, started with
-	// --metrics) or FlavorNIM (NVIDIA NIM for LLMs, at /v1/metrics). A text carrying several families is
-	// read as the first of these.
+	// --metrics), FlavorNIM (NVIDIA NIM for LLMs, at /v1/metrics) or FlavorTGI (Hugging Face's
+	// text-generation-inference). A text carrying several families is read as the first of these.
 	Flavor string
 	// At is when the scrape that produced this snapshot started (Parse leaves it zero).
 	At time.Time
@@ -108,6 +116,7 @@ var (
 	llamacppWaiting   = []string{"llamacpp:requests_deferred"}
 	llamacppKV        = []string{"llamacpp:kv_cache_usage_ratio"}
 	llamacppGenerated = []string{"llamacpp:tokens_predicted_total"}
+	llamacppPrefilled = []string{"llamacpp:prompt_tokens_total"}
 	llamacppSteps     = []string{"llamacpp:n_decode_total"}
 	// NVIDIA NIM for LLMs: vLLM's names without the prefix.
 	nimRunning       = []string{"num_requests_running"}
@@ -116,12 +125,19 @@ var (
 	nimGenerated     = []string{"generation_tokens_total"}
 	nimRequestPrompt = "request_prompt_tokens"
 	nimMaxRunning    = []string{"num_request_max"}
+	// Hugging Face text-generation-inference (its router's metrics): the batch running, the queue
+	// behind it, its forward passes (one counter per method, prefill and decode: steps), and the tokens
+	// each request generated, observed as it finishes.
+	tgiRunning   = []string{"tgi_batch_current_size"}
+	tgiWaiting   = []string{"tgi_queue_size"}
+	tgiSteps     = []string{"tgi_batch_inference_count"}
+	tgiGenerated = "tgi_request_generated_tokens"
 )
 
 const modelLabel = "model_name"
 
-// Parse reads Prometheus text exposition (format 0.0.4, as served by vLLM's, SGLang's, llama.cpp's and
-// NVIDIA NIM's metrics endpoints)
+// Parse reads Prometheus text exposition (format 0.0.4, as served by vLLM's, SGLang's, llama.cpp's,
+// NVIDIA NIM's and TGI's metrics endpoints)
 // with expfmt's text parser and extracts the load signals into a Snapshot. Metric and label names
 // are validated with the UTF-8 scheme, so names with ':' parse.
 //
@@ -146,6 +162,8 @@ func Parse(r io.Reader, model string) (Snapshot, error) {
 		s.Flavor = FlavorLlamaCpp
 	} else if ok := extractNIM(families, model, &s); ok {
 		s.Flavor = FlavorNIM
+	} else if ok := extractTGI(families, model, &s); ok {
+		s.Flavor = FlavorTGI
 	} else {
 		if model != "" {
 			return Snapshot{}, fmt.Errorf("parsing metrics text for model %q: %w", model, ErrNoMetrics)
@@ -157,6 +175,7 @@ func Parse(r io.Reader, model string) (Snapshot, error) {
 	s.PrefixHits = clampCount(s.PrefixHits)
 	s.PrefixQueries = clampCount(s.PrefixQueries)
 	s.GenerationTokens = clampCount(s.GenerationTokens)
+	s.PrefilledTokens = clampCount(s.PrefilledTokens)
 	s.Steps = clampCount(s.Steps)
 	s.FinishedRequests = clampCount(s.FinishedRequests)
 	s.FinishedPrompt = clampCount(s.FinishedPrompt)
@@ -202,8 +221,9 @@ func extractVLLM(families map[string]*dto.MetricFamily, model string, s *Snapsho
 }
 
 // extractLlamaCpp reads llama.cpp's llama-server. It serves one model and labels no series with it, so a
-// model filter keeps them all; its prompt counter counts the tokens it evaluated, with no count of those
-// its prompt cache answered, so there are no prefix-cache counters to check predictions against.
+// model filter keeps them all; its prompt counter counts the tokens it evaluated (PrefilledTokens), with
+// no count of those its prompt cache answered, so there are no prefix-cache counters to check
+// predictions against.
 func extractLlamaCpp(families map[string]*dto.MetricFamily, model string, s *Snapshot) bool {
 	running, okR := sum(families, llamacppRunning, model)
 	waiting, okW := sum(families, llamacppWaiting, model)
@@ -213,6 +233,7 @@ func extractLlamaCpp(families map[string]*dto.MetricFamily, model string, s *Sna
 	s.Running, s.Waiting = running, waiting
 	s.KVUsage, s.KVReported = mean(families, llamacppKV, model)
 	s.GenerationTokens, _ = sum(families, llamacppGenerated, model)
+	s.PrefilledTokens, _ = sum(families, llamacppPrefilled, model)
 	s.Steps, _ = sum(families, llamacppSteps, model)
 	return true
 }
@@ -232,6 +253,21 @@ func extractNIM(families map[string]*dto.MetricFamily, model string, s *Snapshot
 	s.FinishedRequests, s.FinishedPrompt = histogramTotals(families[nimRequestPrompt], model)
 	s.MaxRunning, _ = sum(families, nimMaxRunning, model)
 	s.Model = modelName(families, nimRunning[0], model)
+	return true
+}
+
+// extractTGI reads Hugging Face's text-generation-inference. It serves one model and labels no series
+// with it, so a model filter keeps them all; it reports neither its KV-cache usage nor prefix-cache
+// counters.
+func extractTGI(families map[string]*dto.MetricFamily, model string, s *Snapshot) bool {
+	running, okR := sum(families, tgiRunning, model)
+	waiting, okW := sum(families, tgiWaiting, model)
+	if !okR && !okW {
+		return false
+	}
+	s.Running, s.Waiting = running, waiting
+	s.Steps, _ = sum(families, tgiSteps, model)
+	_, s.GenerationTokens = histogramTotals(families[tgiGenerated], model)
 	return true
 }
 

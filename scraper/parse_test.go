@@ -84,18 +84,29 @@ func TestParseRecorded(t *testing.T) {
 		{
 			name: "llama.cpp llama-server: busy slots running, deferred requests waiting",
 			file: "llamacpp.txt",
-			want: Snapshot{Running: 4, Waiting: 3, GenerationTokens: 7801, Steps: 7522, Flavor: FlavorLlamaCpp},
+			want: Snapshot{Running: 4, Waiting: 3, PrefilledTokens: 33065, GenerationTokens: 7801, Steps: 7522, Flavor: FlavorLlamaCpp},
 		},
 		{
 			name:  "llama.cpp labels no model: a filter keeps its series",
 			file:  "llamacpp.txt",
 			model: "qwen2.5-7b-instruct",
-			want:  Snapshot{Running: 4, Waiting: 3, GenerationTokens: 7801, Steps: 7522, Flavor: FlavorLlamaCpp},
+			want:  Snapshot{Running: 4, Waiting: 3, PrefilledTokens: 33065, GenerationTokens: 7801, Steps: 7522, Flavor: FlavorLlamaCpp},
 		},
 		{
 			name: "llama.cpp builds with the KV-cache ratio",
 			file: "llamacpp_kv.txt",
-			want: Snapshot{Running: 1, Waiting: 0, KVUsage: 0.25, KVReported: true, GenerationTokens: 128, Flavor: FlavorLlamaCpp},
+			want: Snapshot{Running: 1, Waiting: 0, KVUsage: 0.25, KVReported: true, PrefilledTokens: 512, GenerationTokens: 128, Flavor: FlavorLlamaCpp},
+		},
+		{
+			name: "TGI: the batch running, its queue waiting, forward passes as steps",
+			file: "tgi.txt",
+			want: Snapshot{Running: 12, Waiting: 5, GenerationTokens: 190230, Steps: 81554, Flavor: FlavorTGI},
+		},
+		{
+			name:  "TGI labels no model: a filter keeps its series",
+			file:  "tgi.txt",
+			model: "meta-llama/Llama-3.1-8B-Instruct",
+			want:  Snapshot{Running: 12, Waiting: 5, GenerationTokens: 190230, Steps: 81554, Flavor: FlavorTGI},
 		},
 		{
 			name: "NVIDIA NIM: vLLM's names without the prefix",
@@ -132,7 +143,7 @@ func snapshotsClose(a, b Snapshot) bool {
 	return near(a.Running, b.Running) && near(a.Waiting, b.Waiting) && near(a.KVUsage, b.KVUsage) &&
 		a.KVReported == b.KVReported &&
 		near(a.PrefixHits, b.PrefixHits) && near(a.PrefixQueries, b.PrefixQueries) &&
-		near(a.GenerationTokens, b.GenerationTokens) && near(a.Steps, b.Steps) &&
+		near(a.GenerationTokens, b.GenerationTokens) && near(a.Steps, b.Steps) && near(a.PrefilledTokens, b.PrefilledTokens) &&
 		a.BlockSize == b.BlockSize && a.NumBlocks == b.NumBlocks && a.Flavor == b.Flavor && a.At.Equal(b.At) &&
 		a.LoRA == b.LoRA &&
 		near(a.StartTime, b.StartTime)
@@ -324,7 +335,7 @@ func TestHitRate(t *testing.T) {
 }
 
 func FuzzParse(f *testing.F) {
-	for _, name := range []string{"vllm_v1_two_engines.txt", "vllm_legacy.txt", "sglang.txt", "sglang_gauges.txt", "vllm_two_models.txt", "vllm_lora.txt", "llamacpp.txt", "llamacpp_kv.txt", "nim.txt", "garbage.txt"} {
+	for _, name := range []string{"vllm_v1_two_engines.txt", "vllm_legacy.txt", "sglang.txt", "sglang_gauges.txt", "vllm_two_models.txt", "vllm_lora.txt", "llamacpp.txt", "llamacpp_kv.txt", "nim.txt", "tgi.txt", "garbage.txt"} {
 		f.Add(readTestdata(f, name), "")
 	}
 	f.Fuzz(func(t *testing.T, text []byte, model string) {
@@ -332,7 +343,7 @@ func FuzzParse(f *testing.F) {
 		if err != nil {
 			return
 		}
-		if !slices.Contains([]string{FlavorVLLM, FlavorSGLang, FlavorLlamaCpp, FlavorNIM}, s.Flavor) {
+		if !slices.Contains([]string{FlavorVLLM, FlavorSGLang, FlavorLlamaCpp, FlavorNIM, FlavorTGI}, s.Flavor) {
 			t.Errorf("Flavor = %q", s.Flavor)
 		}
 		for name, v := range map[string]float64{"Running": s.Running, "Waiting": s.Waiting, "PrefixHits": s.PrefixHits, "PrefixQueries": s.PrefixQueries} {

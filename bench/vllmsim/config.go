@@ -27,7 +27,7 @@ type Config struct {
 	DecodeStepPerSeq    time.Duration // added per running sequence, default 0.25ms (step time grows with batch)
 	TimeScale           float64       // >1 runs faster than real time: every simulated duration is divided by it; default 1
 	TokensPerChunk      int           // output tokens per SSE chunk (default 1 = like vLLM); lets benchmarks save CPU
-	Metrics             string        // "vllm" (default), "vllm-legacy" (gpu_cache_usage_perc, gpu_prefix_cache_*), "sglang", "llamacpp", "nim"
+	Metrics             string        // "vllm" (default), "vllm-legacy" (gpu_cache_usage_perc, gpu_prefix_cache_*), "sglang", "llamacpp", "nim", "tgi"
 	ErrorRate           float64       // fraction of requests answered 500 (seeded RNG)
 	DropMidStreamRate   float64       // fraction of streams whose connection is dropped mid-stream (panic(http.ErrAbortHandler))
 	CutStreamAfter      int           // drop every stream's connection after this many output tokens (if it has more); 0 = never
@@ -73,10 +73,13 @@ const (
 	// MetricsNIM is NVIDIA NIM for LLMs (served at /metrics here, /v1/metrics by NIM): vLLM's names
 	// without the prefix, and num_request_max, the slot count.
 	MetricsNIM = "nim"
+	// MetricsTGI is Hugging Face's text-generation-inference: the batch running, the queue, forward
+	// passes per method, per-request histograms; no model label, no KV-cache or prefix-cache figures.
+	MetricsTGI = "tgi"
 )
 
 // MetricsFlavours lists every flavour Config.Metrics accepts.
-var MetricsFlavours = []string{MetricsVLLM, MetricsVLLMLegacy, MetricsSGLang, MetricsLlamaCpp, MetricsNIM}
+var MetricsFlavours = []string{MetricsVLLM, MetricsVLLMLegacy, MetricsSGLang, MetricsLlamaCpp, MetricsNIM, MetricsTGI}
 
 // defaultMaxTokens is the output length of a request that names neither max_tokens nor
 // max_completion_tokens.

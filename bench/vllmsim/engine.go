@@ -48,6 +48,7 @@ type request struct {
 	blocks     []int32 // KV blocks in token order
 	registered int     // prompt blocks published in the prefix cache
 	computed   int     // tokens whose KV is computed (cache hits included)
+	admittedAt int     // computed at its latest admission: the cache hits it started from
 	target     int     // tokens to compute before the next sample while prefilling, else 0
 	pendingEst int     // contribution to Server.pendingPrefill
 	loraHeld   bool    // holds a reference on its adapter's slot (while running)
@@ -99,6 +100,8 @@ type Server struct {
 	outputTotal    int64
 	finished       int64
 	finishedPrompt int64 // prompt tokens of the finished requests (vllm:request_prompt_tokens' sum)
+	finishedOutput int64 // output tokens of the finished requests (tgi_request_generated_tokens' sum)
+	prefilled      int64 // tokens computed by finished prefills (llamacpp:prompt_tokens_total)
 	steps          int64
 	busy           time.Duration // simulated time spent in steps
 	lastStep       time.Duration
@@ -376,7 +379,7 @@ func (s *Server) admitLocked(r *request) bool {
 		r.blocks = append(r.blocks, s.kv.allocate())
 	}
 	cached := hits * s.cfg.BlockSize
-	r.computed, r.registered, r.target = cached, hits, target
+	r.computed, r.registered, r.target, r.admittedAt = cached, hits, target, cached
 	if r.generated.Load() == 0 {
 		r.cached.Store(int64(cached))
 	}
@@ -536,6 +539,8 @@ func (s *Server) applyLocked(batch []stepItem, d time.Duration) {
 				// recomputing its prompt and output is not prefilling again by that count.
 				s.promptTotal += int64(r.promptTokens)
 			}
+			// Like llama.cpp: the tokens a prefill computed, counted when it ends.
+			s.prefilled += int64(r.target - r.admittedAt)
 			r.target = 0 // prefill done: decodes from now on
 		}
 		n := r.generated.Add(1)
@@ -546,6 +551,7 @@ func (s *Server) applyLocked(batch []stepItem, d time.Duration) {
 			s.retireLocked(r)
 			s.finished++
 			s.finishedPrompt += int64(r.promptTokens)
+			s.finishedOutput += n
 			finished = true
 			close(r.done)
 			notify(r) // a request's other sequences share the channel: their wait hears this one end
@@ -660,7 +666,7 @@ func (s *Server) Restart() {
 	s.kv = newKVCache(s.cfg.NumGPUBlocks)
 	s.pendingPrefill = 0
 	s.preemptions, s.prefixQueries, s.prefixHits, s.promptTotal, s.outputTotal, s.finished = 0, 0, 0, 0, 0, 0
-	s.finishedPrompt = 0
+	s.finishedPrompt, s.finishedOutput, s.prefilled = 0, 0, 0
 	s.steps, s.busy, s.lastStep = 0, 0, 0
 	// A new start time, even if the clock has not moved on since the last one.
 	if now := time.Now(); now.After(s.started) {

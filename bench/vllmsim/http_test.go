@@ -414,8 +414,8 @@ func TestResponseIDsDifferAcrossServers(t *testing.T) {
 }
 
 // TestMetricsFlavoursScrape: each flavour's text is read by the policy's scraper as that kind of server,
-// with the engine's own figures: the llama.cpp one with its decode calls as steps and no model label,
-// the NIM one with its slot count (max_num_seqs).
+// with the engine's own figures: the llama.cpp and TGI ones with their decode calls as steps and no model
+// label, the NIM one with its slot count (max_num_seqs).
 func TestMetricsFlavoursScrape(t *testing.T) {
 	for _, tt := range []struct{ flavour, want string }{
 		{MetricsVLLM, scraper.FlavorVLLM},
@@ -423,6 +423,7 @@ func TestMetricsFlavoursScrape(t *testing.T) {
 		{MetricsSGLang, scraper.FlavorSGLang},
 		{MetricsLlamaCpp, scraper.FlavorLlamaCpp},
 		{MetricsNIM, scraper.FlavorNIM},
+		{MetricsTGI, scraper.FlavorTGI},
 	} {
 		t.Run(tt.flavour, func(t *testing.T) {
 			s, ts := newTestServer(t, Config{Metrics: tt.flavour, MaxNumSeqs: 12})
@@ -435,11 +436,15 @@ func TestMetricsFlavoursScrape(t *testing.T) {
 			if snap.GenerationTokens != 2 {
 				t.Errorf("generated tokens %v, want the one request's 2", snap.GenerationTokens)
 			}
-			if snap.KVReported == (tt.flavour == MetricsLlamaCpp) {
-				t.Errorf("KV usage reported %v; llama.cpp's recent builds report none, the others do", snap.KVReported)
+			noKV := tt.flavour == MetricsLlamaCpp || tt.flavour == MetricsTGI
+			if snap.KVReported == noKV {
+				t.Errorf("KV usage reported %v; llama.cpp's recent builds and TGI report none, the others do", snap.KVReported)
 			}
-			if tt.flavour == MetricsLlamaCpp && (snap.Steps != float64(st.Steps) || snap.Steps == 0) {
-				t.Errorf("llama.cpp decode calls %v, want the engine's %d steps", snap.Steps, st.Steps)
+			if (tt.flavour == MetricsLlamaCpp || tt.flavour == MetricsTGI) && (snap.Steps != float64(st.Steps) || snap.Steps == 0) {
+				t.Errorf("decode calls %v, want the engine's %d steps", snap.Steps, st.Steps)
+			}
+			if tt.flavour == MetricsLlamaCpp && (snap.PrefilledTokens != float64(st.PrefixQueries-st.PrefixHits) || snap.PrefilledTokens == 0) {
+				t.Errorf("llama.cpp prompt tokens evaluated %v, want the engine's uncached %d", snap.PrefilledTokens, st.PrefixQueries-st.PrefixHits)
 			}
 			if want := map[string]float64{MetricsNIM: 12}[tt.flavour]; snap.MaxRunning != want {
 				t.Errorf("reported slots %v, want %v", snap.MaxRunning, want)

@@ -47,31 +47,47 @@ func (s *Server) metricsText() []byte {
 		fmt.Fprintf(&b, "# HELP %s %s\n# TYPE %s %s\n%s%s %s\n", name, help, name, typ, name, labels,
 			strconv.FormatFloat(v, 'g', -1, 64))
 	}
-	// histogram writes a histogram with only its +Inf bucket, its sum and its count (labels not empty).
+	// histogram writes a histogram with only its +Inf bucket, its sum and its count.
 	histogram := func(name, help, labels string, count, sum int64) {
-		fmt.Fprintf(&b, "# HELP %s %s\n# TYPE %s histogram\n%s_bucket{%s,le=\"+Inf\"} %d\n%s_sum{%s} %d\n%s_count{%s} %d\n",
-			name, help, name, name, labels, count, name, labels, sum, name, labels, count)
+		bucket, series := `le="+Inf"`, ""
+		if labels != "" {
+			bucket, series = labels+","+bucket, "{"+labels+"}"
+		}
+		fmt.Fprintf(&b, "# HELP %s %s\n# TYPE %s histogram\n%s_bucket{%s} %d\n%s_sum%s %d\n%s_count%s %d\n",
+			name, help, name, name, bucket, count, name, series, sum, name, series, count)
 	}
 	// The counters every flavour exports, read together under one lock.
 	s.mu.Lock()
 	started := s.started
-	promptTotal, outputTotal, finished, finishedPrompt := s.promptTotal, s.outputTotal, s.finished, s.finishedPrompt
+	promptTotal, outputTotal, finished, finishedPrompt, finishedOutput := s.promptTotal, s.outputTotal, s.finished, s.finishedPrompt, s.finishedOutput
+	prefilled := s.prefilled
 	s.mu.Unlock()
-	if s.cfg.Metrics != MetricsLlamaCpp {
+	if s.cfg.Metrics != MetricsLlamaCpp && s.cfg.Metrics != MetricsTGI {
 		// Like prometheus_client's process collector, which vLLM, SGLang and NIM export (llama.cpp's C++
-		// server does not).
+		// server and TGI's Rust router do not).
 		fmt.Fprintf(&b, "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds %s\n",
 			strconv.FormatFloat(float64(started.UnixNano())/1e9, 'f', -1, 64))
 	}
 	switch s.cfg.Metrics {
 	case MetricsLlamaCpp:
 		// Like llama-server: one model, no labels; requests_processing counts busy slots and
-		// requests_deferred the tasks waiting for one; n_decode_total counts llama_decode() calls (steps).
-		metric("llamacpp:prompt_tokens_total", "counter", "Number of prompt tokens processed.", "", float64(promptTotal))
+		// requests_deferred the tasks waiting for one; n_decode_total counts llama_decode() calls (steps);
+		// prompt_tokens_total the prompt tokens evaluated (not those its cache held), added as each
+		// prompt's prefill ends.
+		metric("llamacpp:prompt_tokens_total", "counter", "Number of prompt tokens processed.", "", float64(prefilled))
 		metric("llamacpp:tokens_predicted_total", "counter", "Number of generation tokens processed.", "", float64(outputTotal))
 		metric("llamacpp:n_decode_total", "counter", "Total number of llama_decode() calls", "", float64(st.Steps))
 		metric("llamacpp:requests_processing", "gauge", "Number of requests processing", "", float64(st.Running))
 		metric("llamacpp:requests_deferred", "gauge", "Number of requests deferred", "", float64(st.Waiting))
+	case MetricsTGI:
+		// Like TGI's router: one model, no labels; the batch running and the queue behind it, forward
+		// passes counted per method (the simulator's steps all as decode), and the tokens each request
+		// generated, observed as it finishes.
+		metric("tgi_batch_current_size", "gauge", "Current batch size", "", float64(st.Running))
+		metric("tgi_queue_size", "gauge", "Current queue size", "", float64(st.Waiting))
+		fmt.Fprintf(&b, "# HELP tgi_batch_inference_count Inference calls per method (prefill or decode)\n# TYPE tgi_batch_inference_count counter\n"+
+			"tgi_batch_inference_count{method=\"prefill\"} 0\ntgi_batch_inference_count{method=\"decode\"} %d\n", st.Steps)
+		histogram("tgi_request_generated_tokens", "Generated tokens per request", "", finished, finishedOutput)
 	case MetricsNIM:
 		labels := "model_name=" + model
 		metric("num_requests_running", "gauge", "Number of requests currently running on GPU.", labels, float64(st.Running))

@@ -79,7 +79,7 @@ type Handler struct {
 	TimeScale float64 `json:"time_scale,omitempty"`
 	// TokensPerChunk is the number of output tokens per streamed chunk. Default: 1, like vLLM.
 	TokensPerChunk int `json:"tokens_per_chunk,omitempty"`
-	// Metrics selects the /metrics names: "vllm" (default), "vllm-legacy", "sglang", "llamacpp" or "nim".
+	// Metrics selects the /metrics names: "vllm" (default), "vllm-legacy", "sglang", "llamacpp", "nim" or "tgi".
 	Metrics string `json:"metrics,omitempty"`
 	// ErrorRate is the fraction of completion requests answered 500. Default: 0.
 	ErrorRate float64 `json:"error_rate,omitempty"`
@@ -228,7 +228,7 @@ func parseCaddyfile(helper httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, e
 //		decode_step_per_seq    <duration>
 //		time_scale             <factor>
 //		tokens_per_chunk       <n>
-//		metrics                vllm|vllm-legacy|sglang|llamacpp|nim
+//		metrics                vllm|vllm-legacy|sglang|llamacpp|nim|tgi
 //		error_rate             <0..1>
 //		drop_mid_stream_rate   <0..1>
 //		cut_stream_after       <tokens>
