@@ -409,7 +409,7 @@ func TestParseMatrixOptions(t *testing.T) {
 			t.Errorf("-metrics llamacpp: backend %d of hetero serves %q metrics", i, s.Metrics)
 		}
 	}
-	for _, bad := range [][]string{{"-matrix", "-regimes", "nope"}, {"-matrix", "-seeds", "0"}, {"-matrix", "-goodput"}, {"-metrics", "tgi"}} {
+	for _, bad := range [][]string{{"-matrix", "-regimes", "nope"}, {"-matrix", "-seeds", "0"}, {"-matrix", "-goodput"}, {"-metrics", "ollama"}} {
 		if _, err := parseOptions(bad); err == nil {
 			t.Errorf("parseOptions(%q) = nil error, want an error", bad)
 		}
