@@ -68,7 +68,8 @@ type Snapshot struct {
 	// BlockSize is the KV block (vLLM) or page (SGLang) size in tokens and NumBlocks the number of
 	// blocks summed over engines, from the labels of vllm:cache_config_info
 	// {block_size,num_gpu_blocks} or sglang:cache_config_info{page_size,num_pages} (SGLang's
-	// sglang:page_size and sglang:num_pages gauges are accepted too). Zero when unknown.
+	// sglang:page_size and sglang:num_pages gauges are accepted too, and its
+	// sglang:max_total_num_tokens, the pool in tokens). Zero when unknown.
 	// BlockSize*NumBlocks is the target's KV capacity in tokens.
 	BlockSize, NumBlocks int
 	// Model is the model_name label of the load series (vLLM serves one base model, under its first
@@ -294,6 +295,14 @@ func extractSGLang(families map[string]*dto.MetricFamily, model string, s *Snaps
 		numPages, okN := sum(families, []string{"sglang:num_pages"}, model)
 		if okP && okN {
 			s.BlockSize, s.NumBlocks = toBlocks(pageSize), toBlocks(numPages)
+		} else if tokens, ok := sum(families, []string{"sglang:max_total_num_tokens"}, model); ok {
+			// Or only the pool's size in tokens (a constant it sets at startup): pages of one token,
+			// SGLang's default, unless the page size is there too.
+			size := 1
+			if okP && toBlocks(pageSize) > 0 {
+				size = toBlocks(pageSize)
+			}
+			s.BlockSize, s.NumBlocks = size, toBlocks(tokens/float64(size))
 		}
 	}
 	return true

@@ -98,6 +98,11 @@ func TestParseRecorded(t *testing.T) {
 			want: Snapshot{Running: 1, Waiting: 0, KVUsage: 0.25, KVReported: true, PrefilledTokens: 512, GenerationTokens: 128, Flavor: FlavorLlamaCpp},
 		},
 		{
+			name: "SGLang with only the pool's size in tokens: pages of one token",
+			file: "sglang_pool_tokens.txt",
+			want: Snapshot{Running: 5, Waiting: 1, KVUsage: 0.12, KVReported: true, BlockSize: 1, NumBlocks: 470528, Flavor: FlavorSGLang},
+		},
+		{
 			name: "TGI: the batch running, its queue waiting, forward passes as steps",
 			file: "tgi.txt",
 			want: Snapshot{Running: 12, Waiting: 5, GenerationTokens: 190230, Steps: 81554, Flavor: FlavorTGI},
@@ -335,7 +340,7 @@ func TestHitRate(t *testing.T) {
 }
 
 func FuzzParse(f *testing.F) {
-	for _, name := range []string{"vllm_v1_two_engines.txt", "vllm_legacy.txt", "sglang.txt", "sglang_gauges.txt", "vllm_two_models.txt", "vllm_lora.txt", "llamacpp.txt", "llamacpp_kv.txt", "nim.txt", "tgi.txt", "garbage.txt"} {
+	for _, name := range []string{"vllm_v1_two_engines.txt", "vllm_legacy.txt", "sglang.txt", "sglang_gauges.txt", "vllm_two_models.txt", "vllm_lora.txt", "llamacpp.txt", "llamacpp_kv.txt", "nim.txt", "tgi.txt", "sglang_pool_tokens.txt", "garbage.txt"} {
 		f.Add(readTestdata(f, name), "")
 	}
 	f.Fuzz(func(t *testing.T, text []byte, model string) {
