@@ -213,6 +213,24 @@ func TestTransportRelaysBytesUnchanged(t *testing.T) {
 			tester := caddytest.NewTester(t)
 			tester.InitServer(observerConfig(tc.transport, "", a.dial, b.dial), "caddyfile")
 			client := &http.Client{Timeout: time.Minute}
+			// What is observed is counted from here: the load table is process-wide, and a port the
+			// kernel gave an earlier test's observed backend may come back for this one's.
+			observed := func() (requests int64, firstTokens int, idle bool) {
+				idle = true
+				ups := adminUpstreams(t)
+				for _, dial := range []string{a.dial, b.dial} {
+					u := ups[dial]
+					idle = idle && u.InflightRequests == 0
+					if u.Cache != nil {
+						requests += u.Cache.Requests
+					}
+					if u.Model != nil {
+						firstTokens += u.Model.FirstTokens
+					}
+				}
+				return requests, firstTokens, idle
+			}
+			requests0, firstTokens0, _ := observed()
 			const n = 12
 			for i := range n {
 				stream := i%2 == 0
@@ -235,22 +253,11 @@ func TestTransportRelaysBytesUnchanged(t *testing.T) {
 			var requests int64
 			var firstTokens int
 			waitFor(t, "the last request's end", func() bool {
-				requests, firstTokens = 0, 0
-				ups := adminUpstreams(t)
-				for _, dial := range []string{a.dial, b.dial} {
-					u := ups[dial]
-					if u.InflightRequests != 0 {
-						return false
-					}
-					if u.Cache != nil {
-						requests += u.Cache.Requests
-					}
-					if u.Model != nil {
-						firstTokens += u.Model.FirstTokens
-					}
-				}
-				return true
+				var idle bool
+				requests, firstTokens, idle = observed()
+				return idle
 			})
+			requests, firstTokens = requests-requests0, firstTokens-firstTokens0
 			want := int64(0)
 			if tc.observed {
 				want = n
