@@ -589,3 +589,65 @@ func TestNextTurnPricedOnPredictedQueues(t *testing.T) {
 		}
 	}
 }
+
+// TestBlindHotPrefixSpills: without metrics or observed first tokens, nothing shows an upstream's
+// queue but this proxy's own requests. A prefix every request carries goes to its home only while the
+// home holds at most 1.25x one more than the mean in flight; the next request goes elsewhere (reason
+// guard: a claim lost to load), which learns the prefix, and the prefix is replicated. Observed first
+// tokens do not lift the bound; only metrics do.
+func TestBlindHotPrefixSpills(t *testing.T) {
+	now := time.Unix(1_700_000_000, 0)
+	routes := affinity.New(affinity.Config{Capacity: 1000, TTL: 10 * time.Minute, BlockSize: 16, Now: func() time.Time { return now }})
+	keys := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"}
+	lt := &loadTable{m: make(map[string]*upstreamLoad)}
+	dec := newDecider(selection.DefaultConfig(), routes, lt, 64, nil) // no scrapes
+	system := chatMessage{"system", "You are a careful assistant. " + strings.Repeat("Follow the style guide to the letter. ", 80)}
+	ask := func(i int) *tokenize.Request {
+		return parseChat(t, system, chatMessage{"user", fmt.Sprintf("Question %d?", i)})
+	}
+	// Requests held in flight, as a burst of them would be.
+	var held []*reservation
+	send := func(i int) selection.Decision {
+		q := &query{req: ask(i), now: now.UnixNano()}
+		d := dec.choose(q, keys, make([]selection.Candidate, len(keys)), nil)
+		held = append(held, dec.commit(q, keys[d.Index], d))
+		return d
+	}
+	home := send(0).Index
+	perUpstream := make([]int, len(keys))
+	perUpstream[home]++
+	spilled := false
+	for i := 1; i < 12; i++ {
+		d := send(i)
+		perUpstream[d.Index]++
+		if d.Index != home && !spilled {
+			spilled = true
+			if d.Reason != selection.ReasonGuard {
+				t.Errorf("request %d, the first off the home, went with reason %v, want guard", i, d.Reason)
+			}
+		}
+		if limit := 1.25*(float64(i)/float64(len(keys))+1) + 1; float64(perUpstream[home]) > limit {
+			t.Fatalf("after %d requests the home holds %d, over the bound %.2f", i+1, perUpstream[home], limit)
+		}
+	}
+	if !spilled {
+		t.Fatalf("12 requests of one prefix in flight, all on its home %v", perUpstream)
+	}
+
+	// A first token observed at home shows its speed, not its queue: it stays bounded.
+	held[0].noteFirstToken(now.Add(300 * time.Millisecond).UnixNano())
+	q := &query{req: ask(100), now: now.UnixNano()}
+	cands := make([]selection.Candidate, len(keys))
+	dec.choose(q, keys, cands, nil)
+	for i := range cands {
+		if !cands[i].Blind {
+			t.Errorf("candidate %d not blind without metrics", i)
+		}
+	}
+	if lt.lookup(keys[home]).model.Service().FirstTokens != 1 {
+		t.Fatal("the first token was not observed")
+	}
+	for _, r := range held {
+		r.release(now.UnixNano(), false)
+	}
+}

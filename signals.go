@@ -298,6 +298,15 @@ func (sc *scrapes) load(dial string) (scraper.Snapshot, bool) {
 	return snap, fresh
 }
 
+// scraping reports whether the policy scrapes dial (it holds a handle on its metrics, which have not
+// been found unusable).
+func (sc *scrapes) scraping(dial string) bool {
+	sc.mu.RLock()
+	e := sc.handles[dial]
+	sc.mu.RUnlock()
+	return e != nil && e.h != nil
+}
+
 // touch records that e's upstream is in a decision now, to the second: the hot path pays two atomic
 // loads, and a store and a check for forgotten upstreams at most once a second per upstream.
 func (sc *scrapes) touch(e *scrapeEntry) {
@@ -397,7 +406,7 @@ func (sc *scrapes) checkUsable(dial string, e *scrapeEntry) {
 	releaseLater(e.h)
 	sc.logger.Info("upstream has no usable metrics; routing it on this proxy's own signals",
 		zap.String("upstream", dial), zap.String("metrics_url", t.String()), zap.String("last_error", st.LastError),
-		zap.String("hint", "without metrics, add transport llm so the policy sees each first token and the queue behind it"))
+		zap.String("hint", "without metrics the policy cannot see this upstream's queue and bounds its share of requests in flight; enable the server's Prometheus metrics (vLLM, SGLang with --enable-metrics, llama-server --metrics, NIM, TGI)"))
 }
 
 // acquire returns dial's entry, taking a handle on its scrapes if it has none; nil when the policy holds

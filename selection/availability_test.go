@@ -85,3 +85,51 @@ func TestHomeBreaksTies(t *testing.T) {
 		t.Errorf("Choose() = home 2 with 1 s queued there, want a cheaper one")
 	}
 }
+
+// TestBlindLoadsBounded: where the decision cannot see an upstream's queue (Blind), the one holding a
+// request's prefix takes it only while its requests in flight are within LoadBound of one more than the
+// mean; past that it spills to the next, and only blind candidates are bounded.
+func TestBlindLoadsBounded(t *testing.T) {
+	req := Request{PromptTokens: 4000, PrefixHash: 7}
+	blind := func(requests ...float64) []Candidate {
+		cs := withCached(withRequests(cands(0, 0, 0, 0), requests...), 3900)
+		for i := range cs {
+			cs[i].Service = Service{Overhead: 0.010, PrefillSecondsPerToken: 1e-4, TokenSeconds: 0.02} // no slots known
+			cs[i].Blind = true
+		}
+		return cs
+	}
+	for _, tc := range []struct {
+		name     string
+		requests []float64
+		cfg      func(*Config)
+		want     int
+	}{
+		{"within the bound: the prefix's home", []float64{2, 1, 1, 0}, nil, 0},
+		{"over 1.25 x (mean 1 + 1)", []float64{3, 1, 0, 0}, nil, -1},
+		{"no bound", []float64{9, 0, 0, 0}, func(c *Config) { c.LoadBound = 0 }, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := DefaultConfig()
+			if tc.cfg != nil {
+				tc.cfg(&cfg)
+			}
+			d := Choose(blind(tc.requests...), req, cfg, first, nil)
+			if tc.want >= 0 && d.Index != tc.want || tc.want < 0 && d.Index == 0 {
+				t.Errorf("Choose() = %d (%v), want %d (-1: anything but 0)", d.Index, d.Reason, tc.want)
+			}
+		})
+	}
+	// Seen upstreams (a fresh scrape or observed first tokens) are priced on what is seen, not bounded.
+	cs := blind(3, 1, 0, 0)
+	cs[0].Blind = false
+	if d := Choose(cs, req, DefaultConfig(), first, nil); d.Index != 0 {
+		t.Errorf("a seen home with 3 in flight: Choose() = %d, want 0", d.Index)
+	}
+	// A conversation pinned to a blind upstream over the bound moves.
+	cs = blind(3, 1, 0, 0)
+	cs[0].Pinned = true
+	if d := Choose(cs, req, DefaultConfig(), first, nil); d.Index == 0 {
+		t.Errorf("pinned to a blind upstream over the bound: Choose() = 0 (%v), want another", d.Reason)
+	}
+}

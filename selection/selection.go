@@ -127,6 +127,12 @@ type Candidate struct {
 	// Home is true for the tenant's home upstream (the head of its fallback chain): among candidates
 	// whose costs are equal within the tie tolerance, a home is preferred.
 	Home bool
+	// Blind is set when the upstream's queue is known only from this proxy's own requests: no fresh
+	// scrape of its metrics. Its slot count and how much its batch slows as it grows are then unknown,
+	// and its predicted wait is the prefill this proxy queued there (corrected by observed first tokens,
+	// where a handler sees them), so a prefix every request shares would pile onto it unseen;
+	// Config.LoadBound bounds it.
+	Blind bool
 }
 
 // Request is what the decision needs to know about the request being routed.
@@ -157,12 +163,18 @@ type Config struct {
 	// seconds stand for that noise when the least-cost candidate's decode step is unknown.
 	TieTolerance float64
 	MinTie       float64
+	// LoadBound bounds a blind candidate's requests in flight (Candidate.Blind) to LoadBound times one
+	// more than the candidates' mean: one over it takes no new request while another is under it. It is
+	// consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam, 2018): the cache
+	// affinity holds while loads stay near the mean, and a prefix that would pile onto one upstream
+	// spills to the next. 0: no bound.
+	LoadBound float64
 }
 
 // DefaultConfig is the configuration the Caddy module starts from. Nothing in it is tied to one backend:
 // every cost is in seconds of the candidate's own estimated service.
 func DefaultConfig() Config {
-	return Config{Mode: Combined, TieTolerance: 0.02, MinTie: 0.002}
+	return Config{Mode: Combined, TieTolerance: 0.02, MinTie: 0.002, LoadBound: 1.25}
 }
 
 // Decision is the outcome of Choose.
@@ -297,6 +309,7 @@ func Choose(cands []Candidate, req Request, cfg Config, rnd func(n int) int, scr
 		costs = append(costs, cost)
 	}
 	excludeUnavailable(cands, costs, req, rnd)
+	limit := boundLoads(cands, costs, cfg.LoadBound)
 	decision := func(i int, reason Reason) Decision {
 		c := &cands[i]
 		_, wait, ttft := Cost(c, req, c.CachedTokens)
@@ -328,11 +341,11 @@ func Choose(cands []Candidate, req Request, cfg Config, rnd func(n int) int, scr
 		}
 	}
 
-	// longest is the candidate with the longest cache claim (-1: none); a claim it lost to its queue
-	// is reported as the guard's doing.
+	// longest is the candidate with the longest cache claim (-1: none; not one left out by its
+	// availability); a claim it lost to its queue, or to the load bound, is reported as the guard's doing.
 	longest := -1
 	for i := range cands {
-		if cands[i].CachedTokens > 0 && !math.IsInf(costs[i], 1) && (longest < 0 || cands[i].CachedTokens > cands[longest].CachedTokens) {
+		if cands[i].CachedTokens > 0 && (!math.IsInf(costs[i], 1) || overBound(&cands[i], limit)) && (longest < 0 || cands[i].CachedTokens > cands[longest].CachedTokens) {
 			longest = i
 		}
 	}
@@ -439,6 +452,40 @@ func excludeUnavailable(cands []Candidate, costs []float64, req Request, rnd fun
 		}
 	}
 }
+
+// boundLoads excludes (cost +Inf) each blind candidate with more requests in flight than bound times
+// one more than the candidates' mean (Config.LoadBound), unless that would leave no candidate. It
+// returns the limit it applied (+Inf: none); overBound tells whom it excluded.
+func boundLoads(cands []Candidate, costs []float64, bound float64) (limit float64) {
+	if !(bound > 0) {
+		return math.Inf(1)
+	}
+	total, blind := 0.0, false
+	for i := range cands {
+		total += cands[i].Requests
+		blind = blind || cands[i].Blind
+	}
+	if !blind {
+		return math.Inf(1)
+	}
+	limit = bound * (total/float64(len(cands)) + 1)
+	open := false
+	for i := range cands {
+		open = open || !math.IsInf(costs[i], 1) && !overBound(&cands[i], limit)
+	}
+	if !open {
+		return math.Inf(1)
+	}
+	for i := range cands {
+		if overBound(&cands[i], limit) {
+			costs[i] = math.Inf(1)
+		}
+	}
+	return limit
+}
+
+// overBound reports whether boundLoads, at limit, excludes c.
+func overBound(c *Candidate, limit float64) bool { return c.Blind && c.Requests > limit }
 
 // leastCost returns the candidate with the least cost. Costs within the tie tolerance of the least are
 // separated by the tenant's home, then more cached tokens (the same first token for less work: the
