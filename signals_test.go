@@ -12,6 +12,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -891,4 +892,97 @@ func TestScrapesPlaceholderUpstream(t *testing.T) {
 		m := adminUpstreams(t)[dial].Metrics
 		return m != nil && m.Fresh && m.Flavor == "vllm"
 	})
+}
+
+// TestBlindUpstreamsBounded: where the policy cannot see the backends' queues (metrics off, or metrics
+// found unusable), a burst of requests that share one long system prompt does not pile onto the
+// backend that cached it first: no upstream holds more than 1.25x one more than the mean in flight
+// while another holds less. The backends hold every request until the burst is in, so each decision
+// sees all the earlier ones in flight.
+func TestBlindUpstreamsBounded(t *testing.T) {
+	for _, tc := range []struct{ name, metrics string }{
+		{"metrics off", "metrics off"},
+		{"metrics unusable", "metrics {\n\t\t\t\tinterval 20ms\n\t\t\t}"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var hold atomic.Bool
+			release := make(chan struct{})
+			received := make([]atomic.Int64, 3)
+			dials := make([]string, 3)
+			for i := range dials {
+				srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+					if r.URL.Path == "/metrics" {
+						http.NotFound(w, r) // a generic OpenAI-compatible server
+						return
+					}
+					_, _ = io.Copy(io.Discard, r.Body)
+					if hold.Load() {
+						received[i].Add(1)
+						<-release
+					}
+					w.Header().Set("Content-Type", "application/json")
+					io.WriteString(w, `{"id":"x","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":900,"completion_tokens":1,"total_tokens":901}}`)
+				}))
+				t.Cleanup(srv.Close)
+				dials[i] = strings.TrimPrefix(srv.URL, "http://")
+			}
+			var once sync.Once
+			t.Cleanup(func() { once.Do(func() { close(release) }) })
+
+			tester := caddytest.NewTester(t)
+			tester.InitServer(globalOptions+fmt.Sprintf(`
+%s {
+	reverse_proxy %s {
+		lb_policy llm {
+			%s
+		}
+	}
+}
+`, site, strings.Join(dials, " "), tc.metrics), "caddyfile")
+			if tc.metrics != "metrics off" {
+				// Until its metrics are found unusable, an upstream's first scrape is awaited, not bounded.
+				waitFor(t, "every upstream's metrics found unusable", func() bool {
+					post(t, tester.Client, "/v1/chat/completions", chatBody("m", 5, false))
+					ups := adminUpstreams(t)
+					for _, d := range dials {
+						if u, ok := ups[d]; !ok || u.Metrics != nil {
+							return false
+						}
+					}
+					return true
+				})
+			}
+
+			hold.Store(true)
+			system := strings.Repeat("You are the support desk of a hardware shop; cite the manual. ", 60)
+			const n = 12
+			var wg sync.WaitGroup
+			for i := range n {
+				body := fmt.Sprintf(`{"model":"m","max_tokens":8,"messages":[{"role":"system","content":%q},{"role":"user","content":"question %d"}]}`, system, i)
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					post(t, tester.Client, "/v1/chat/completions", body)
+				}()
+				waitFor(t, fmt.Sprintf("request %d at a backend", i), func() bool {
+					sum := int64(0)
+					for j := range received {
+						sum += received[j].Load()
+					}
+					return sum == int64(i+1)
+				})
+			}
+			counts := make([]int64, len(received))
+			for j := range received {
+				counts[j] = received[j].Load()
+			}
+			once.Do(func() { close(release) })
+			wg.Wait()
+			// 12 in flight over 3: the home takes at most 1.25 x (11/3 + 1) = 5.8, so 6 with the one
+			// that reached it at the bound's edge.
+			if m := slices.Max(counts); m > 6 {
+				t.Errorf("requests per backend %v: one holds %d of %d, over the bound", counts, m, n)
+			}
+		})
+	}
 }
