@@ -668,13 +668,7 @@ func TestScrapesUseUpstreamTLS(t *testing.T) {
 }
 `, site, dial, transport, ca), "caddyfile")
 
-			if res, body := post(t, tester.Client, "/v1/chat/completions", chatBody("sim-model", 10, false)); res.StatusCode != http.StatusOK {
-				t.Fatalf("status %d through the TLS upstream: %s", res.StatusCode, body)
-			}
-			waitFor(t, "a good scrape over https", func() bool {
-				m := adminUpstreams(t)[dial].Metrics
-				return m != nil && m.Fresh && m.Flavor == "vllm"
-			})
+			postAndAwaitScrape(t, tester.Client, dial, "over https")
 		})
 	}
 }
@@ -817,14 +811,8 @@ func TestScrapesUnixSocketUpstream(t *testing.T) {
 }
 `, site, socket, transport, extra), "caddyfile")
 
-			if res, body := post(t, tester.Client, "/v1/chat/completions", chatBody("sim-model", 10, false)); res.StatusCode != http.StatusOK {
-				t.Fatalf("status %d through the unix socket upstream: %s", res.StatusCode, body)
-			}
 			dial := "unix/" + socket
-			waitFor(t, "a good scrape over the socket", func() bool {
-				m := adminUpstreams(t)[dial].Metrics
-				return m != nil && m.Fresh && m.Flavor == "vllm"
-			})
+			postAndAwaitScrape(t, tester.Client, dial, "over the socket")
 			if withHeader && !headerSeen.Load() {
 				t.Error("the scrapes over the socket did not send the configured header")
 			}
@@ -885,10 +873,17 @@ func TestScrapesPlaceholderUpstream(t *testing.T) {
 }
 `, site, dial), "caddyfile")
 
-	if res, body := post(t, tester.Client, "/v1/chat/completions", chatBody("sim-model", 10, false)); res.StatusCode != http.StatusOK {
-		t.Fatalf("status %d through the upstream %s: %s", res.StatusCode, dial, body)
+	postAndAwaitScrape(t, tester.Client, dial, "of "+addr)
+}
+
+// postAndAwaitScrape sends one chat request through the proxy to dial, the one upstream, and waits for
+// a good, fresh vLLM scrape of it (how says how it is reached, for the messages).
+func postAndAwaitScrape(t *testing.T, client *http.Client, dial, how string) {
+	t.Helper()
+	if res, body := post(t, client, "/v1/chat/completions", chatBody("sim-model", 10, false)); res.StatusCode != http.StatusOK {
+		t.Fatalf("status %d through %s: %s", res.StatusCode, dial, body)
 	}
-	waitFor(t, "a good scrape of "+addr, func() bool {
+	waitFor(t, "a good scrape "+how, func() bool {
 		m := adminUpstreams(t)[dial].Metrics
 		return m != nil && m.Fresh && m.Flavor == "vllm"
 	})
