@@ -158,7 +158,8 @@ type scrapes struct {
 	forgetAfter        time.Duration
 	// transport sends the scrapes when they use the reverse_proxy's TLS settings or headers of their
 	// own; nil otherwise (the scraper's own clients send them). socketClients are its copies that dial
-	// the unix socket of an upstream on one, by socket path (guarded by mu).
+	// the unix socket of an upstream on one, by socket path (guarded by mu; as many as the config names:
+	// dynamic sources give addresses, not sockets).
 	transport     *http.Transport
 	socketClients map[string]*http.Client
 }

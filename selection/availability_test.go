@@ -88,7 +88,8 @@ func TestHomeBreaksTies(t *testing.T) {
 
 // TestBlindLoadsBounded: where the decision cannot see an upstream's queue (Blind), the one holding a
 // request's prefix takes it only while its requests in flight are within LoadBound of one more than the
-// mean; past that it spills to the next, and only blind candidates are bounded.
+// mean; past that it spills to the next. Only blind candidates are bounded, and only for prefixes that
+// could pile up (hot ones, or of unknown share).
 func TestBlindLoadsBounded(t *testing.T) {
 	req := Request{PromptTokens: 4000, PrefixHash: 7}
 	blind := func(requests ...float64) []Candidate {
@@ -125,6 +126,16 @@ func TestBlindLoadsBounded(t *testing.T) {
 	cs[0].Blind = false
 	if d := Choose(cs, req, DefaultConfig(), first, nil); d.Index != 0 {
 		t.Errorf("a seen home with 3 in flight: Choose() = %d, want 0", d.Index)
+	}
+	// A prefix fewer than one request in 2N carry (not hot) cannot pile up: it stays home, unbounded.
+	shared := req
+	shared.Share = 0.05
+	if d := Choose(blind(3, 1, 0, 0), shared, DefaultConfig(), first, nil); d.Index != 0 {
+		t.Errorf("a prefix of 5%% of requests, its home over the bound: Choose() = %d, want the home 0", d.Index)
+	}
+	shared.Share = 0.5 // hot: bounded
+	if d := Choose(blind(3, 1, 0, 0), shared, DefaultConfig(), first, nil); d.Index == 0 {
+		t.Errorf("a prefix of half the requests, its home over the bound: Choose() = 0, want another")
 	}
 	// A conversation pinned to a blind upstream over the bound moves.
 	cs = blind(3, 1, 0, 0)

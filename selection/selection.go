@@ -167,7 +167,8 @@ type Config struct {
 	// more than the candidates' mean: one over it takes no new request while another is under it. It is
 	// consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam, 2018): the cache
 	// affinity holds while loads stay near the mean, and a prefix that would pile onto one upstream
-	// spills to the next. 0: no bound.
+	// spills to the next. A request whose prefix fewer than one in 2N requests carry (Request.Share,
+	// Hot) is not bounded: it cannot pile up. 0: no bound.
 	LoadBound float64
 }
 
@@ -309,7 +310,13 @@ func Choose(cands []Candidate, req Request, cfg Config, rnd func(n int) int, scr
 		costs = append(costs, cost)
 	}
 	excludeUnavailable(cands, costs, req, rnd)
-	limit := boundLoads(cands, costs, cfg.LoadBound)
+	limit := math.Inf(1)
+	if !(req.Share > 0 && !Hot(req.Share, len(cands))) {
+		// A prefix that fewer than one request in 2N carry cannot pile up (see below): it stays
+		// where it is cached, bounded or not. Bounded, a shared-prefix group's home on slow
+		// backends spilled to cold upstreams (slow-prefill p50 3.5x, docs/bench/blind-bound).
+		limit = boundLoads(cands, costs, cfg.LoadBound)
+	}
 	decision := func(i int, reason Reason) Decision {
 		c := &cands[i]
 		_, wait, ttft := Cost(c, req, c.CachedTokens)
