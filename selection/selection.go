@@ -312,9 +312,9 @@ func Choose(cands []Candidate, req Request, cfg Config, rnd func(n int) int, scr
 	excludeUnavailable(cands, costs, req, rnd)
 	limit := math.Inf(1)
 	if !(req.Share > 0 && !Hot(req.Share, len(cands))) {
-		// A prefix that fewer than one request in 2N carry cannot pile up (see below): it stays
-		// where it is cached, bounded or not. Bounded, a shared-prefix group's home on slow
-		// backends spilled to cold upstreams (slow-prefill p50 3.5x, docs/bench/blind-bound).
+		// A prefix that fewer than one request in 2N carry cannot pile up, and the rule below keeps
+		// it where it is cached. Bounded too, a shared-prefix group's home on slow backends spilled
+		// to cold upstreams (slow-prefill p50 3.5x, docs/bench/blind-bound).
 		limit = boundLoads(cands, costs, cfg.LoadBound)
 	}
 	decision := func(i int, reason Reason) Decision {
