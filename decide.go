@@ -217,14 +217,15 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 	q.overdue, q.full, q.settled = q.overdue[:0], q.full[:0], q.settled[:0]
 	for i, key := range keys {
 		var snap *scraper.Snapshot
-		pending := false // its first scrape is still to come
+		awaited := false // its first scrape is still to come
 		if s.scrapes != nil {
-			sn, fresh := s.scrapes.load(key)
+			var sn scraper.Snapshot
+			var fresh bool
+			sn, fresh, awaited = s.scrapes.loadAwaited(key)
 			s.loads.noteScrape(key, &sn, q.now) // a restart forgets routes before the cache signal reads them
 			if fresh {
 				snap = &sn
 			}
-			pending = sn.At.IsZero() && s.scrapes.scraping(key)
 		}
 		v := s.loads.view(key, q.now, snap)
 		cands[i].Service, cands[i].Requests, cands[i].Queued = v.service, v.requests, v.queued
@@ -235,7 +236,7 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 		// transport llm's runs without metrics 1.26x (p50) and 1.34x (p99) slower on nine cells
 		// (docs/bench/blind-bound). An upstream whose first scrape is on its way is waited for, not
 		// bounded, so that where metrics work the decision is the one the matrix measured.
-		cands[i].Blind = snap == nil && !pending
+		cands[i].Blind = snap == nil && !awaited
 		q.overdue, q.full, q.settled = append(q.overdue, v.overdue), append(q.full, v.full), append(q.settled, v.settled)
 		fleet.Add(v.service)
 	}

@@ -279,33 +279,31 @@ func upstreamTLS(ctx caddy.Context) *tls.Config {
 // load returns the fresh snapshot of dial's metrics, starting to scrape it on first use. Each call notes
 // dial as in a decision.
 func (sc *scrapes) load(dial string) (scraper.Snapshot, bool) {
+	snap, fresh, _ := sc.loadAwaited(dial)
+	return snap, fresh
+}
+
+// loadAwaited is load, and whether dial's first good scrape is still awaited: the policy scrapes it,
+// none has succeeded yet, and its metrics have not been found unusable.
+func (sc *scrapes) loadAwaited(dial string) (snap scraper.Snapshot, fresh, awaited bool) {
 	sc.mu.RLock()
 	e := sc.handles[dial]
 	sc.mu.RUnlock()
 	if e == nil {
 		e = sc.acquire(dial)
 		if e == nil {
-			return scraper.Snapshot{}, false
+			return scraper.Snapshot{}, false, false
 		}
 	}
 	sc.touch(e)
 	if e.h == nil {
-		return scraper.Snapshot{}, false
+		return scraper.Snapshot{}, false, false
 	}
-	snap, fresh := e.h.Load()
-	if snap.At.IsZero() && sc.checkDue() {
-		sc.checkUsable(dial, e)
+	snap, fresh = e.h.Load()
+	if !snap.At.IsZero() {
+		return snap, fresh, false
 	}
-	return snap, fresh
-}
-
-// scraping reports whether the policy scrapes dial (it holds a handle on its metrics, which have not
-// been found unusable).
-func (sc *scrapes) scraping(dial string) bool {
-	sc.mu.RLock()
-	e := sc.handles[dial]
-	sc.mu.RUnlock()
-	return e != nil && e.h != nil
+	return snap, fresh, !(sc.checkDue() && sc.checkUsable(dial, e))
 }
 
 // touch records that e's upstream is in a decision now, to the second: the hot path pays two atomic
@@ -385,20 +383,21 @@ const unusableAfter = 3
 
 // checkUsable stops scraping dial, saying so once in the log, when its metrics never answered usefully
 // (404, not Prometheus text, no load gauge it knows: a generic OpenAI-compatible server). Routing there goes
-// on with this proxy's own signals. Called only while no scrape of dial has succeeded.
-func (sc *scrapes) checkUsable(dial string, e *scrapeEntry) {
+// on with this proxy's own signals, and reports whether it did. Called only while no scrape of dial has
+// succeeded.
+func (sc *scrapes) checkUsable(dial string, e *scrapeEntry) bool {
 	t, err := sc.cfg.target(dial)
 	if err != nil {
-		return
+		return false
 	}
 	st, ok := scraper.Default.Status(t)
 	if !ok || st.Errors < unusableAfter || !st.Snapshot.At.IsZero() {
-		return
+		return false
 	}
 	sc.mu.Lock()
 	if sc.handles[dial] != e {
 		sc.mu.Unlock()
-		return
+		return false
 	}
 	unusable := new(scrapeEntry)
 	unusable.seen.Store(e.seen.Load())
@@ -408,6 +407,7 @@ func (sc *scrapes) checkUsable(dial string, e *scrapeEntry) {
 	sc.logger.Info("upstream has no usable metrics; routing it on this proxy's own signals",
 		zap.String("upstream", dial), zap.String("metrics_url", t.String()), zap.String("last_error", st.LastError),
 		zap.String("hint", "without metrics the policy cannot see this upstream's queue and bounds its share of requests in flight; enable the server's Prometheus metrics (vLLM, SGLang with --enable-metrics, llama-server --metrics, NIM, TGI)"))
+	return true
 }
 
 // acquire returns dial's entry, taking a handle on its scrapes if it has none; nil when the policy holds
