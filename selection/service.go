@@ -136,7 +136,7 @@ func (m *ServiceModel) resetLocked(prior Service) {
 	m.ttft, m.ttftN = newRLS2(prior.Overhead, prior.PrefillSecondsPerToken*1000), 0
 	m.busy, m.busyN = newRLS2(prior.TokenSeconds, prior.PrefillSecondsPerToken*1000), 0
 	m.logScale, m.durN = 0, 0
-	m.slots, m.ceiling, m.atCeil, m.belowCeil, m.reported = 0, 0, 0, 0, 0
+	m.forgetSlotsLocked()
 }
 
 // ObserveFirstToken records a first token that came ttft seconds after the request was sent, where
@@ -261,6 +261,11 @@ func (m *ServiceModel) ObserveQueue(running, waiting, kvUsage float64) {
 func (m *ServiceModel) ForgetSlots() {
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	m.forgetSlotsLocked()
+}
+
+// forgetSlotsLocked drops what is known of the slot count, learned and reported. m.mu must be held.
+func (m *ServiceModel) forgetSlotsLocked() {
 	m.slots, m.ceiling, m.atCeil, m.belowCeil, m.reported = 0, 0, 0, 0, 0
 }
 
