@@ -148,6 +148,7 @@ type reservation struct {
 	learned   int64 // when the route table learned its prefixes there (affinity.Table.Learn); 0: not
 	start     int64 // unix nanoseconds, when it was sent
 	waited    float64
+	ahead     int // this proxy's other requests in flight on the upstream when it was sent
 	// prefill is its own prefill in seconds, and prefillDone when it is predicted (or was observed) to
 	// end; firstToken is set when the first token was observed.
 	prefill     float64
@@ -232,7 +233,7 @@ func (l *upstreamLoad) add(dial string, w work, now int64) *reservation {
 	begin := max(now+seconds(w.waited), l.prefillUntil.Load())
 	l.prefillUntil.Store(begin + seconds(r.prefill))
 	r.prefillDone = begin + seconds(r.prefill+svc.Overhead)
-	r.index = len(l.inflight)
+	r.index, r.ahead = len(l.inflight), len(l.inflight)
 	l.inflight = append(l.inflight, r)
 	l.kv += int64(r.kv)
 	l.allocTotal += int64(w.uncached + selection.OutputKV(r.outputs(), l.tokenScaleLocked()))
@@ -266,8 +267,21 @@ func (l *upstreamLoad) add(dial string, w work, now int64) *reservation {
 
 // firstToken records r's first token at now: its prefill is done. It teaches the service model the
 // first-token delay and moves the virtual queue by the prediction's error. Only the first call counts.
+//
+// The requests predicted to prefill after r move with it: r's prefill delayed (or hastened) theirs, and
+// their own first tokens must not count its error again. Before, each one's first token moved the queue
+// by its whole lateness against its first prediction, so a delay shared by n requests queued behind
+// one another moved it n times.
+//
+// A first token that probably waited for a slot the prediction did not count
+// (selection.Service.WaitedForSlot: the slot count is unknown) does not move the queue later: the
+// virtual queue is prefill, and a slot's wait is none. Moved by such waits, on a shared prefix's home
+// (8 slots, no metrics) it grew with every late first token to predicted waits of 200-300 ms there, and
+// the decision sent the prefix's requests to upstreams that had to prefill it whole (docs/bench/observed-queue).
 func (r *reservation) noteFirstToken(now int64) {
 	l := r.load
+	ttft := float64(now-r.start) / 1e9
+	slotWait := l.model.Service().WaitedForSlot(r.uncached, r.ahead, r.waited, ttft)
 	l.mu.Lock()
 	if r.firstToken || r.index < 0 {
 		l.mu.Unlock()
@@ -275,12 +289,21 @@ func (r *reservation) noteFirstToken(now int64) {
 	}
 	r.firstToken = true
 	early := r.prefillDone - now // > 0: done sooner than predicted; the queue behind it moves up
+	if slotWait {
+		early = max(early, 0)
+	}
+	was := r.prefillDone
 	r.prefillDone = now
 	if until := l.prefillUntil.Load(); early != 0 {
 		l.prefillUntil.Store(max(until-early, now))
+		for _, o := range l.inflight { // those queued behind r move with it, once
+			if !o.firstToken && o.prefillDone > was {
+				o.prefillDone = max(o.prefillDone-early, now)
+			}
+		}
 	}
 	l.mu.Unlock()
-	l.model.ObserveFirstToken(r.uncached, r.waited, float64(now-r.start)/1e9)
+	l.model.ObserveFirstToken(r.uncached, r.ahead, r.waited, ttft)
 }
 
 // release ends r: it leaves the in-flight set and, if it was still predicted to be prefilling, takes its

@@ -76,6 +76,70 @@ func TestPhaseAccounting(t *testing.T) {
 	}
 }
 
+// TestSlotWaitLeavesPrefillQueue: a first token later than predicted moves the upstream's prefill
+// queue by its lateness, unless the request may have waited for a slot the decision did not predict
+// (its slot count unknown, more of this proxy's requests ahead of it than the upstream was seen to run
+// beside a new one): a slot's wait is no prefill.
+func TestSlotWaitLeavesPrefillQueue(t *testing.T) {
+	const dial = "10.0.0.1:8000"
+	now := time.Unix(1_700_000_000, 0).UnixNano()
+	for _, c := range []struct {
+		name  string
+		ahead int // requests reserved before the late one
+		moved bool
+	}{
+		{"alone: its delay was prefill", 0, true},
+		{"behind two: perhaps a slot", 2, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			lt := newTestLoads()
+			for range c.ahead {
+				lt.reserve(dial, work{uncached: 100, output: 100}, now)
+			}
+			late := lt.reserve(dial, work{uncached: 1000, output: 100}, now)
+			l := lt.lookup(dial)
+			until := l.prefillUntil.Load()
+			at := late.prefillDone + int64(time.Second)
+			late.noteFirstToken(at)
+			if got := l.prefillUntil.Load(); (got != until) != c.moved {
+				t.Errorf("prefill queue end moved %.3f s by a first token 1 s late behind %d; want moved %v",
+					float64(got-until)/1e9, c.ahead, c.moved)
+			}
+		})
+	}
+}
+
+// TestLateFirstTokenMovesQueueOnce: a first token 1 s late delays the prefills queued behind it by 1 s,
+// once: the one behind it, answered 1 s after its first prediction, is on time and moves nothing more.
+// (Before, every request of a queue moved it by its whole lateness against its first prediction.) The
+// slot count is known here, so no wait for a slot is suspected.
+func TestLateFirstTokenMovesQueueOnce(t *testing.T) {
+	const dial = "10.0.0.1:8000"
+	now := time.Unix(1_700_000_000, 0).UnixNano()
+	lt := newTestLoads()
+	a := lt.reserve(dial, work{uncached: 4000, output: 100}, now)
+	b := lt.reserve(dial, work{uncached: 4000, output: 100}, now)
+	l := lt.lookup(dial)
+	l.model.ReportSlots(64)
+	until, bDone := l.prefillUntil.Load(), b.prefillDone
+	a.noteFirstToken(a.prefillDone + int64(time.Second))
+	if got := l.prefillUntil.Load() - until; got != int64(time.Second) {
+		t.Fatalf("a's first token 1 s late moved the queue %.3f s, want 1", float64(got)/1e9)
+	}
+	if got := b.prefillDone - bDone; got != int64(time.Second) {
+		t.Errorf("b, queued behind a, predicted %.3f s later, want 1", float64(got)/1e9)
+	}
+	b.noteFirstToken(bDone + int64(time.Second))
+	if got := l.prefillUntil.Load() - until; got != int64(time.Second) {
+		t.Errorf("after b's first token as a's delay predicts: queue moved %.3f s in all, want 1", float64(got)/1e9)
+	}
+	a.release(b.prefillDone, true)
+	b.release(b.prefillDone, true)
+	if tokens, requests := lt.get(dial); tokens != 0 || requests != 0 {
+		t.Errorf("after every release: %d tokens, %d requests, want 0", tokens, requests)
+	}
+}
+
 // TestHolderRetriesAndEnd: a retry releases the previous attempt's reservation, the end releases the last
 // one, and a reservation swapped in after the end is released at once. Only a completed end teaches the
 // service model.

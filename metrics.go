@@ -302,6 +302,11 @@ type serviceModel struct {
 	MeanDurationSeconds    float64 `json:"mean_request_seconds"`
 	// FirstTokens counts the first tokens observed (by the llm transport or llm_resume) that taught it.
 	FirstTokens int `json:"first_tokens_observed"`
+	// UnqueuedConcurrency is the most of this proxy's requests in flight there beside one whose observed
+	// first token still came on time (selection.Service.Free): while the slot count is unknown, a first
+	// token later than that teaches nothing and leaves the prefill queue where it was. Absent until a
+	// first token is observed behind another request.
+	UnqueuedConcurrency int `json:"unqueued_concurrency,omitempty"`
 	// BusyIntervals counts the intervals between two scrapes over which the backend's own counters
 	// taught it the prefill speed (when no first tokens are observed).
 	BusyIntervals int `json:"busy_intervals_observed"`
@@ -317,7 +322,7 @@ type serviceModel struct {
 }
 
 func reportService(s selection.Service, overrun, tokenScale float64) *serviceModel {
-	m := &serviceModel{OverheadMS: 1000 * s.Overhead, TokenMS: 1000 * s.TokenSeconds, Slots: s.Slots, MeanDurationSeconds: s.MeanDuration, FirstTokens: s.FirstTokens, BusyIntervals: s.BusyIntervals, Overrun: overrun, TokenScale: tokenScale}
+	m := &serviceModel{OverheadMS: 1000 * s.Overhead, TokenMS: 1000 * s.TokenSeconds, Slots: s.Slots, MeanDurationSeconds: s.MeanDuration, FirstTokens: s.FirstTokens, UnqueuedConcurrency: s.Free, BusyIntervals: s.BusyIntervals, Overrun: overrun, TokenScale: tokenScale}
 	if s.PrefillSecondsPerToken > 0 {
 		m.PrefillTokensPerSecond = 1 / s.PrefillSecondsPerToken
 	}

@@ -28,6 +28,10 @@ type Service struct {
 	// (Slots): two or more showed requests waiting, not for cache space, at Ceiling and none below it; 0
 	// otherwise (see ObserveQueue).
 	LikelySlots float64
+	// Free is the most requests this proxy had in flight on the upstream ahead of a first token that came
+	// on time (ObserveFirstToken): it ran that many beside a new one without queueing it. While Slots is
+	// unknown, a first token behind more than Free may have waited for a slot the decision did not predict.
+	Free int
 	// Samples is how many observations the estimate rests on (0: it is the prior).
 	Samples int
 	// FirstTokens is how many of them are observed first tokens (ObserveFirstToken), and BusyIntervals
@@ -54,6 +58,24 @@ func (s Service) busyRatio() float64 {
 // prompt tokens, on an idle upstream.
 func (s Service) TTFT(uncached int) float64 {
 	return s.Overhead + float64(max(uncached, 0))*s.PrefillSecondsPerToken
+}
+
+// SlotWait says whether a request sent with ahead others in flight on the upstream may have waited for a
+// slot that a prediction from s did not count: the slot count is unknown, and ahead is more than the
+// upstream has been seen to run beside a new request without queueing it (Free).
+func (s Service) SlotWait(ahead int) bool { return s.Slots == 0 && ahead > s.Free }
+
+// WaitedForSlot says whether a first token that came ttft seconds after its request was sent, with
+// queued seconds of prefill predicted ahead of it, uncached tokens of its own and ahead others in flight,
+// probably waited for a slot the prediction did not count: it came later than onTime times its
+// predicted service, and it may have (SlotWait).
+func (s Service) WaitedForSlot(uncached, ahead int, queued, ttft float64) bool {
+	return s.late(uncached, queued, ttft) && s.SlotWait(ahead)
+}
+
+// late says whether a first token came later than onTime times its predicted service.
+func (s Service) late(uncached int, queued, ttft float64) bool {
+	return ttft-queued > onTime*s.TTFT(uncached)
 }
 
 // Slower returns s with its times f times as long (its prefill, overhead and time per token).
@@ -104,6 +126,7 @@ type ServiceModel struct {
 	reported  float64 // the slot count the backend reports itself (ReportSlots); 0: none
 	atCeil    int     // scrapes with requests waiting (and cache room) running at the ceiling
 	belowCeil int     // and running below it
+	free      int     // the most requests this proxy had in flight ahead of a first token on time (ObserveFirstToken)
 }
 
 // forgetting is the weight the information along an observation's direction keeps when the observation
@@ -140,27 +163,44 @@ func (m *ServiceModel) resetLocked(prior Service) {
 }
 
 // ObserveFirstToken records a first token that came ttft seconds after the request was sent, where
-// the upstream had queued seconds of prefill ahead of it (as predicted when it was sent) and the request
-// had uncached prompt tokens to prefill.
+// the upstream had queued seconds of prefill ahead of it (as predicted when it was sent), the request
+// had uncached prompt tokens to prefill, and this proxy had ahead other requests in flight there.
 //
-// Only a first token that was not predicted to wait longer than its own service teaches the model: the
-// wait is a prediction, and where it dominates, its error (a queue the proxy did not see) would be
-// learned as overhead or prefill speed, and the upstreams that were busiest would look slowest.
-func (m *ServiceModel) ObserveFirstToken(uncached int, queued, ttft float64) {
+// Only a first token whose wait the decision predicted teaches the model: the wait is a prediction,
+// and where it dominates, its error (a queue the proxy did not see) would be learned as overhead or
+// prefill speed, and the upstreams that were busiest would look slowest. So a first token teaches
+// nothing when it was predicted to wait longer than its own service, nor when it probably waited for a
+// slot while the upstream's slot count is unknown, which the decision then does not predict
+// (WaitedForSlot: later than twice its predicted service, behind more of this proxy's requests than any
+// first token came on time behind). A first token on time behind more requests than that raises Free
+// to them: the upstream ran that many beside a new one without queueing it.
+func (m *ServiceModel) ObserveFirstToken(uncached, ahead int, queued, ttft float64) {
 	y := ttft - queued
 	if !(y > 0) || math.IsInf(y, 0) {
 		return
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	pred := m.serviceLocked().TTFT(uncached)
+	s := m.serviceLocked()
+	pred := s.TTFT(uncached)
 	if queued > pred {
+		return
+	}
+	if !s.late(uncached, queued, ttft) && ahead > m.free {
+		m.free = min(ahead, maxStateCount)
+	}
+	if s.WaitedForSlot(uncached, ahead, queued, ttft) {
 		return
 	}
 	y = min(y, 10*pred+1) // clip outliers: a stalled connection must not teach a 10x slowdown at once
 	m.ttft.update(float64(uncached)/1000, y)
 	m.ttftN = counted(m.ttftN)
 }
+
+// onTime is how far past its predicted service a first token may come and still show that the
+// requests ahead of it left it a slot (ObserveFirstToken): a wait for a slot is a whole request's
+// remaining decode, many steps, while a batch that grows by one slows a first token by a fraction.
+const onTime = 2
 
 // ObserveEnd records a request that finished duration seconds after it was sent, having waited about
 // waited seconds (as predicted) before its prefill could start, with uncached prompt tokens and output
@@ -257,16 +297,17 @@ func (m *ServiceModel) ObserveQueue(running, waiting, kvUsage float64) {
 }
 
 // ForgetSlots forgets what the model learned of the backend's slots (its running ceiling and the scrapes
-// at it), keeping its speed: a backend that restarted may run with another max_num_seqs.
+// at it, the requests it ran without queueing), keeping its speed: a backend that restarted may run with another max_num_seqs.
 func (m *ServiceModel) ForgetSlots() {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.forgetSlotsLocked()
 }
 
-// forgetSlotsLocked drops what is known of the slot count, learned and reported. m.mu must be held.
+// forgetSlotsLocked drops what is known of the slot count, learned (from scrapes or first tokens) and
+// reported. m.mu must be held.
 func (m *ServiceModel) forgetSlotsLocked() {
-	m.slots, m.ceiling, m.atCeil, m.belowCeil, m.reported = 0, 0, 0, 0, 0
+	m.slots, m.ceiling, m.atCeil, m.belowCeil, m.reported, m.free = 0, 0, 0, 0, 0, 0
 }
 
 // ReportSlots records the slot count the backend reports itself (NVIDIA NIM's num_request_max): it is the
@@ -323,6 +364,7 @@ func (m *ServiceModel) serviceLocked() Service {
 		Samples:                m.durN + m.ttftN + m.busyN,
 		BusyIntervals:          m.busyN,
 		FirstTokens:            m.ttftN,
+		Free:                   m.free,
 	}
 	if m.atCeil >= 2 && m.belowCeil == 0 {
 		s.LikelySlots = m.ceiling

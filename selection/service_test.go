@@ -56,7 +56,7 @@ func TestServiceModelConvergesFromFirstTokens(t *testing.T) {
 	for range 40 {
 		uncached := 50 + rng.IntN(6000)
 		queued := rng.Float64() * 0.5
-		m.ObserveFirstToken(uncached, queued, queued+b.ttft(uncached, rng))
+		m.ObserveFirstToken(uncached, 0, queued, queued+b.ttft(uncached, rng))
 	}
 	s := m.Service()
 	if !within(1/s.PrefillSecondsPerToken, 20000, 0.15) || !within(s.Overhead, 0.05, 0.3) {
@@ -321,16 +321,61 @@ func TestServiceModelSkipsQueuedFirstTokens(t *testing.T) {
 	m := NewServiceModel(Prior)
 	before := m.Service()
 	for range 20 {
-		m.ObserveFirstToken(1000, 2, 2+5) // 2 s predicted queue, then 5 s: the queue was longer than thought
+		m.ObserveFirstToken(1000, 0, 2, 2+5) // 2 s predicted queue, then 5 s: the queue was longer than thought
 	}
 	if got := m.Service(); got.Overhead != before.Overhead || got.PrefillSecondsPerToken != before.PrefillSecondsPerToken {
 		t.Errorf("queued first tokens moved the model: %+v, want %+v", got, before)
 	}
 	for range 20 {
-		m.ObserveFirstToken(1000, 0, 0.030+1000.0/2000) // idle, 2k tokens/s
+		m.ObserveFirstToken(1000, 0, 0, 0.030+1000.0/2000) // idle, 2k tokens/s
 	}
 	if got := 1 / m.Service().PrefillSecondsPerToken; !within(got, 2000, 0.2) {
 		t.Errorf("prefill %.0f tokens/s after first tokens served at once, want about 2000", got)
+	}
+}
+
+// TestServiceModelSkipsSlotWaits: a backend of 8 slots, seen without its slot count, serves first tokens
+// on time behind up to 7 of the proxy's requests and after a wait for a slot (0.5-1.5 s) behind 8 or
+// more. The waits teach the model nothing (its overhead and prefill speed stay the backend's) and Free
+// is what it ran beside a new request without queueing, 7. Control: told a slot count of 64 (the
+// decision would have predicted any wait for a slot), the same first tokens are learned, waits and all.
+func TestServiceModelSkipsSlotWaits(t *testing.T) {
+	b := backend{overhead: 0.03, perToken: 1 / 8000.0, tokenSeconds: 0.03}
+	feed := func(m *ServiceModel) {
+		rng := rand.New(rand.NewPCG(12, 12))
+		for range 80 {
+			uncached, ahead := 200+rng.IntN(1800), rng.IntN(16)
+			ttft := b.ttft(uncached, rng)
+			if ahead >= 8 {
+				ttft += 0.5 + rng.Float64()
+			}
+			m.ObserveFirstToken(uncached, ahead, 0, ttft)
+		}
+	}
+	m := NewServiceModel(Prior)
+	feed(m)
+	s := m.Service()
+	if !within(s.Overhead, b.overhead, 0.3) || !within(s.PrefillSecondsPerToken, b.perToken, 0.15) || s.FirstTokens < minFirstTokens {
+		t.Errorf("learned %.0f ms overhead and %.0f tokens/s from %d first tokens, want 30 and 8000 (the waits for a slot skipped)",
+			1000*s.Overhead, 1/s.PrefillSecondsPerToken, s.FirstTokens)
+	}
+	if s.Free != 7 {
+		t.Errorf("Free = %d, want 7 (first tokens on time behind up to 7)", s.Free)
+	}
+	if !s.SlotWait(8) || s.SlotWait(7) {
+		t.Errorf("SlotWait(8), SlotWait(7) = %v, %v; want true, false", s.SlotWait(8), s.SlotWait(7))
+	}
+	m.ForgetSlots()
+	if got := m.Service().Free; got != 0 {
+		t.Errorf("after ForgetSlots (a restarted backend): Free = %d, want 0", got)
+	}
+
+	told := NewServiceModel(Prior)
+	told.ReportSlots(64)
+	feed(told)
+	if got := told.Service(); got.Overhead < 5*b.overhead || got.SlotWait(15) {
+		t.Errorf("with a slot count of 64: %.0f ms overhead, SlotWait(15) %v; want the waits learned (over 150 ms) and no slot wait",
+			1000*got.Overhead, got.SlotWait(15))
 	}
 }
 
@@ -357,7 +402,7 @@ func TestServiceModelBusy(t *testing.T) {
 	}
 	for range 2 * minFirstTokens {
 		uncached := 200 + rng.IntN(4000)
-		m.ObserveFirstToken(uncached, 0, 0.030+float64(uncached)/20000)
+		m.ObserveFirstToken(uncached, 0, 0, 0.030+float64(uncached)/20000)
 	}
 	if got := m.Service().PrefillSecondsPerToken; got > 2.0/20000 {
 		t.Errorf("with %d first tokens at 20k tokens/s: %.0f tokens/s, want the first tokens' estimate", 2*minFirstTokens, 1/got)

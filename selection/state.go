@@ -26,6 +26,7 @@ type ModelState struct {
 	Ceiling   float64  `json:"ceiling"`
 	AtCeil    int      `json:"at_ceiling"`
 	BelowCeil int      `json:"below_ceiling"`
+	Free      int      `json:"free,omitempty"` // Service.Free; absent from states saved before it (0: unknown)
 }
 
 // StatePrior is the part of a Service a prior sets.
@@ -75,6 +76,7 @@ func (m *ServiceModel) State() ModelState {
 		Ceiling:   m.ceiling,
 		AtCeil:    m.atCeil,
 		BelowCeil: m.belowCeil,
+		Free:      m.free,
 	}
 }
 
@@ -104,7 +106,7 @@ func (m *ServiceModel) Restore(st ModelState) error {
 	m.ttft, m.ttftN = rls2{theta: st.TTFT.Theta, p: boundCovariance2(st.TTFT.P)}, st.FirstToks
 	m.busy, m.busyN = rls2{theta: st.Busy.Theta, p: boundCovariance2(st.Busy.P)}, st.BusyN
 	m.logScale, m.durN, m.meanDur = st.LogScale, st.Durations, st.MeanDur
-	m.slots, m.ceiling, m.atCeil, m.belowCeil = st.Slots, st.Ceiling, st.AtCeil, st.BelowCeil
+	m.slots, m.ceiling, m.atCeil, m.belowCeil, m.free = st.Slots, st.Ceiling, st.AtCeil, st.BelowCeil, st.Free
 	return nil
 }
 
@@ -119,7 +121,7 @@ func (st ModelState) check() error {
 			return fmt.Errorf("a figure is not finite: %v", v)
 		}
 	}
-	for _, n := range []int{st.FirstToks, st.BusyN, st.Durations, st.AtCeil, st.BelowCeil} {
+	for _, n := range []int{st.FirstToks, st.BusyN, st.Durations, st.AtCeil, st.BelowCeil, st.Free} {
 		if n < 0 || n > maxStateCount {
 			return fmt.Errorf("count %d out of range", n)
 		}

@@ -19,7 +19,7 @@ func learned(prior Service) *ServiceModel {
 		m.ObserveEnd(uncached, output, 0, b.duration(uncached, output, rng))
 		m.ObserveBusy(64*b.tokenSeconds+float64(uncached)*b.perToken, float64(uncached), 64)
 		if i%3 == 0 {
-			m.ObserveFirstToken(uncached, 0, b.ttft(uncached, rng))
+			m.ObserveFirstToken(uncached, i/3, 0, b.ttft(uncached, rng))
 		}
 		m.ObserveQueue(12, 3, 0.4)
 	}
@@ -46,12 +46,12 @@ func TestServiceModelStateRoundTrip(t *testing.T) {
 	if got, want := restored.Service(), saved.Service(); got != want {
 		t.Fatalf("restored service %+v, want %+v", got, want)
 	}
-	if got := restored.Service(); got.Slots != 12 || got.PrefillSecondsPerToken < 2*fresh.PrefillSecondsPerToken {
-		t.Fatalf("restored service %+v: want 12 slots and about 3x the prior's prefill time", got)
+	if got := restored.Service(); got.Slots != 12 || got.PrefillSecondsPerToken < 2*fresh.PrefillSecondsPerToken || got.Free == 0 {
+		t.Fatalf("restored service %+v: want 12 slots, about 3x the prior's prefill time and the requests it ran beside a first token", got)
 	}
 	for _, m := range []*ServiceModel{saved, restored} {
 		m.ObserveEnd(2000, 100, 0.1, 12)
-		m.ObserveFirstToken(500, 0, 0.3)
+		m.ObserveFirstToken(500, 0, 0, 0.3)
 		m.ObserveBusy(3, 9000, 70)
 		m.ObserveQueue(13, 1, 0.2)
 	}
@@ -104,7 +104,7 @@ func TestServiceModelCountsStayRestorable(t *testing.T) {
 		t.Fatalf("Restore at the largest counts: %v", err)
 	}
 	m.ObserveEnd(2000, 100, 0.1, 12)
-	m.ObserveFirstToken(500, 0, 0.3)
+	m.ObserveFirstToken(500, 0, 0, 0.3)
 	m.ObserveBusy(3, 9000, 70)
 	if err := NewServiceModel(Prior).Restore(m.State()); err != nil {
 		t.Errorf("the state saved after more observations is refused: %v", err)
@@ -173,7 +173,7 @@ func FuzzRestore(f *testing.F) {
 		}
 		check("restored")
 		m.ObserveEnd(2000, 100, 0.1, 3)
-		m.ObserveFirstToken(500, 0, 0.2)
+		m.ObserveFirstToken(500, 0, 0, 0.2)
 		m.ObserveBusy(2, 4000, 70)
 		m.ObserveQueue(8, 2, 0.3)
 		check("after observations")
