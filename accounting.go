@@ -265,10 +265,10 @@ func (l *upstreamLoad) add(dial string, w work, now int64) *reservation {
 	return r
 }
 
-// firstToken records r's first token at now: its prefill is done. It teaches the service model the
+// noteFirstToken records r's first token at now: its prefill is done. It teaches the service model the
 // first-token delay and moves the virtual queue by the prediction's error. Only the first call counts.
 //
-// The requests predicted to prefill after r move with it: r's prefill delayed (or hastened) theirs, and
+// The requests predicted to prefill after r (a pass over the upstream's requests in flight) move with it: r's prefill delayed (or hastened) theirs, and
 // their own first tokens must not count its error again. Before, each one's first token moved the queue
 // by its whole lateness against its first prediction, so a delay shared by n requests queued behind
 // one another moved it n times.

@@ -297,7 +297,8 @@ func (m *ServiceModel) ObserveQueue(running, waiting, kvUsage float64) {
 }
 
 // ForgetSlots forgets what the model learned of the backend's slots (its running ceiling and the scrapes
-// at it, the requests it ran without queueing), keeping its speed: a backend that restarted may run with another max_num_seqs.
+// at it, the requests it ran without queueing), keeping its speed: a backend that restarted may run with
+// another max_num_seqs.
 func (m *ServiceModel) ForgetSlots() {
 	m.mu.Lock()
 	defer m.mu.Unlock()
