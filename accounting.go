@@ -268,26 +268,26 @@ func (l *upstreamLoad) add(dial string, w work, now int64) *reservation {
 // noteFirstToken records r's first token at now: its prefill is done. It teaches the service model the
 // first-token delay and moves the virtual queue by the prediction's error. Only the first call counts.
 //
-// The requests predicted to prefill after r (a pass over the upstream's requests in flight) move with it: r's prefill delayed (or hastened) theirs, and
-// their own first tokens must not count its error again. Before, each one's first token moved the queue
-// by its whole lateness against its first prediction, so a delay shared by n requests queued behind
-// one another moved it n times.
+// The requests predicted to prefill after r (a pass over the upstream's requests in flight) move with
+// it: r's prefill delayed (or hastened) theirs, and their own first tokens must not count its error
+// again. Before, each one's first token moved the queue by its whole lateness against its first
+// prediction, so a delay shared by n requests queued behind one another moved it n times.
 //
-// A first token that probably waited for a slot the prediction did not count
-// (selection.Service.WaitedForSlot: the slot count is unknown) does not move the queue later: the
-// virtual queue is prefill, and a slot's wait is none. Moved by such waits, on a shared prefix's home
-// (8 slots, no metrics) it grew with every late first token to predicted waits of 200-300 ms there, and
-// the decision sent the prefix's requests to upstreams that had to prefill it whole (docs/bench/observed-queue).
+// A first token that probably waited for a slot the prediction did not count (the model's
+// ObserveFirstToken says so: the slot count is unknown) does not move the queue later: the virtual queue
+// is prefill, and a slot's wait is none. Moved by such waits, on a shared prefix's home (8 slots, no
+// metrics) it grew with every late first token to predicted waits of 200-300 ms there, and the decision
+// sent the prefix's requests to upstreams that had to prefill it whole (docs/bench/observed-queue).
 func (r *reservation) noteFirstToken(now int64) {
 	l := r.load
-	ttft := float64(now-r.start) / 1e9
-	slotWait := l.model.Service().WaitedForSlot(r.uncached, r.ahead, r.waited, ttft)
 	l.mu.Lock()
+	defer l.mu.Unlock()
 	if r.firstToken || r.index < 0 {
-		l.mu.Unlock()
 		return
 	}
 	r.firstToken = true
+	// The model's lock inside l.mu, as the scrapes take them (ObserveQueue, ObserveBusy).
+	slotWait := l.model.ObserveFirstToken(r.uncached, r.ahead, r.waited, float64(now-r.start)/1e9)
 	early := r.prefillDone - now // > 0: done sooner than predicted; the queue behind it moves up
 	if slotWait {
 		early = max(early, 0)
@@ -302,8 +302,6 @@ func (r *reservation) noteFirstToken(now int64) {
 			}
 		}
 	}
-	l.mu.Unlock()
-	l.model.ObserveFirstToken(r.uncached, r.ahead, r.waited, ttft)
 }
 
 // release ends r: it leaves the in-flight set and, if it was still predicted to be prefilling, takes its

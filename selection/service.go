@@ -65,19 +65,6 @@ func (s Service) TTFT(uncached int) float64 {
 // upstream has been seen to run beside a new request without queueing it (Free).
 func (s Service) SlotWait(ahead int) bool { return s.Slots == 0 && ahead > s.Free }
 
-// WaitedForSlot says whether a first token that came ttft seconds after its request was sent, with
-// queued seconds of prefill predicted ahead of it, uncached tokens of its own and ahead others in flight,
-// probably waited for a slot the prediction did not count: it came later than onTime times its
-// predicted service, and it may have (SlotWait).
-func (s Service) WaitedForSlot(uncached, ahead int, queued, ttft float64) bool {
-	return s.late(uncached, queued, ttft) && s.SlotWait(ahead)
-}
-
-// late says whether a first token came later than onTime times its predicted service.
-func (s Service) late(uncached int, queued, ttft float64) bool {
-	return ttft-queued > onTime*s.TTFT(uncached)
-}
-
 // Slower returns s with its times f times as long (its prefill, overhead and time per token).
 func (s Service) Slower(f float64) Service {
 	s.Overhead *= f
@@ -164,37 +151,39 @@ func (m *ServiceModel) resetLocked(prior Service) {
 
 // ObserveFirstToken records a first token that came ttft seconds after the request was sent, where
 // the upstream had queued seconds of prefill ahead of it (as predicted when it was sent), the request
-// had uncached prompt tokens to prefill, and this proxy had ahead other requests in flight there.
+// had uncached prompt tokens to prefill, and this proxy had ahead other requests in flight there. It
+// reports whether the first token probably waited for a slot the prediction did not count: while the
+// slot count is unknown, later than twice its predicted service, behind more of this proxy's requests
+// than any first token came on time behind (SlotWait).
 //
 // Only a first token whose wait the decision predicted teaches the model: the wait is a prediction,
 // and where it dominates, its error (a queue the proxy did not see) would be learned as overhead or
 // prefill speed, and the upstreams that were busiest would look slowest. So a first token teaches
 // nothing when it was predicted to wait longer than its own service, nor when it probably waited for a
-// slot while the upstream's slot count is unknown, which the decision then does not predict
-// (WaitedForSlot: later than twice its predicted service, behind more of this proxy's requests than any
-// first token came on time behind). A first token on time behind more requests than that raises Free
-// to them: the upstream ran that many beside a new one without queueing it.
-func (m *ServiceModel) ObserveFirstToken(uncached, ahead int, queued, ttft float64) {
+// slot, which the decision does not predict while the slot count is unknown. A first token on time
+// behind more requests than Free raises Free to them: the upstream ran that many beside a new one
+// without queueing it.
+func (m *ServiceModel) ObserveFirstToken(uncached, ahead int, queued, ttft float64) (slotWait bool) {
 	y := ttft - queued
 	if !(y > 0) || math.IsInf(y, 0) {
-		return
+		return false
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	s := m.serviceLocked()
 	pred := s.TTFT(uncached)
-	if queued > pred {
-		return
+	late := y > onTime*pred
+	slotWait = late && s.SlotWait(ahead)
+	if queued > pred || slotWait {
+		return slotWait
 	}
-	if !s.late(uncached, queued, ttft) && ahead > m.free {
+	if !late && ahead > m.free {
 		m.free = min(ahead, maxStateCount)
-	}
-	if s.WaitedForSlot(uncached, ahead, queued, ttft) {
-		return
 	}
 	y = min(y, 10*pred+1) // clip outliers: a stalled connection must not teach a 10x slowdown at once
 	m.ttft.update(float64(uncached)/1000, y)
 	m.ttftN = counted(m.ttftN)
+	return false
 }
 
 // onTime is how far past its predicted service a first token may come and still show that the
