@@ -234,6 +234,9 @@ func (l *upstreamLoad) add(dial string, w work, now int64) *reservation {
 	l.prefillUntil.Store(begin + seconds(r.prefill))
 	r.prefillDone = begin + seconds(r.prefill+svc.Overhead)
 	r.index, r.ahead = len(l.inflight), len(l.inflight)
+	if p := &r.prediction; p.claimAge > 0 && p.claimed+p.cut > 0 {
+		p.unsettled = l.prefillingLocked(now - p.claimAge)
+	}
 	l.inflight = append(l.inflight, r)
 	l.kv += int64(r.kv)
 	l.allocTotal += int64(w.uncached + selection.OutputKV(r.outputs(), l.tokenScaleLocked()))
@@ -263,6 +266,18 @@ func (l *upstreamLoad) add(dial string, w work, now int64) *reservation {
 	l.predicted.Add(int64(w.matched))
 	l.lastUsed.Store(now)
 	return r
+}
+
+// prefillingLocked reports whether a request of this proxy's in flight there, whose prefixes the route
+// table learned at learned (affinity.Table.Learn's time, reservation.learned), has had no first token
+// yet: the route table's claim of that time may be a prefix still being computed. The caller holds l.mu.
+func (l *upstreamLoad) prefillingLocked(learned int64) bool {
+	for _, o := range l.inflight {
+		if o.learned == learned && !o.firstToken {
+			return true
+		}
+	}
+	return false
 }
 
 // noteFirstToken records r's first token at now: its prefill is done. It teaches the service model the

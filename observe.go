@@ -47,6 +47,10 @@ type prediction struct {
 	claimed   int   // of them, the route table's claim on this upstream
 	claimAge  int64 // how old the claim (or the cut claim) was at the decision, nanoseconds
 	cut       int   // a claim older than the upstream's horizon, not credited (claimed is then 0)
+	// unsettled: the request whose sending made the claim was still in flight there without a first
+	// token when this one was sent (upstreamLoad.prefillingLocked), so its prefix may not have been
+	// computed yet when this one was admitted; set by reserve.
+	unsettled bool
 }
 
 // cacheCounters add up, per upstream, the attempts whose cached tokens the backend reported, all in the
@@ -121,6 +125,14 @@ func (r *reservation) observeCached(backendPrompt, cached int) {
 		// the backend confirmed (not of the decision's figure, which trust already discounted).
 		claimed := float64(p.claimed) * scale
 		denied := float64(cached) < denyShare*claimed
+		if p.unsettled && float64(cached) < claimed {
+			// The claim's own request was still prefilling: a backend computes a prefix before it caches it,
+			// and one admitted beside that prefill finds none of it, or the part computed so far. The
+			// shortfall says nothing of how long the backend keeps a prefix (counted as a denial, it set
+			// horizons of 2-20 ms on shared-prefix groups sent in bursts: every claim older was cut, and
+			// the groups scattered), nor of the claims to believe.
+			break
+		}
 		l.mu.Lock()
 		l.trust += observedTrustGain * (min(float64(cached)/claimed, 1) - l.trust)
 		if denied && p.claimAge > 0 {

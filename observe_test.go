@@ -137,7 +137,8 @@ func TestObserversNeverDoubleCount(t *testing.T) {
 // TestDenialShortensHorizon: a backend that reports far fewer cached tokens than the route table claimed
 // kept the prefix for less than the claim's age, which becomes its horizon (older claims are not
 // credited); a claim older than the horizon that it confirms lengthens it. Trust follows the share of
-// the claim confirmed.
+// the claim confirmed. A claim whose own request was still prefilling when the report's request was sent
+// may not have been computed yet: a shortfall on it moves neither.
 func TestDenialShortensHorizon(t *testing.T) {
 	const age = int64(4 * time.Second)
 	tests := []struct {
@@ -149,6 +150,9 @@ func TestDenialShortensHorizon(t *testing.T) {
 		wantHorizon     int64
 		wantCorrections int64
 		wantTrust       float64 // from 1, moved by observedTrustGain toward the share confirmed
+		// sender: the request that made the claim (its prefixes learned at the claim's time) is still in
+		// flight there, without its first token ("prefilling") or after it ("answering"); "": it ended.
+		sender string
 	}{
 		{name: "confirmed", claimed: 256, cached: 256, backendPrompt: 300, wantTrust: 1},
 		{name: "a little short is no denial", claimed: 256, cached: 192, backendPrompt: 300, wantTrust: 0.975},
@@ -158,13 +162,26 @@ func TestDenialShortensHorizon(t *testing.T) {
 		{name: "scaled to the backend's tokens", claimed: 256, cached: 128, backendPrompt: 600, wantHorizon: age, wantCorrections: 1, wantTrust: 0.925},
 		{name: "cut claim confirmed", horizon: age / 2, cut: 256, cached: 256, backendPrompt: 300, wantHorizon: age/2 + age/4, wantTrust: 1},
 		{name: "cut claim denied", horizon: age / 2, cut: 256, cached: 0, backendPrompt: 300, wantHorizon: age / 2, wantTrust: 1},
+		{name: "denied while its sender prefills", sender: "prefilling", claimed: 256, cached: 0, backendPrompt: 300, wantTrust: 1},
+		{name: "half computed while its sender prefills", sender: "prefilling", claimed: 256, cached: 160, backendPrompt: 300, wantTrust: 1},
+		{name: "confirmed while its sender prefills", sender: "prefilling", horizon: age / 2, claimed: 256, cached: 256, backendPrompt: 300, wantHorizon: age / 2, wantTrust: 1},
+		{name: "denied after its sender's first token", sender: "answering", claimed: 256, cached: 0, backendPrompt: 300, wantHorizon: age, wantCorrections: 1, wantTrust: 0.9},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			lt := newTestLoads()
+			now := time.Now().UnixNano()
+			if tt.sender != "" {
+				sender := lt.reserve("u:1", work{prompt: 300, uncached: 300, learned: now - age}, now-age)
+				if tt.sender == "answering" {
+					sender.noteFirstToken(now - age/2)
+				}
+				// Another request in flight, learned at another time: not the claim's sender.
+				lt.reserve("u:1", work{prompt: 300, uncached: 300, learned: now - age + 1}, now-age+1)
+			}
 			res := lt.reserve("u:1", work{prompt: 300, matched: tt.claimed, prediction: prediction{
 				prompt: 300, predicted: tt.claimed, claimed: tt.claimed, cut: tt.cut, claimAge: age,
-			}}, time.Now().UnixNano())
+			}}, now)
 			res.load.horizon = tt.horizon
 			res.observeCached(tt.backendPrompt, tt.cached)
 			if got := res.load.cacheHorizon(); got != tt.wantHorizon {
