@@ -199,7 +199,8 @@ func TestDenialShortensHorizon(t *testing.T) {
 }
 
 // TestHorizonCutsOldClaims: the cache signal does not credit a claim older than its upstream's horizon,
-// and commit records it as cut with its age.
+// and commit records it as cut with its age. Where the upstream's cache size is known, the eviction
+// estimate judges each claim instead (TestEvictedClaimsAreNotCredited), and the horizon cuts nothing.
 func TestHorizonCutsOldClaims(t *testing.T) {
 	now := time.Unix(1_700_000_000, 0)
 	clock := now
@@ -220,11 +221,24 @@ func TestHorizonCutsOldClaims(t *testing.T) {
 	if cands[0].CachedTokens != 0 || cands[1].CachedTokens != 128 {
 		t.Errorf("credited %d and %d cached tokens, want 0 (claim 10s old, horizon 5s) and 128 (1s old)", cands[0].CachedTokens, cands[1].CachedTokens)
 	}
+
+	// The cache size known (a scrape), and nothing sent since the claim: the old claim is credited whole.
+	known := make([]selection.Candidate, 2)
+	for i := range known {
+		known[i].KVCapacity = 1 << 20
+	}
+	cacheSignal{routes: routes, loads: lt}.fill(q, keys, known)
+	if known[0].CachedTokens != 128 || known[1].CachedTokens != 128 || q.cut[0] != 0 {
+		t.Errorf("cache size known: credited %d and %d cached tokens (cut %v), want 128 and 128, nothing cut", known[0].CachedTokens, known[1].CachedTokens, q.cut)
+	}
+
+	cacheSignal{routes: routes, loads: lt}.fill(q, keys, cands) // the size unknown again, for commit
 	d := &decider{routes: routes, loads: lt, outputTokens: 16}
 	res := d.commit(q, "old:1", selection.Decision{Index: 0})
 	if p := res.prediction; p.claimed != 0 || p.cut != 128 || p.claimAge != int64(10*time.Second) {
 		t.Errorf("prediction = claimed %d, cut %d, age %v; want 0, 128, 10s", p.claimed, p.cut, time.Duration(p.claimAge))
 	}
+
 }
 
 // TestRestartForgetsRoutes: a scrape showing a new process start time, or counters gone back, forgets the
