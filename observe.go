@@ -13,9 +13,11 @@ import (
 // reports the backend's usage.prompt_tokens_details.cached_tokens. That figure is the truth the route
 // table only predicts: per upstream, the observed cached tokens are added up next to the predicted ones,
 // a backend that reports far fewer than the route table claimed kept that prefix for less than the
-// claim's age, which becomes its horizon: claims older than it are no longer credited (a claim older
-// than the horizon that it confirms lengthens the horizon), and its figures move the trust the decision
-// puts in its claims. A backend restart, seen in its scraped metrics, forgets its routes at once.
+// claim's age, which becomes its horizon: where the upstream's cache size is unknown, claims older than
+// it are no longer credited (a claim older than the horizon that it confirms lengthens the horizon; with
+// the size known, the eviction estimate judges each claim instead), and its figures move the trust the
+// decision puts in its claims. A claim whose own request was still prefilling when the reported one was
+// sent may not have been computed yet: a report short of it denies nothing. A backend restart, seen in its scraped metrics, forgets its routes at once.
 //
 // Why a horizon and not dropping the denied routes: the report arrives with the end of the response,
 // when the backend has just computed that prompt again; its routes are true again for a while, and
