@@ -234,7 +234,7 @@ func (l *upstreamLoad) add(dial string, w work, now int64) *reservation {
 	l.prefillUntil.Store(begin + seconds(r.prefill))
 	r.prefillDone = begin + seconds(r.prefill+svc.Overhead)
 	r.index, r.ahead = len(l.inflight), len(l.inflight)
-	if p := &r.prediction; p.claimAge > 0 && p.claimed+p.cut > 0 {
+	if p := &r.prediction; p.claimAge > 0 && p.claimed > 0 { // only a credited claim can be denied
 		p.unsettled = l.prefillingLocked(now - p.claimAge)
 	}
 	l.inflight = append(l.inflight, r)

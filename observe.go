@@ -17,7 +17,8 @@ import (
 // it are no longer credited (a claim older than the horizon that it confirms lengthens the horizon; with
 // the size known, the eviction estimate judges each claim instead), and its figures move the trust the
 // decision puts in its claims. A claim whose own request was still prefilling when the reported one was
-// sent may not have been computed yet: a report short of it denies nothing. A backend restart, seen in its scraped metrics, forgets its routes at once.
+// sent may not have been computed yet: a report short of it denies nothing. A backend restart, seen in
+// its scraped metrics, forgets its routes at once.
 //
 // Why a horizon and not dropping the denied routes: the report arrives with the end of the response,
 // when the backend has just computed that prompt again; its routes are true again for a while, and

@@ -238,7 +238,6 @@ func TestHorizonCutsOldClaims(t *testing.T) {
 	if p := res.prediction; p.claimed != 0 || p.cut != 128 || p.claimAge != int64(10*time.Second) {
 		t.Errorf("prediction = claimed %d, cut %d, age %v; want 0, 128, 10s", p.claimed, p.cut, time.Duration(p.claimAge))
 	}
-
 }
 
 // TestRestartForgetsRoutes: a scrape showing a new process start time, or counters gone back, forgets the
