@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -110,5 +111,149 @@ func BenchmarkSelect(b *testing.B) {
 				cancel()
 			}
 		})
+	}
+}
+
+// agenticBody is a coding agent's request as the bench's agentic workload sends it: a 5k-token
+// system prompt, a 15k-token task, then turns of a 64-token reply and a 2k-token tool result. Text
+// is English-like words drawn by rng; session seeds the task.
+type agenticBody struct {
+	rng      *rand.Rand
+	messages []string // JSON-encoded messages
+}
+
+var agenticWords = strings.Fields(`the of and to in is that for it as was with be by on not he this are or his
+from at which but have an they you were her she there been one all we their has would when if so no
+what can out other into more some could time these two may then do first any my now such like our
+cost model token cache request answer explain write summary table list code review document question`)
+
+func (a *agenticBody) text(tokens int) string {
+	var b strings.Builder
+	for b.Len() < 4*tokens {
+		if b.Len() > 0 {
+			b.WriteByte(' ')
+		}
+		b.WriteString(agenticWords[a.rng.IntN(len(agenticWords))])
+		if a.rng.IntN(10) == 0 {
+			b.WriteByte('.')
+		}
+	}
+	return b.String()
+}
+
+func (a *agenticBody) add(role string, tokens int) {
+	a.messages = append(a.messages, fmt.Sprintf(`{"role":%q,"content":%q}`, role, a.text(tokens)))
+}
+
+func (a *agenticBody) body() []byte {
+	return []byte(`{"model":"m","stream":true,"max_tokens":64,"messages":[` + strings.Join(a.messages, ",") + `]}`)
+}
+
+func newAgenticSession(system string, session int) *agenticBody {
+	a := &agenticBody{rng: rand.New(rand.NewPCG(uint64(session), 7))}
+	a.messages = append(a.messages, system)
+	a.add("user", 15000)
+	return a
+}
+
+// BenchmarkSelectAgentic measures a ~30k-token (120 KB) agent request: warm, the same body again
+// (every message cached); turn, the session's next turn (a new reply and tool result after a
+// cached history); cold, a new session (a shared system prompt, then 15k new tokens).
+func BenchmarkSelectAgentic(b *testing.B) {
+	system := newAgenticSession("", 0)
+	system.messages = nil
+	system.add("system", 5000)
+	sys := system.messages[0]
+	grow := func(a *agenticBody) {
+		for len(a.messages) < 10 {
+			a.add("assistant", 64)
+			a.add("tool", 2000)
+		}
+	}
+	b.Run("warm", func(b *testing.B) {
+		s, pool := provisionedPolicy(b, &LLMSelection{})
+		a := newAgenticSession(sys, 1)
+		grow(a)
+		body := a.body()
+		r, cancel := newProxyRequest(body)
+		s.Select(pool, r, nil)
+		cancel()
+		b.SetBytes(int64(len(body)))
+		b.ReportAllocs()
+		for b.Loop() {
+			r, cancel := newProxyRequest(body)
+			if s.Select(pool, r, nil) == nil {
+				b.Fatal("no upstream")
+			}
+			cancel()
+		}
+	})
+	b.Run("turn", func(b *testing.B) {
+		s, pool := provisionedPolicy(b, &LLMSelection{})
+		session := 1
+		a := newAgenticSession(sys, session)
+		grow(a)
+		b.ReportAllocs()
+		for b.Loop() {
+			b.StopTimer()
+			a.messages = a.messages[:len(a.messages)-2]
+			a.add("assistant", 64)
+			a.add("tool", 2000)
+			body := a.body()
+			r, cancel := newProxyRequest(body)
+			b.StartTimer()
+			if s.Select(pool, r, nil) == nil {
+				b.Fatal("no upstream")
+			}
+			cancel()
+		}
+	})
+	b.Run("cold", func(b *testing.B) {
+		s, pool := provisionedPolicy(b, &LLMSelection{})
+		session := 1
+		b.ReportAllocs()
+		for b.Loop() {
+			b.StopTimer()
+			session++
+			body := newAgenticSession(sys, session).body()
+			r, cancel := newProxyRequest(body)
+			b.StartTimer()
+			if s.Select(pool, r, nil) == nil {
+				b.Fatal("no upstream")
+			}
+			cancel()
+		}
+	})
+}
+
+// BenchmarkSelectShared is -overhead's traffic through Select alone: 512 requests cycling, each a
+// ~3,900-token system prompt (one of 16) and its own ~100-token question, every message cached.
+func BenchmarkSelectShared(b *testing.B) {
+	gen := &agenticBody{rng: rand.New(rand.NewPCG(3, 4))}
+	systems := make([]string, 16)
+	for i := range systems {
+		systems[i] = fmt.Sprintf(`{"role":"system","content":%q}`, gen.text(3900))
+	}
+	bodies := make([][]byte, 512)
+	for i := range bodies {
+		gen.messages = []string{systems[gen.rng.IntN(len(systems))]}
+		gen.add("user", 100)
+		bodies[i] = gen.body()
+	}
+	s, pool := provisionedPolicy(b, &LLMSelection{})
+	for _, body := range bodies {
+		r, cancel := newProxyRequest(body)
+		s.Select(pool, r, nil)
+		cancel()
+	}
+	b.ReportAllocs()
+	i := 0
+	for b.Loop() {
+		r, cancel := newProxyRequest(bodies[i%len(bodies)])
+		i++
+		if s.Select(pool, r, nil) == nil {
+			b.Fatal("no upstream")
+		}
+		cancel()
 	}
 }
