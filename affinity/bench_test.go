@@ -129,3 +129,40 @@ func BenchmarkLearn(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkMatchWidePrefix matches a hot 4,000-token system prompt (62 boundaries of 64 tokens, then a
+// question) learned on 12 of 16 upstreams, against all 16: with overflow routes the 8 older holders are
+// found in them, and the 4 upstreams that never held it probe them within the budget; without, only
+// the route's 4 newest holders match. matched/op is how many upstreams matched.
+func BenchmarkMatchWidePrefix(b *testing.B) {
+	ups := make([]string, 16)
+	for i := range ups {
+		ups[i] = fmt.Sprintf("10.0.1.%d:8000", i+1)
+	}
+	bounds := make([]tokenize.Boundary, 63)
+	for i := range bounds {
+		bounds[i] = tokenize.Boundary{Tokens: 64 * (i + 1), Hash: splitmix(uint64(i) + 7)}
+	}
+	for _, overflow := range []int{DefaultOverflowRoutes, -1} {
+		b.Run(fmt.Sprintf("overflow=%d", max(overflow, 0)), func(b *testing.B) {
+			clock := newFakeClock()
+			tb := New(Config{TTL: time.Hour, OverflowRoutes: overflow, Now: clock.Now})
+			for _, u := range ups[:12] {
+				tb.Learn("bench-model", bounds[:62], u)
+				clock.Advance(time.Millisecond)
+			}
+			cached := make([]int, len(ups))
+			matched := 0
+			b.ReportAllocs()
+			for b.Loop() {
+				tb.Match("bench-model", bounds, ups, cached)
+				for _, n := range cached {
+					if n > 0 {
+						matched++
+					}
+				}
+			}
+			b.ReportMetric(float64(matched)/float64(b.N), "matched/op")
+		})
+	}
+}

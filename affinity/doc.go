@@ -9,7 +9,12 @@
 // align to the same block collapse into one route keyed by the earliest of them, so a request that
 // shares only the first of those messages still matches the block. A route's key is
 // RouteKey(ModelHash(model), boundary hash): a fixed-seed hash of the whole prefix, scoped by model. The
-// route lists up to MaxUpstreamsPerRoute upstreams with the time each was last sent that prefix.
+// route lists up to MaxUpstreamsPerRoute (4) upstreams with the time each was last sent that prefix; the
+// older holders of a prefix learned on more upstreams than that (a popular system prompt across a pool of
+// 8 or 16) move to its overflow routes, ordinary routes under keys derived from the route's and the
+// upstream's name (Config.OverflowRoutes), which Match probes for the candidates a full route does not
+// list. Without them, a pool of 16 matched a hot prefix on its 4 most recent holders only, priced the
+// others as full prefills of it, and piled the prefix onto those 4.
 //
 // Match answers, for each candidate upstream, the aligned length of the longest learned prefix of the
 // request on that upstream. Because a route exists for every block-aligned message boundary, a continuing

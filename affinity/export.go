@@ -65,7 +65,7 @@ func (t *Table) Import(routes []RouteRecord) {
 			seen := min(u.LastSeen.UnixNano(), now)
 			id := t.ups.intern(u.Upstream)
 			t.ups.ref(id)
-			t.mergeLocked(rec.Key, id, seen, now, false)
+			t.mergeLocked(rec.Key, id, seen, now, false, false)
 			t.ups.unref(id)
 		}
 	}

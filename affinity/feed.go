@@ -102,7 +102,7 @@ func (t *Table) ImportChanges(changes []Change) {
 		if c.Pin {
 			t.importPinLocked(c.Key, id, seen, now)
 		} else {
-			t.mergeLocked(c.Key, id, seen, now, true)
+			t.mergeLocked(c.Key, id, seen, now, true, true)
 		}
 		t.ups.unref(id)
 	}

@@ -318,7 +318,7 @@ func (t *Table) Restore(data []byte) (routes, pins int, err error) {
 			if e.ups[i] == 0 || now-e.seen[i] > ttl {
 				continue
 			}
-			t.mergeLocked(e.key, id(e.ups[i]), min(e.seen[i], now), now, e.remote)
+			t.mergeLocked(e.key, id(e.ups[i]), min(e.seen[i], now), now, e.remote, false)
 			restored = true
 		}
 		if restored {

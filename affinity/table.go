@@ -25,6 +25,16 @@ const (
 // entry is a fixed array of this many (upstream ID, last seen) pairs, which keeps it at 48 bytes.
 const MaxUpstreamsLimit = 4
 
+// DefaultOverflowRoutes is how many overflow routes a prefix's holders spill into beyond its route's
+// MaxUpstreamsPerRoute (see Config.OverflowRoutes): with 4 upstreams a route, 32 holders of one prefix.
+const DefaultOverflowRoutes = 7
+
+// MaxOverflowRoutes is the largest accepted OverflowRoutes.
+const MaxOverflowRoutes = 64
+
+// overflowSeed tells an overflow route's key from every boundary hash RouteKey is given.
+const overflowSeed = 0x6f766572666c6f77
+
 // sweepBatch bounds how many expired routes (and pins) one Learn (or Pin) removes from the LRU tail, so that
 // the first call after a long idle period does not stall; Expire removes them all.
 const sweepBatch = 64
@@ -40,9 +50,19 @@ type Config struct {
 	// BlockSize is the engine's KV-cache block size in tokens: only whole blocks are cached, so boundaries
 	// are aligned down to it. Default 16 (vLLM's default).
 	BlockSize int
-	// MaxUpstreamsPerRoute is how many upstreams one route remembers, most recently learned first; the
-	// oldest is dropped beyond it. Default 4, at most MaxUpstreamsLimit.
+	// MaxUpstreamsPerRoute is how many upstreams one route remembers, most recently learned first. Beyond
+	// it, Learn (and ImportChanges) moves the oldest one that is still live and within TTL to an overflow
+	// route of the prefix, one of OverflowRoutes chosen by the upstream's name, where it is dropped only
+	// when that overflow route is full in turn. Default 4, at most MaxUpstreamsLimit.
 	MaxUpstreamsPerRoute int
+	// OverflowRoutes is how many overflow routes a prefix has: a prefix cached on more upstreams than a
+	// route remembers (a popular system prompt replicated across a large pool) is still matched on all of
+	// them, up to MaxUpstreamsPerRoute x (1 + OverflowRoutes) (fewer where names share an overflow route).
+	// Overflow routes are ordinary routes under derived keys: they count against Capacity, expire, persist
+	// and are shared like the others, and a prefix held by at most MaxUpstreamsPerRoute upstreams has
+	// none. Default 7 (DefaultOverflowRoutes), at most MaxOverflowRoutes; negative: none (the oldest
+	// holder is dropped).
+	OverflowRoutes int
 	// ConversationTTL is how long a conversation pin lasts after it was last set. Default 30 minutes.
 	ConversationTTL time.Duration
 	// ConversationCapacity is the maximum number of conversation pins (LRU beyond it). Default 100_000.
@@ -66,6 +86,14 @@ func (c Config) withDefaults() Config {
 	}
 	if c.MaxUpstreamsPerRoute > MaxUpstreamsLimit {
 		c.MaxUpstreamsPerRoute = MaxUpstreamsLimit
+	}
+	switch {
+	case c.OverflowRoutes == 0:
+		c.OverflowRoutes = DefaultOverflowRoutes
+	case c.OverflowRoutes < 0:
+		c.OverflowRoutes = 0
+	case c.OverflowRoutes > MaxOverflowRoutes:
+		c.OverflowRoutes = MaxOverflowRoutes
 	}
 	if c.ConversationTTL <= 0 {
 		c.ConversationTTL = DefaultConversationTTL
@@ -110,7 +138,7 @@ type pin struct {
 //
 // Costs (b = len(bounds), u = len(upstreams)): Learn is O(b) LRU operations plus a bounded sweep of
 // expired routes; Match is O(b*u) map lookups in the worst case (it probes blocks longest first and stops
-// once every upstream has its answer) and does not allocate when cached has len(upstreams) and u <= 32;
+// once every upstream has its answer), plus at most 4*OverflowRoutes lookups of overflow routes and does not allocate when cached has len(upstreams) and u <= 32;
 // Pin and Pinned are O(1); Forget, Expire and Export are O(routes + pins). Memory is bounded by Capacity
 // routes plus ConversationCapacity pins (see the package doc for bytes per entry).
 type Table struct {
@@ -180,6 +208,13 @@ func RouteKey(modelHash, boundaryHash uint64) uint64 {
 
 func align(tokens, blockSize int) int { return tokens / blockSize * blockSize }
 
+// overflowLink is the overflow route (1..links) of the upstream named name: by a fixed-seed hash of the
+// name, so that every process, and a restarted one, spills an upstream into the same one.
+func overflowLink(name string, links int) uint64 { return 1 + xxhash.Sum64String(name)%uint64(links) }
+
+// overflowKey is the key of overflow route link of the route at key.
+func overflowKey(key, link uint64) uint64 { return RouteKey(key, overflowSeed+link) }
+
 // BlockSize returns the block size Match aligns its matches to.
 func (t *Table) BlockSize() int {
 	t.mu.RLock()
@@ -191,8 +226,8 @@ func (t *Table) BlockSize() int {
 // Boundaries are aligned down to BlockSize; a boundary aligning to 0 is skipped; consecutive boundaries
 // aligning to the same block collapse into one route keyed by the earliest one's hash, so a request that
 // shares only the earlier messages still matches that block. Each touched route moves to the front of the
-// LRU and lists upstream first with the current time; entries of forgotten upstreams, entries past TTL
-// and entries beyond MaxUpstreamsPerRoute are dropped. Cost: O(len(bounds)) LRU operations under the
+// LRU and lists upstream first with the current time; entries of forgotten upstreams and entries past TTL
+// are dropped, and those beyond MaxUpstreamsPerRoute move to the route's overflow routes. Cost: O(len(bounds)) LRU operations under the
 // exclusive lock, plus removing at most len(bounds)+64 expired routes from the LRU tail. It returns the
 // time recorded (unix nanoseconds), the one MatchSeen reports for these routes until they are learned
 // again; 0 when there was nothing to learn.
@@ -214,7 +249,7 @@ func (t *Table) Learn(model string, bounds []tokenize.Boundary, upstream string)
 		}
 		prev = a
 		key := RouteKey(mh, b.Hash)
-		if before := t.mergeLocked(key, id, now, now, false); t.feed.on && t.feed.news(before, now, t.feed.routeRefresh) {
+		if before := t.mergeLocked(key, id, now, now, false, true); t.feed.on && t.feed.news(before, now, t.feed.routeRefresh) {
 			t.feed.add(Change{Key: key, Upstream: upstream, Seen: now})
 		}
 	}
@@ -229,8 +264,9 @@ func (t *Table) Learn(model string, bounds []tokenize.Boundary, upstream string)
 // left empty (only possible when seen itself is expired, from an import) is removed. A local merge
 // (remote false) of a route known only from peers makes it local; a remote merge of a route known locally
 // stays local. It returns the time id was last seen on the route before (0 if it was not listed), so
-// that Learn can tell news from a refresh. Must hold t.mu.
-func (t *Table) mergeLocked(key uint64, id uint32, seen, now int64, remote bool) (before int64) {
+// that Learn can tell news from a refresh. With spill, an entry still live and within TTL that the cap
+// pushes out moves to its overflow route (Config.OverflowRoutes) instead of being dropped. Must hold t.mu.
+func (t *Table) mergeLocked(key uint64, id uint32, seen, now int64, remote, spill bool) (before int64) {
 	lru := t.routes
 	old, existed := t.routes.Peek(key)
 	promote := false
@@ -260,6 +296,8 @@ func (t *Table) mergeLocked(key uint64, id uint32, seen, now int64, remote bool)
 	n := 0
 	placed := now-seen > ttl // an expired new entry is never placed
 	keptID := false
+	var spilled [MaxUpstreamsLimit]int // entries of old pushed out by the cap, to move
+	nSpilled := 0
 	for e, x := range old.ids {
 		if x == 0 || x == id {
 			continue
@@ -272,10 +310,17 @@ func (t *Table) mergeLocked(key uint64, id uint32, seen, now int64, remote bool)
 			}
 			placed = true
 		}
-		if n < t.cfg.MaxUpstreamsPerRoute && t.ups.live(x) && now-old.seen[e] <= ttl {
-			nr.ids[n], nr.seen[n] = x, old.seen[e]
-			n++
-			continue
+		if t.ups.live(x) && now-old.seen[e] <= ttl {
+			if n < t.cfg.MaxUpstreamsPerRoute {
+				nr.ids[n], nr.seen[n] = x, old.seen[e]
+				n++
+				continue
+			}
+			if spill && t.cfg.OverflowRoutes > 0 {
+				spilled[nSpilled] = e // still referenced: released once moved, below
+				nSpilled++
+				continue
+			}
 		}
 		t.ups.unrefRoute(x) // dropped
 	}
@@ -304,6 +349,12 @@ func (t *Table) mergeLocked(key uint64, id uint32, seen, now int64, remote bool)
 	}
 	if lru.Add(key, nr) {
 		t.stats.Evictions++
+	}
+	for _, e := range spilled[:nSpilled] {
+		x := old.ids[e]
+		link := overflowLink(t.ups.slots[x].name, t.cfg.OverflowRoutes)
+		t.mergeLocked(overflowKey(key, link), x, old.seen[e], now, lru == t.remote, false)
+		t.ups.unrefRoute(x) // its entry in the route at key
 	}
 	t.boundLocked()
 	return before
@@ -392,6 +443,9 @@ func (t *Table) MatchPeers(model string, bounds []tokenize.Boundary, upstreams [
 	if len(upstreams) > len(idBuf) {
 		ids = make([]uint32, 0, len(upstreams))
 	}
+	var linkBuf [matchIDsOnStack]uint64
+	var links []uint64 // each upstream's overflow route, computed once a full route is met
+	probes := 0        // overflow routes left to probe
 	mh := ModelHash(model)
 
 	t.mu.RLock()
@@ -399,6 +453,7 @@ func (t *Table) MatchPeers(model string, bounds []tokenize.Boundary, upstreams [
 	now := t.cfg.Now().UnixNano()
 	ttl := int64(t.cfg.TTL)
 	bs := t.cfg.BlockSize
+	probes = 4 * t.cfg.OverflowRoutes
 	unresolved := 0
 	for _, u := range upstreams {
 		id := t.ups.lookup(u)
@@ -407,24 +462,8 @@ func (t *Table) MatchPeers(model string, bounds []tokenize.Boundary, upstreams [
 			unresolved++
 		}
 	}
-	for j := len(bounds) - 1; j >= 0 && unresolved > 0; j-- {
-		a := align(bounds[j].Tokens, bs)
-		if a <= 0 {
-			break // boundaries are increasing: all earlier ones align to 0 too
-		}
-		if j > 0 && align(bounds[j-1].Tokens, bs) == a {
-			continue // Learn keyed this block by its earliest boundary
-		}
-		key := RouteKey(mh, bounds[j].Hash)
-		r, ok := t.routes.Peek(key)
-		remote := false
-		if !ok && t.remote.Len() > 0 {
-			r, ok = t.remote.Peek(key)
-			remote = ok
-		}
-		if !ok {
-			continue
-		}
+	// credit gives the upstreams listed in r a match of a tokens.
+	credit := func(r *route, remote bool, a int) {
 		for e, x := range r.ids {
 			if x == 0 || now-r.seen[e] > ttl {
 				continue
@@ -444,7 +483,56 @@ func (t *Table) MatchPeers(model string, bounds []tokenize.Boundary, upstreams [
 			}
 		}
 	}
+	for j := len(bounds) - 1; j >= 0 && unresolved > 0; j-- {
+		a := align(bounds[j].Tokens, bs)
+		if a <= 0 {
+			break // boundaries are increasing: all earlier ones align to 0 too
+		}
+		if j > 0 && align(bounds[j-1].Tokens, bs) == a {
+			continue // Learn keyed this block by its earliest boundary
+		}
+		key := RouteKey(mh, bounds[j].Hash)
+		r, remote, ok := t.peekLocked(key)
+		if !ok {
+			continue
+		}
+		credit(&r, remote, a)
+		if unresolved == 0 || probes <= 0 || r.ids[t.cfg.MaxUpstreamsPerRoute-1] == 0 {
+			continue
+		}
+		// A full route may have spilled older holders into overflow routes: probe those of the upstreams
+		// still unresolved, each once. Holders spill at the longest full route first, so a few probes
+		// find them; the budget stops upstreams that hold none of the prefix from probing every
+		// boundary of a long prompt down to its first.
+		if links == nil {
+			links = linkBuf[:0]
+			for _, u := range upstreams {
+				links = append(links, overflowLink(u, t.cfg.OverflowRoutes))
+			}
+		}
+		var probed [MaxOverflowRoutes + 1]bool
+		for i, id := range ids {
+			if id == 0 || out[i] != 0 || probed[links[i]] {
+				continue
+			}
+			probed[links[i]] = true
+			probes--
+			if r, remote, ok := t.peekLocked(overflowKey(key, links[i])); ok {
+				credit(&r, remote, a)
+			}
+		}
+	}
 	return longest, peers
+}
+
+// peekLocked returns the route at key, local or known from peers (remote), without changing recency.
+// Must hold t.mu (shared).
+func (t *Table) peekLocked(key uint64) (r route, remote, ok bool) {
+	if r, ok = t.routes.Peek(key); ok || t.remote.Len() == 0 {
+		return r, false, ok
+	}
+	r, ok = t.remote.Peek(key)
+	return r, ok, ok
 }
 
 // Forget drops every route entry and pin pointing at upstream (its pool membership ended); a later Learn

@@ -263,7 +263,7 @@ func TestMemoryBoundUniquePrefixes(t *testing.T) {
 }
 
 func TestMaxUpstreamsPerRoute(t *testing.T) {
-	tb, clock := newTestTable(Config{MaxUpstreamsPerRoute: 2})
+	tb, clock := newTestTable(Config{MaxUpstreamsPerRoute: 2, OverflowRoutes: -1})
 	req := prompt(system)
 	for _, u := range []string{"a", "b", "c"} {
 		tb.Learn("m", req, u)
@@ -288,6 +288,87 @@ func TestMaxUpstreamsPerRoute(t *testing.T) {
 	big, _ := newTestTable(Config{MaxUpstreamsPerRoute: 99})
 	if got := big.cfg.MaxUpstreamsPerRoute; got != MaxUpstreamsLimit {
 		t.Errorf("MaxUpstreamsPerRoute 99 clamped to %d, want %d", got, MaxUpstreamsLimit)
+	}
+	checkInvariants(t, tb)
+}
+
+// TestOverflowRoutes: a prefix learned on more upstreams than a route remembers is matched on all of
+// them, its older holders moved to overflow routes chosen by name, and those are ordinary routes: they
+// expire, hold their upstreams' references, are forgotten with them and persist.
+func TestOverflowRoutes(t *testing.T) {
+	tb, clock := newTestTable(Config{MaxUpstreamsPerRoute: 2, OverflowRoutes: 3, TTL: time.Minute})
+	req := prompt(system, user1)
+	names := make([]string, 12)
+	for i := range names {
+		names[i] = fmt.Sprintf("10.0.0.%d:8000", i+1)
+		tb.Learn("m", req, names[i])
+		clock.Advance(time.Second)
+	}
+	got := match(tb, "m", req, names...)
+	linkHolders := map[uint64]int{}
+	for _, n := range names[:len(names)-2] { // the two newest are in the route itself
+		linkHolders[overflowLink(n, 3)]++
+	}
+	// Each overflow route keeps its two newest holders; the older ones are dropped.
+	kept := map[uint64]int{}
+	want := make([]int, len(names))
+	for i := len(names) - 1; i >= 0; i-- {
+		if i >= len(names)-2 {
+			want[i] = 528
+			continue
+		}
+		l := overflowLink(names[i], 3)
+		if kept[l] < 2 {
+			kept[l]++
+			want[i] = 528
+		}
+	}
+	if !slices.Equal(got, want) {
+		t.Errorf("Match() = %v, want %v (overflow routes %v)", got, want, linkHolders)
+	}
+	matched := 0
+	for _, n := range got {
+		if n > 0 {
+			matched++
+		}
+	}
+	if matched <= 2 {
+		t.Fatalf("Match() = %v: only the route's own %d holders matched", got, 2)
+	}
+	// Without overflow routes only the two newest match.
+	plain, plainClock := newTestTable(Config{MaxUpstreamsPerRoute: 2, OverflowRoutes: -1, TTL: time.Minute})
+	for _, n := range names {
+		plain.Learn("m", req, n)
+		plainClock.Advance(time.Second)
+	}
+	if got := match(plain, "m", req, names...); slices.ContainsFunc(got[:len(got)-2], func(n int) bool { return n > 0 }) {
+		t.Errorf("Match() without overflow = %v, want only the last two", got)
+	}
+	checkInvariants(t, tb)
+
+	// A snapshot carries the overflow routes.
+	snap := tb.AppendSnapshot(nil)
+	restored := New(Config{MaxUpstreamsPerRoute: 2, OverflowRoutes: 3, TTL: time.Minute, Now: clock.Now})
+	if _, _, err := restored.Restore(snap); err != nil {
+		t.Fatal(err)
+	}
+	if got := match(restored, "m", req, names...); !slices.Equal(got, want) {
+		t.Errorf("Match() after Restore = %v, want %v", got, want)
+	}
+
+	// Forgetting a spilled holder takes it out of its overflow route.
+	spilled := slices.IndexFunc(want[:len(want)-2], func(n int) bool { return n > 0 })
+	tb.Forget(names[spilled])
+	if got := match(tb, "m", req, names...); got[spilled] != 0 {
+		t.Errorf("Match() after Forget(%s) = %v, want 0 for it", names[spilled], got)
+	}
+	checkInvariants(t, tb)
+
+	// Overflow routes expire like the others.
+	clock.Advance(2 * time.Minute)
+	tb.Expire()
+	if s := tb.Stats(); s.Routes != 0 || s.Upstreams != 0 {
+		t.Errorf("Stats() after expiry = %+v, want nothing left", s)
 	}
 	checkInvariants(t, tb)
 }
