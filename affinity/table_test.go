@@ -335,6 +335,21 @@ func TestOverflowRoutes(t *testing.T) {
 	if matched <= 2 {
 		t.Fatalf("Match() = %v: only the route's own %d holders matched", got, 2)
 	}
+	// A prefix on no more upstreams than a route lists never spills: the table holds the same routes as
+	// for one upstream.
+	four, fourClock := newTestTable(Config{MaxUpstreamsPerRoute: 2, OverflowRoutes: 3, TTL: time.Minute})
+	four.Learn("m", req, names[0])
+	one := four.Stats().Routes
+	for _, n := range names[:2] {
+		four.Learn("m", req, n)
+		fourClock.Advance(time.Second)
+	}
+	if s := four.Stats(); s.Routes != one {
+		t.Errorf("two upstreams in routes of two: %d routes, want %d (no overflow routes)", s.Routes, one)
+	}
+	if s := tb.Stats(); s.Routes <= one {
+		t.Errorf("twelve upstreams: %d routes, want overflow routes beyond the %d", s.Routes, one)
+	}
 	// Without overflow routes only the two newest match.
 	plain, plainClock := newTestTable(Config{MaxUpstreamsPerRoute: 2, OverflowRoutes: -1, TTL: time.Minute})
 	for _, n := range names {
