@@ -82,34 +82,15 @@ func BenchmarkSelect(b *testing.B) {
 	for _, mode := range []string{"least_tokens", "combined"} {
 		b.Run(mode+"/warm", func(b *testing.B) {
 			s, pool := provisionedPolicy(b, &LLMSelection{Mode: mode})
-			body := chatRequest20(0)
-			r, cancel := newProxyRequest(body)
-			s.Select(pool, r, nil) // warm the caches
-			cancel()
-			b.ReportAllocs()
-			b.ResetTimer()
-			for b.Loop() {
-				r, cancel := newProxyRequest(body)
-				if s.Select(pool, r, nil) == nil {
-					b.Fatal("no upstream")
-				}
-				cancel()
-			}
+			selectWarm(b, s, pool, [][]byte{chatRequest20(0)})
 		})
 		b.Run(mode+"/cold", func(b *testing.B) {
 			s, pool := provisionedPolicy(b, &LLMSelection{Mode: mode})
-			b.ReportAllocs()
 			salt := 1
-			for b.Loop() {
-				b.StopTimer()
+			selectEach(b, s, pool, func() []byte {
 				salt++
-				r, cancel := newProxyRequest(chatRequest20(salt))
-				b.StartTimer()
-				if s.Select(pool, r, nil) == nil {
-					b.Fatal("no upstream")
-				}
-				cancel()
-			}
+				return chatRequest20(salt)
+			})
 		})
 	}
 }
@@ -175,55 +156,43 @@ func BenchmarkSelectAgentic(b *testing.B) {
 		a := newAgenticSession(sys, 1)
 		grow(a)
 		body := a.body()
-		r, cancel := newProxyRequest(body)
-		s.Select(pool, r, nil)
-		cancel()
 		b.SetBytes(int64(len(body)))
-		b.ReportAllocs()
-		for b.Loop() {
-			r, cancel := newProxyRequest(body)
-			if s.Select(pool, r, nil) == nil {
-				b.Fatal("no upstream")
-			}
-			cancel()
-		}
+		selectWarm(b, s, pool, [][]byte{body})
 	})
 	b.Run("turn", func(b *testing.B) {
 		s, pool := provisionedPolicy(b, &LLMSelection{})
-		session := 1
-		a := newAgenticSession(sys, session)
+		a := newAgenticSession(sys, 1)
 		grow(a)
-		b.ReportAllocs()
-		for b.Loop() {
-			b.StopTimer()
+		selectEach(b, s, pool, func() []byte {
 			a.messages = a.messages[:len(a.messages)-2]
 			a.add("assistant", 64)
 			a.add("tool", 2000)
-			body := a.body()
-			r, cancel := newProxyRequest(body)
-			b.StartTimer()
-			if s.Select(pool, r, nil) == nil {
-				b.Fatal("no upstream")
-			}
-			cancel()
-		}
+			return a.body()
+		})
 	})
 	b.Run("cold", func(b *testing.B) {
 		s, pool := provisionedPolicy(b, &LLMSelection{})
 		session := 1
-		b.ReportAllocs()
-		for b.Loop() {
-			b.StopTimer()
+		selectEach(b, s, pool, func() []byte {
 			session++
-			body := newAgenticSession(sys, session).body()
-			r, cancel := newProxyRequest(body)
-			b.StartTimer()
-			if s.Select(pool, r, nil) == nil {
-				b.Fatal("no upstream")
-			}
-			cancel()
-		}
+			return newAgenticSession(sys, session).body()
+		})
 	})
+}
+
+// selectEach runs Select once an iteration on the body next returns, made with its request outside the
+// timer.
+func selectEach(b *testing.B, s *LLMSelection, pool reverseproxy.UpstreamPool, next func() []byte) {
+	b.ReportAllocs()
+	for b.Loop() {
+		b.StopTimer()
+		r, cancel := newProxyRequest(next())
+		b.StartTimer()
+		if s.Select(pool, r, nil) == nil {
+			b.Fatal("no upstream")
+		}
+		cancel()
+	}
 }
 
 // BenchmarkSelectShared is -overhead's traffic through Select alone: 512 requests cycling, each a
@@ -241,12 +210,19 @@ func BenchmarkSelectShared(b *testing.B) {
 		bodies[i] = gen.body()
 	}
 	s, pool := provisionedPolicy(b, &LLMSelection{})
+	selectWarm(b, s, pool, bodies)
+}
+
+// selectWarm runs Select on each of bodies once to warm the caches, then on them in turn, one an
+// iteration (the request built inside the timer).
+func selectWarm(b *testing.B, s *LLMSelection, pool reverseproxy.UpstreamPool, bodies [][]byte) {
 	for _, body := range bodies {
 		r, cancel := newProxyRequest(body)
 		s.Select(pool, r, nil)
 		cancel()
 	}
 	b.ReportAllocs()
+	b.ResetTimer()
 	i := 0
 	for b.Loop() {
 		r, cancel := newProxyRequest(bodies[i%len(bodies)])
