@@ -403,8 +403,10 @@ type upstreamView struct {
 	// first tokens instead of in full (the same as queued without a fresh scrape): the prediction, where
 	// queued is the spreading signal (see fromScrapeLocked). See continuesHome.
 	settled float64
-	// arrivals is the rate at which this proxy sends it requests, per second.
-	arrivals float64
+	// arrivals is the rate at which this proxy sends it requests, per second; arrivalsUnknown says it has
+	// been sent requests, but too few gaps between them to tell a rate (minGaps).
+	arrivals        float64
+	arrivalsUnknown bool
 	// kvCapacity is its KV cache in tokens (0: unknown, no fresh scrape says) and kvUsed the tokens wanted:
 	// the scraped usage plus what this proxy sent since, and at least what all this proxy's requests in
 	// flight there want, admitted or waiting (a scrape counts only the admitted: a prompt waiting for space
@@ -461,6 +463,7 @@ func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstrea
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	v.arrivals = l.arrivalRateLocked(now)
+	v.arrivalsUnknown = l.lastSent > 0 && l.gaps < minGaps
 	foreign := 0.0
 	if snap == nil {
 		v.queued = max(float64(l.prefillUntil.Load()-now)/1e9, 0)

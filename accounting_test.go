@@ -811,3 +811,41 @@ func TestReportedSlotsFromScrape(t *testing.T) {
 		t.Errorf("slots %v after a restart reported 64, want 64", s)
 	}
 }
+
+// TestArrivalsUnknownUntilGaps: an upstream's arrival rate is unknown from its first request sent until
+// minGaps gaps tell one, and then 1/gap; one never sent anything has a rate of 0, known. Unknown rates
+// take the mean of the candidates that have one (knownArrivals): left at 0, the upstreams of a pool of 16,
+// each sent too few requests to have a rate, charged a 20k-token prefill nothing for the requests it
+// delays there.
+func TestArrivalsUnknownUntilGaps(t *testing.T) {
+	lt := newTestLoads()
+	const dial = "10.0.0.1:8000"
+	now := time.Unix(1_700_000_000, 0).UnixNano()
+	if v := lt.view(dial, now, nil); v.arrivals != 0 || v.arrivalsUnknown {
+		t.Fatalf("never sent: arrivals %v unknown %v, want 0, known", v.arrivals, v.arrivalsUnknown)
+	}
+	for i := range minGaps + 1 {
+		at := now + int64(i)*int64(100*time.Millisecond)
+		lt.reserve(dial, work{uncached: 100, output: 10}, at).release(at, true)
+		v := lt.view(dial, at, nil)
+		if wantUnknown := i < minGaps; v.arrivalsUnknown != wantUnknown {
+			t.Errorf("after %d requests: unknown %v, want %v", i+1, v.arrivalsUnknown, wantUnknown)
+		}
+		if i == minGaps && math.Abs(v.arrivals-10) > 1e-6 {
+			t.Errorf("after %d requests 100 ms apart: %v a second, want 10", i+1, v.arrivals)
+		}
+	}
+
+	cands := []selection.Candidate{{Arrivals: -1}, {Arrivals: 0}, {Arrivals: 10}, {Arrivals: 20}, {Arrivals: -1}}
+	knownArrivals(cands)
+	for i, want := range []float64{15, 0, 10, 20, 15} {
+		if cands[i].Arrivals != want {
+			t.Errorf("candidate %d: %v arrivals a second, want %v", i, cands[i].Arrivals, want)
+		}
+	}
+	none := []selection.Candidate{{Arrivals: -1}, {Arrivals: 0}}
+	knownArrivals(none)
+	if none[0].Arrivals != 0 || none[1].Arrivals != 0 {
+		t.Errorf("no rate known: %v, %v, want 0, 0", none[0].Arrivals, none[1].Arrivals)
+	}
+}

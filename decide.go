@@ -231,6 +231,9 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 		cands[i].Service, cands[i].Requests, cands[i].Queued = v.service, v.requests, v.queued
 		cands[i].KVCapacity, cands[i].KVUsed, cands[i].TokenScale = v.kvCapacity, v.kvUsed, v.tokenScale
 		cands[i].Arrivals = v.arrivals
+		if v.arrivalsUnknown {
+			cands[i].Arrivals = -1 // filled below
+		}
 		// Blind: no metrics to come (off, unusable, gone stale). First tokens observed (transport llm)
 		// show its speed, not its slot count, and do not end it: ended by them, the bound left
 		// transport llm's runs without metrics 1.26x (p50) and 1.34x (p99) slower on nine cells
@@ -240,6 +243,7 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 		q.overdue, q.full, q.settled = append(q.overdue, v.overdue), append(q.full, v.full), append(q.settled, v.settled)
 		fleet.Add(v.service)
 	}
+	knownArrivals(cands)
 	// An upstream whose requests in flight overran their predicted durations by more than the others'
 	// did is that much slower than its estimate now (a backend slower than the fleet it borrowed from, or
 	// one that slowed down): its times are stretched by the overrun over the fleet's median one, so an
@@ -510,3 +514,29 @@ func (p *prefixDemand) share(h uint64, elsewhere bool) (share float64, once bool
 const minDemand = 32
 
 var randIntN = rand.IntN
+
+// knownArrivals gives each candidate whose arrival rate is not known yet (Arrivals < 0: it has been sent
+// requests, too few to tell a rate) the mean rate of those that have one (those never sent anything have
+// none, and 0 for it), or 0 when none has. A rate
+// needs minGaps gaps between requests sent there; in a pool of 16 each upstream gets a sixteenth of the
+// requests, most had none for most of a run, and their 0 priced the requests its sessions would send
+// during a 20k-token prefill there at nothing: agent turns moved onto the homes of other sessions, whose
+// next turns waited behind them (docs/bench/pool-size).
+func knownArrivals(cands []selection.Candidate) {
+	sum, n := 0.0, 0
+	for i := range cands {
+		if cands[i].Arrivals > 0 {
+			sum += cands[i].Arrivals
+			n++
+		}
+	}
+	mean := 0.0
+	if n > 0 {
+		mean = sum / float64(n)
+	}
+	for i := range cands {
+		if cands[i].Arrivals < 0 {
+			cands[i].Arrivals = mean
+		}
+	}
+}
