@@ -138,9 +138,10 @@ type pin struct {
 //
 // Costs (b = len(bounds), u = len(upstreams)): Learn is O(b) LRU operations plus a bounded sweep of
 // expired routes; Match is O(b*u) map lookups in the worst case (it probes blocks longest first and stops
-// once every upstream has its answer), plus at most 4*OverflowRoutes lookups of overflow routes and does not allocate when cached has len(upstreams) and u <= 32;
-// Pin and Pinned are O(1); Forget, Expire and Export are O(routes + pins). Memory is bounded by Capacity
-// routes plus ConversationCapacity pins (see the package doc for bytes per entry).
+// once every upstream has its answer), plus at most 4*OverflowRoutes lookups of overflow routes, and
+// does not allocate when cached has len(upstreams) and u <= 32; Pin and Pinned are O(1); Forget, Expire
+// and Export are O(routes + pins). Memory is bounded by Capacity routes plus ConversationCapacity pins
+// (see the package doc for bytes per entry).
 type Table struct {
 	mu     sync.RWMutex
 	cfg    Config
@@ -227,8 +228,8 @@ func (t *Table) BlockSize() int {
 // aligning to the same block collapse into one route keyed by the earliest one's hash, so a request that
 // shares only the earlier messages still matches that block. Each touched route moves to the front of the
 // LRU and lists upstream first with the current time; entries of forgotten upstreams and entries past TTL
-// are dropped, and those beyond MaxUpstreamsPerRoute move to the route's overflow routes. Cost: O(len(bounds)) LRU operations under the
-// exclusive lock, plus removing at most len(bounds)+64 expired routes from the LRU tail. It returns the
+// are dropped, and those beyond MaxUpstreamsPerRoute move to the route's overflow routes. Cost:
+// O(len(bounds)) LRU operations under the exclusive lock, plus removing at most len(bounds)+64 expired routes from the LRU tail. It returns the
 // time recorded (unix nanoseconds), the one MatchSeen reports for these routes until they are learned
 // again; 0 when there was nothing to learn.
 func (t *Table) Learn(model string, bounds []tokenize.Boundary, upstream string) (seen int64) {
@@ -445,7 +446,6 @@ func (t *Table) MatchPeers(model string, bounds []tokenize.Boundary, upstreams [
 	}
 	var linkBuf [matchIDsOnStack]uint64
 	var links []uint64 // each upstream's overflow route, computed once a full route is met
-	probes := 0        // overflow routes left to probe
 	mh := ModelHash(model)
 
 	t.mu.RLock()
@@ -453,7 +453,7 @@ func (t *Table) MatchPeers(model string, bounds []tokenize.Boundary, upstreams [
 	now := t.cfg.Now().UnixNano()
 	ttl := int64(t.cfg.TTL)
 	bs := t.cfg.BlockSize
-	probes = 4 * t.cfg.OverflowRoutes
+	probes := 4 * t.cfg.OverflowRoutes // overflow routes left to probe
 	unresolved := 0
 	for _, u := range upstreams {
 		id := t.ups.lookup(u)
