@@ -516,12 +516,12 @@ const minDemand = 32
 var randIntN = rand.IntN
 
 // knownArrivals gives each candidate whose arrival rate is not known yet (Arrivals < 0: it has been sent
-// requests, too few to tell a rate) the mean rate of those that have one (those never sent anything have
-// none, and 0 for it), or 0 when none has. A rate
-// needs minGaps gaps between requests sent there; in a pool of 16 each upstream gets a sixteenth of the
-// requests, most had none for most of a run, and their 0 priced the requests its sessions would send
-// during a 20k-token prefill there at nothing: agent turns moved onto the homes of other sessions, whose
-// next turns waited behind them (docs/bench/pool-size).
+// requests, too few to tell a rate) the mean rate of those that have one, or 0 when none has; one never
+// sent anything keeps 0 (nothing is homed there). A rate needs minGaps gaps between requests sent there:
+// in a pool of 16 each upstream gets a sixteenth of the requests, most had none for most of a run, and
+// their 0 priced the requests their sessions would send during a 20k-token prefill there at nothing:
+// agent turns moved onto the homes of other sessions, whose next turns waited behind them
+// (docs/bench/pool-size).
 func knownArrivals(cands []selection.Candidate) {
 	sum, n := 0.0, 0
 	for i := range cands {
