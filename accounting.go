@@ -403,10 +403,9 @@ type upstreamView struct {
 	// first tokens instead of in full (the same as queued without a fresh scrape): the prediction, where
 	// queued is the spreading signal (see fromScrapeLocked). See continuesHome.
 	settled float64
-	// arrivals is the rate at which this proxy sends it requests, per second; arrivalsUnknown says it has
-	// been sent requests, but too few gaps between them to tell a rate (minGaps).
-	arrivals        float64
-	arrivalsUnknown bool
+	// arrivals is the rate at which this proxy sends it requests, per second; -1 when it has been sent
+	// requests, but too few gaps between them to tell a rate (arrivalRateLocked).
+	arrivals float64
 	// kvCapacity is its KV cache in tokens (0: unknown, no fresh scrape says) and kvUsed the tokens wanted:
 	// the scraped usage plus what this proxy sent since, and at least what all this proxy's requests in
 	// flight there want, admitted or waiting (a scrape counts only the admitted: a prompt waiting for space
@@ -463,7 +462,6 @@ func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstrea
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	v.arrivals = l.arrivalRateLocked(now)
-	v.arrivalsUnknown = l.lastSent > 0 && l.gaps < minGaps
 	foreign := 0.0
 	if snap == nil {
 		v.queued = max(float64(l.prefillUntil.Load()-now)/1e9, 0)
@@ -602,11 +600,16 @@ func (l *upstreamLoad) freedLocked(seen int64) int64 { return seen + seconds(l.h
 const minGaps = 4
 
 // arrivalRateLocked is how many requests a second this proxy has been sending there: the inverse of the
-// mean gap between them, or of the time since the last one when that is longer (traffic stopped). The
-// caller holds l.mu.
+// mean gap between them, or of the time since the last one when that is longer (traffic stopped); 0 when
+// it has been sent nothing, and -1 when it has but with fewer than minGaps gaps (a rate from one or two
+// gaps is a guess: a burst of two looks like thousands a second; see knownArrivals). The caller holds
+// l.mu.
 func (l *upstreamLoad) arrivalRateLocked(now int64) float64 {
 	if l.gaps < minGaps {
-		return 0 // a rate from one or two gaps is a guess: a burst of two looks like thousands a second
+		if l.lastSent > 0 {
+			return -1
+		}
+		return 0
 	}
 	gap := max(l.gap, float64(now-l.lastSent)/1e9)
 	if gap <= 0 {

@@ -229,9 +229,9 @@ func (t *Table) BlockSize() int {
 // shares only the earlier messages still matches that block. Each touched route moves to the front of the
 // LRU and lists upstream first with the current time; entries of forgotten upstreams and entries past TTL
 // are dropped, and those beyond MaxUpstreamsPerRoute move to the route's overflow routes. Cost:
-// O(len(bounds)) LRU operations under the exclusive lock, plus removing at most len(bounds)+64 expired routes from the LRU tail. It returns the
-// time recorded (unix nanoseconds), the one MatchSeen reports for these routes until they are learned
-// again; 0 when there was nothing to learn.
+// O(len(bounds)) LRU operations under the exclusive lock, plus removing at most len(bounds)+64 expired
+// routes from the LRU tail. It returns the time recorded (unix nanoseconds), the one MatchSeen reports
+// for these routes until they are learned again; 0 when there was nothing to learn.
 func (t *Table) Learn(model string, bounds []tokenize.Boundary, upstream string) (seen int64) {
 	if upstream == "" || len(bounds) == 0 {
 		return 0
