@@ -146,7 +146,7 @@ func parseOptions(args []string) (options, error) {
 	fs.BoolVar(&o.goodput, "goodput", false, "step the load on shared-prefix and report the highest at which TTFT p99 stays under 2 s, least_conn vs llm")
 	fs.BoolVar(&o.faults, "faults", false, "one backend drops 10% of its streams mid-way and fails 3% of requests: complete streams, goodput and TTFT p99 of least_conn + lb_retries, llm, and llm + llm_resume")
 	fs.StringVar(&regimeList, "regimes", "all", "with -matrix or -goodput: comma-separated regimes (with -restart: one): "+strings.Join(regimeNames(), ","))
-	fs.IntVar(&o.length, "length", 1, "with -matrix: N times as many sessions (requests) per run at the same offered load, to see what a longer run (more learned, a p99 over more requests) changes")
+	fs.IntVar(&o.length, "length", 1, "with -matrix: N times as many sessions (requests) per run at the same offered load, to see what a longer run (more learned, a p99 over more requests) changes; unset, a pool of more than 4 -backends runs ceil(backends/4) times as many, as long as a 4-backend run")
 	fs.IntVar(&o.seeds, "seeds", 3, "with -matrix, -goodput or -faults: seeds per cell (medians over them; -faults pools them); 1 with -quick, -goodput or -faults unless set")
 	fs.IntVar(&o.backends, "backends", 4, "number of simulated backends")
 	fs.Float64Var(&o.load, "load", 0.75, "offered load as a fraction of the estimated cluster capacity")
@@ -207,6 +207,9 @@ func parseOptions(args []string) (options, error) {
 	}
 	if o.length < 1 || o.length > 20 {
 		return o, fmt.Errorf("-length must be 1-20, got %d", o.length)
+	}
+	if o.matrix && !isSet(fs, "length") {
+		o.length = poolLength(o.backends)
 	}
 	if o.length > 1 && !o.matrix {
 		return o, fmt.Errorf("-length is for -matrix")
@@ -341,6 +344,16 @@ func btoi(b bool) int {
 		return 1
 	}
 	return 0
+}
+
+// poolLength is a matrix run's length for a pool of n backends when -length is not given: the
+// offered load is a fraction of the pool's capacity, so the same sessions on 16 backends would arrive
+// 4 times as fast and the run would end in a quarter of the simulated time, about 8 requests a
+// backend, before a learned speed or a queue has formed (the 16-backend runs of 2026-11-27 moved
+// 0.4-1.9x between runs). ceil(n/4) times the sessions keeps a 4-backend run's duration and requests
+// a backend.
+func poolLength(n int) int {
+	return min(max((n+3)/4, 1), 20)
 }
 
 func isSet(fs *flag.FlagSet, name string) bool {

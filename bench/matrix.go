@@ -133,12 +133,14 @@ type RegimeInfo struct {
 
 // MatrixResults is results.json of -matrix and -goodput.
 type MatrixResults struct {
-	Command     string         `json:"command"`
-	Started     string         `json:"started"`
-	Machine     string         `json:"machine"`
-	Seeds       []int64        `json:"seeds"`
-	Backends    int            `json:"backends"`
-	Load        float64        `json:"load"`
+	Command  string  `json:"command"`
+	Started  string  `json:"started"`
+	Machine  string  `json:"machine"`
+	Seeds    []int64 `json:"seeds"`
+	Backends int     `json:"backends"`
+	Load     float64 `json:"load"`
+	// Length is -length: the sessions of a run, as a multiple of the matrix's own size.
+	Length      int            `json:"length"`
 	TimeScale   float64        `json:"time_scale"`
 	Regimes     []RegimeInfo   `json:"regimes"`
 	Runs        []MatrixRun    `json:"runs"`
@@ -164,6 +166,7 @@ func runMatrixMode(ctx context.Context, o options, res Results, started time.Tim
 		Machine:  res.Machine,
 		Backends: o.backends,
 		Load:     o.load,
+		Length:   max(o.length, 1),
 	}
 	if o.timeScaleSet {
 		mr.TimeScale = o.sim.TimeScale
@@ -767,6 +770,9 @@ func writeMatrixMarkdown(out io.Writer, mr MatrixResults) {
 	fmt.Fprintf(out, "%d simulated vLLM backends per cluster, load %.2f of each cell's estimated capacity, seeds %v, time scale %.0fx (0: per workload). "+
 		"Latencies are simulated milliseconds, each the median over seeds of a run's percentile; the first %.0f%% of each run's requests are warm-up.\n\n",
 		mr.Backends, mr.Load, mr.Seeds, mr.TimeScale, 100*warmupFraction)
+	if mr.Length > 1 {
+		fmt.Fprintf(out, "Each run sends %d times the matrix's sessions at the same offered load (-length %d).\n\n", mr.Length, mr.Length)
+	}
 	if mr.TimeScale == 0 {
 		fmt.Fprintf(out, "Time scales per workload: %s.\n\n", describeTimeScales())
 	}

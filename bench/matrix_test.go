@@ -409,6 +409,24 @@ func TestParseMatrixOptions(t *testing.T) {
 			t.Errorf("-metrics llamacpp: backend %d of hetero serves %q metrics", i, s.Metrics)
 		}
 	}
+	// A pool larger than 4 runs as long as a 4-backend one unless -length says otherwise.
+	for _, c := range []struct {
+		args   []string
+		length int
+	}{
+		{[]string{"-matrix"}, 1},
+		{[]string{"-matrix", "-backends", "2"}, 1},
+		{[]string{"-matrix", "-backends", "5"}, 2},
+		{[]string{"-matrix", "-backends", "16"}, 4},
+		{[]string{"-matrix", "-backends", "16", "-length", "1"}, 1},
+		{[]string{"-matrix", "-backends", "8", "-length", "3"}, 3},
+		{[]string{"-matrix", "-backends", "200"}, 20},
+		{[]string{"-goodput", "-backends", "16"}, 1},
+	} {
+		if o, err := parseOptions(c.args); err != nil || o.length != c.length {
+			t.Errorf("parseOptions(%q): length %d, err %v; want %d", c.args, o.length, err, c.length)
+		}
+	}
 	for _, bad := range [][]string{{"-matrix", "-regimes", "nope"}, {"-matrix", "-seeds", "0"}, {"-matrix", "-goodput"}, {"-metrics", "ollama"}} {
 		if _, err := parseOptions(bad); err == nil {
 			t.Errorf("parseOptions(%q) = nil error, want an error", bad)
