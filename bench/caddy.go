@@ -90,6 +90,12 @@ func policyModuleID(p policy) (string, error) {
 	return "http.reverse_proxy.selection_policies." + v.Policy, nil
 }
 
+// isLLMPolicy reports whether p is lb_policy llm (the one with /llm/upstreams to read).
+func isLLMPolicy(p policy) bool {
+	id, err := policyModuleID(p)
+	return err == nil && id == "http.reverse_proxy.selection_policies.llm"
+}
+
 // policyAvailable reports whether the policy's module is registered in this binary.
 func policyAvailable(p policy) error {
 	id, err := policyModuleID(p)
@@ -110,6 +116,9 @@ type proxyExtras struct {
 	Retries        int   `json:"lb_retries,omitempty"`
 	RequestBuffers int64 `json:"request_buffers,omitempty"`
 	Resume         bool  `json:"llm_resume,omitempty"`
+	// Admin, when set, is the address Caddy's admin API listens on (-dump reads the llm policy's
+	// /llm/upstreams there at the end of a run); otherwise the admin API is off.
+	Admin string `json:"-"`
 }
 
 // retryableStatusExpr is the lb_retry_match expression of -faults: retry what another upstream may
@@ -166,8 +175,12 @@ func caddyConfig(port int, upstreams []string, p policy, extras proxyExtras) ([]
 		proxy["request_buffers"] = extras.RequestBuffers
 	}
 	handlers = append(handlers, proxy)
+	admin := map[string]any{"disabled": true, "config": map[string]any{"persist": false}}
+	if extras.Admin != "" {
+		admin = map[string]any{"listen": extras.Admin, "config": map[string]any{"persist": false}}
+	}
 	cfg := map[string]any{
-		"admin": map[string]any{"disabled": true, "config": map[string]any{"persist": false}},
+		"admin": admin,
 		"logging": map[string]any{"logs": map[string]any{"default": map[string]any{
 			"level": "ERROR",
 		}}},

@@ -237,5 +237,23 @@ func TestMatrixEndToEnd(t *testing.T) {
 		if len(lines) != w.NumRequests() || json.Unmarshal([]byte(lines[len(lines)-1]), &r) != nil || r.Upstream == "" || r.Proxy <= 0 {
 			t.Errorf("%s: dump has %d lines (want %d), last %+v: want each request with its upstream and proxy time", s.Policy, len(lines), w.NumRequests(), r)
 		}
+		// and, for llm, what it had learned of each upstream at the end (its /llm/upstreams).
+		name := strings.TrimSuffix(dumpName(run.Regime+"/"+run.Workload+"/seed 3/load 0.50", s.Policy), ".jsonl") + ".upstreams.json"
+		b, err := os.ReadFile(filepath.Join(o.dump, name))
+		if s.Policy != "llm" {
+			if err == nil {
+				t.Errorf("%s: %s written for a stock policy", s.Policy, name)
+			}
+			continue
+		}
+		var rep struct {
+			Upstreams []struct {
+				Upstream string          `json:"upstream"`
+				Model    json.RawMessage `json:"model"`
+			} `json:"upstreams"`
+		}
+		if err != nil || json.Unmarshal(b, &rep) != nil || len(rep.Upstreams) != 2 || rep.Upstreams[0].Upstream == "" || len(rep.Upstreams[0].Model) == 0 {
+			t.Errorf("llm: %s = %.300s (%v); want both upstreams with their learned model", name, b, err)
+		}
 	}
 }

@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -18,6 +19,7 @@ import (
 
 	"github.com/tokenrouter/caddy-llm/bench/internal/oracle"
 	"github.com/tokenrouter/caddy-llm/bench/vllmsim"
+	"github.com/tokenrouter/caddy-llm/internal/freeport"
 )
 
 // benchModel is the model name the simulators serve and the requests name.
@@ -245,6 +247,29 @@ func dumpName(workload, policy string) string {
 	return strings.NewReplacer("/", "_", " ", "").Replace(workload+"_"+policy) + ".jsonl"
 }
 
+// saveUpstreams writes what the admin API at addr reports in /llm/upstreams (every upstream's learned
+// speed, slots, load and scrape) to path: with -dump, an llm run's estimates at its end, beside its
+// requests.
+func saveUpstreams(client *http.Client, addr, path string) error {
+	resp, err := client.Get("http://" + addr + "/llm/upstreams")
+	if err != nil {
+		return fmt.Errorf("reading /llm/upstreams: %w", err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 16<<20))
+	if err != nil || resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("reading /llm/upstreams: status %d, %v", resp.StatusCode, err)
+	}
+	var indented bytes.Buffer
+	if err := json.Indent(&indented, body, "", "  "); err != nil {
+		return fmt.Errorf("/llm/upstreams: %w", err)
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return err
+	}
+	return os.WriteFile(path, indented.Bytes(), 0o644)
+}
+
 // dumpResults writes results to path, one JSON object a line.
 func dumpResults(path string, results []requestResult) error {
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
@@ -280,6 +305,15 @@ func runPolicyResults(ctx context.Context, o options, sims []simSettings, w Work
 		return Summary{}, nil, err
 	}
 	defer c.close()
+	upstreamsDump := ""
+	if o.dump != "" && extras.Admin == "" && isLLMPolicy(p) {
+		ports, err := freeport.Ports(1)
+		if err != nil {
+			return Summary{}, nil, err
+		}
+		extras.Admin = fmt.Sprintf("127.0.0.1:%d", ports[0])
+		upstreamsDump = filepath.Join(o.dump, strings.TrimSuffix(dumpName(w.Name, p.Name), ".jsonl")+".upstreams.json")
+	}
 	url, err := startCaddy(c.dials, scalePrior(scaleScrapes(p, o.sim.TimeScale), o.sim.TimeScale, c.dials), extras)
 	if err != nil {
 		return Summary{}, nil, err
@@ -313,6 +347,11 @@ func runPolicyResults(ctx context.Context, o options, sims []simSettings, w Work
 	cancel()
 	bypassDone.Wait()
 	after := c.states()
+	if upstreamsDump != "" {
+		if err := saveUpstreams(client, extras.Admin, upstreamsDump); err != nil {
+			return Summary{}, nil, err
+		}
+	}
 	if err := stopCaddy(); err != nil {
 		return Summary{}, nil, err
 	}
