@@ -2,7 +2,6 @@ package main
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -13,6 +12,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -248,9 +248,10 @@ func dumpName(workload, policy string) string {
 }
 
 // saveUpstreams writes what the admin API at addr reports in /llm/upstreams (every upstream's learned
-// speed, slots, load and scrape) to path: with -dump, an llm run's estimates at its end, beside its
-// requests.
-func saveUpstreams(client *http.Client, addr, path string) error {
+// speed, slots, load and scrape) for the run's dials to path: with -dump, an llm run's estimates at its
+// end, beside its requests. The report also lists the upstreams of the runs before, which the process
+// keeps for a while as it would across a reload; they are left out.
+func saveUpstreams(client *http.Client, addr string, dials []string, path string) error {
 	resp, err := client.Get("http://" + addr + "/llm/upstreams")
 	if err != nil {
 		return fmt.Errorf("reading /llm/upstreams: %w", err)
@@ -260,14 +261,29 @@ func saveUpstreams(client *http.Client, addr, path string) error {
 	if err != nil || resp.StatusCode != http.StatusOK {
 		return fmt.Errorf("reading /llm/upstreams: status %d, %v", resp.StatusCode, err)
 	}
-	var indented bytes.Buffer
-	if err := json.Indent(&indented, body, "", "  "); err != nil {
+	var rep map[string]json.RawMessage
+	var ups []map[string]json.RawMessage
+	if err := json.Unmarshal(body, &rep); err != nil {
 		return fmt.Errorf("/llm/upstreams: %w", err)
+	}
+	if err := json.Unmarshal(rep["upstreams"], &ups); err != nil {
+		return fmt.Errorf("/llm/upstreams: upstreams: %w", err)
+	}
+	ups = slices.DeleteFunc(ups, func(u map[string]json.RawMessage) bool {
+		var name string
+		return json.Unmarshal(u["upstream"], &name) != nil || !slices.Contains(dials, name)
+	})
+	if rep["upstreams"], err = json.Marshal(ups); err != nil {
+		return err
+	}
+	indented, err := json.MarshalIndent(rep, "", "  ")
+	if err != nil {
+		return err
 	}
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 		return err
 	}
-	return os.WriteFile(path, indented.Bytes(), 0o644)
+	return os.WriteFile(path, indented, 0o644)
 }
 
 // dumpResults writes results to path, one JSON object a line.
@@ -348,7 +364,7 @@ func runPolicyResults(ctx context.Context, o options, sims []simSettings, w Work
 	bypassDone.Wait()
 	after := c.states()
 	if upstreamsDump != "" {
-		if err := saveUpstreams(client, extras.Admin, upstreamsDump); err != nil {
+		if err := saveUpstreams(client, extras.Admin, c.dials, upstreamsDump); err != nil {
 			return Summary{}, nil, err
 		}
 	}
