@@ -387,14 +387,6 @@ func machine() string {
 	return fmt.Sprintf("%s/%s, %d CPUs, GOMAXPROCS %d, GOGC %d, %s", runtime.GOOS, runtime.GOARCH, runtime.NumCPU(), runtime.GOMAXPROCS(0), gc, runtime.Version())
 }
 
-// rigGCPercent is the garbage collector's target (GOGC) of a bench process unless GOGC is set: the
-// process holds the whole rig, the load generator and every simulated backend beside Caddy, and at the
-// default 100 its collections, paced by the rig's heap and garbage, stalled requests in the proxy for
-// tens of milliseconds (16 backends, multi-turn-think: the proxy's p99 20-28 ms of wall time against
-// 8-16 at 400, for every policy, times the time scale in simulated TTFT). A production Caddy collects
-// its own garbage only. -overhead measures Caddy alone and keeps Go's default.
-const rigGCPercent = 400
-
 // run executes the benchmark described by args.
 func run(args []string) error {
 	o, err := parseOptions(args)
@@ -403,9 +395,6 @@ func run(args []string) error {
 	}
 	if o.rejudge != "" {
 		return rejudgeMatrix(o.rejudge, o.out, "go run ./bench "+strings.Join(args, " "))
-	}
-	if _, set := os.LookupEnv("GOGC"); !set && !o.overhead {
-		debug.SetGCPercent(rigGCPercent)
 	}
 	if o.compare != "" {
 		base, changed, ok := strings.Cut(o.compare, ",")
