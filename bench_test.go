@@ -47,7 +47,13 @@ func chatRequest20(salt int) []byte {
 // scrapes its upstreams by default, and a test sends traffic to no address outside this machine.
 func provisionedPolicy(tb testing.TB, s *LLMSelection) (*LLMSelection, reverseproxy.UpstreamPool) {
 	tb.Helper()
-	pool := make(reverseproxy.UpstreamPool, 4)
+	return provisionedPolicyN(tb, s, 4)
+}
+
+// provisionedPolicyN is provisionedPolicy with n upstreams.
+func provisionedPolicyN(tb testing.TB, s *LLMSelection, n int) (*LLMSelection, reverseproxy.UpstreamPool) {
+	tb.Helper()
+	pool := make(reverseproxy.UpstreamPool, n)
 	for i := range pool {
 		backend := httptest.NewServer(http.NotFoundHandler())
 		tb.Cleanup(backend.Close) // after the policy's cleanup, which stops its scrapes
@@ -77,8 +83,13 @@ func newProxyRequest(body []byte) (*http.Request, context.CancelFunc) {
 
 // BenchmarkSelect measures the policy's hot path: read the body, parse and count a 20-message ~4k-token
 // chat request, match learned prefixes, choose, reserve and release. Warm: the messages are in the
-// message cache (a conversation's history); cold: every message is new.
+// message cache (a conversation's history); cold: every message is new. combined/warm16 is warm with
+// 16 upstreams instead of 4 (the choice is linear in the pool).
 func BenchmarkSelect(b *testing.B) {
+	b.Run("combined/warm16", func(b *testing.B) {
+		s, pool := provisionedPolicyN(b, &LLMSelection{Mode: "combined"}, 16)
+		selectWarm(b, s, pool, [][]byte{chatRequest20(0)})
+	})
 	for _, mode := range []string{"least_tokens", "combined"} {
 		b.Run(mode+"/warm", func(b *testing.B) {
 			s, pool := provisionedPolicy(b, &LLMSelection{Mode: mode})
