@@ -66,7 +66,9 @@ type options struct {
 	overhead   bool
 	bypassRate float64
 	cpuProfile string
-	observe    bool // llm policies behind transport llm
+	// mutexProfile (-mutexprofile FILE) writes where goroutines waited on locks during the run.
+	mutexProfile string
+	observe      bool // llm policies behind transport llm
 	// dump (-dump DIR) writes every run's requests, one JSON object a line, with the backend that
 	// answered each: to see where a cell's tail comes from.
 	dump      string
@@ -166,6 +168,7 @@ func parseOptions(args []string) (options, error) {
 	var setups string
 	fs.StringVar(&setups, "setups", "one,shared,unshared", "with -instances: which setups to run")
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a CPU profile of the run to this file")
+	fs.StringVar(&o.mutexProfile, "mutexprofile", "", "write a profile of lock contention (one event in 5 sampled) during the run to this file")
 	fs.StringVar(&o.compare, "compare", "", "BASE.json,NEW.json: compare two -matrix results.json (nothing is run): each cell's median TTFT p50, p99 and hit rate of NEW over BASE per policy, the same seed by seed (geometric mean of the per-seed ratios, seeds worse), and their geometric means")
 	fs.StringVar(&o.rejudge, "rejudge", "", "judge the runs of an earlier -matrix results.json again (nothing is run) and write its report, results.json and matrix.svg into -out; several comma-separated files of different seeds are pooled, as one run of all their seeds")
 	fs.StringVar(&o.dump, "dump", "", "write every run's requests (timings, tokens, the backend that answered) as JSON lines into this directory, one file per run")
@@ -418,6 +421,15 @@ func run(args []string) error {
 			return fmt.Errorf("starting CPU profile: %w", err)
 		}
 		defer pprof.StopCPUProfile()
+	}
+	if o.mutexProfile != "" {
+		f, err := os.Create(o.mutexProfile)
+		if err != nil {
+			return fmt.Errorf("creating mutex profile: %w", err)
+		}
+		defer f.Close()
+		runtime.SetMutexProfileFraction(5)
+		defer func() { _ = pprof.Lookup("mutex").WriteTo(f, 0) }()
 	}
 	// Interrupted (Ctrl-C, or a kill from a script), the run stops its drivers and every deferred stop
 	// runs: the Caddy processes and redis-server it started end with it instead of outliving it.
