@@ -192,7 +192,7 @@ func TestMatrixEndToEnd(t *testing.T) {
 	prog := newProgress(os.Stderr, 2*w.NumRequests())
 	run := runMatrixJob(context.Background(), o, matrixJob{regime: mustRegime("small-batch"), workload: w, seed: 3, load: o.load}, prog)
 	prog.finish()
-	mr := MatrixResults{Command: "test", Seeds: []int64{3}, Backends: 2, Load: o.load, TimeScale: 20, Runs: []MatrixRun{run}}
+	mr := MatrixResults{runHeader: runHeader{Command: "test", Seeds: []int64{3}, Backends: 2, Load: o.load}, TimeScale: 20, Runs: []MatrixRun{run}}
 	mr.Cells = judgeCells(mr.Runs)
 	if len(mr.Cells) != 1 || !mr.Cells[0].Judged || mr.Cells[0].Regime != "small-batch" || mr.Cells[0].Workload != "shared-prefix" {
 		t.Fatalf("cells = %+v, want one judged small-batch/shared-prefix cell", mr.Cells)

@@ -85,12 +85,7 @@ type FaultSummary struct {
 
 // FaultResults is the content of faults.json.
 type FaultResults struct {
-	Command     string         `json:"command"`
-	Started     string         `json:"started"`
-	Machine     string         `json:"machine"`
-	Seeds       []int64        `json:"seeds"`
-	Backends    int            `json:"backends"`
-	Load        float64        `json:"load"`
+	runHeader
 	Workload    string         `json:"workload"`
 	Requests    int            `json:"requests_per_seed"`
 	RateRPS     float64        `json:"rate_rps"`
@@ -151,8 +146,8 @@ func runFaults(ctx context.Context, o options, res Results, started time.Time) e
 	faulty := sims[0]
 	faulty.DropMidStreamRate, faulty.ErrorRate = faultDropRate, faultErrorRate
 	sims[0] = faulty
-	fr := FaultResults{Command: res.Command, Started: res.Started, Machine: res.Machine, Backends: o.backends,
-		Load: o.load, Sim: o.sim, Faulty: faulty}
+	fr := FaultResults{runHeader: runHeader{Command: res.Command, Started: res.Started, Machine: res.Machine, Backends: o.backends,
+		Load: o.load}, Sim: o.sim, Faulty: faulty}
 	var ws []Workload
 	total := 0
 	for i := range o.seeds {

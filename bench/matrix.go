@@ -131,14 +131,20 @@ type RegimeInfo struct {
 	Backends    []simSettings `json:"backends"`
 }
 
-// MatrixResults is results.json of -matrix and -goodput.
-type MatrixResults struct {
+// runHeader is what results.json of -matrix and -goodput, and faults.json of -faults, record about the
+// run before its figures.
+type runHeader struct {
 	Command  string  `json:"command"`
 	Started  string  `json:"started"`
 	Machine  string  `json:"machine"`
 	Seeds    []int64 `json:"seeds"`
 	Backends int     `json:"backends"`
 	Load     float64 `json:"load"`
+}
+
+// MatrixResults is results.json of -matrix and -goodput.
+type MatrixResults struct {
+	runHeader
 	// Length is -length: the sessions of a run, as a multiple of the matrix's own size.
 	Length      int            `json:"length"`
 	TimeScale   float64        `json:"time_scale"`
@@ -161,12 +167,8 @@ type matrixJob struct {
 // runMatrixMode runs -matrix or -goodput and writes their outputs.
 func runMatrixMode(ctx context.Context, o options, res Results, started time.Time) error {
 	mr := MatrixResults{
-		Command:  res.Command,
-		Started:  res.Started,
-		Machine:  res.Machine,
-		Backends: o.backends,
-		Load:     o.load,
-		Length:   max(o.length, 1),
+		runHeader: runHeader{Command: res.Command, Started: res.Started, Machine: res.Machine, Backends: o.backends, Load: o.load},
+		Length:    max(o.length, 1),
 	}
 	if o.timeScaleSet {
 		mr.TimeScale = o.sim.TimeScale

@@ -512,7 +512,7 @@ func TestScalePrior(t *testing.T) {
 // report, without running anything; a file without runs is an error.
 func TestRejudge(t *testing.T) {
 	dir := t.TempDir()
-	mr := MatrixResults{Command: "go run ./bench -matrix", Seeds: []int64{1, 2}, Runs: []MatrixRun{
+	mr := MatrixResults{runHeader: runHeader{Command: "go run ./bench -matrix", Seeds: []int64{1, 2}}, Runs: []MatrixRun{
 		{Regime: "r", Workload: "w", Seed: 1, Requests: 110, Warmup: 10, Policies: []Summary{summaryOf("least_conn", 100, 1000), summaryOf("llm", 50, 500)}},
 		{Regime: "r", Workload: "w", Seed: 2, Requests: 110, Warmup: 10, Policies: []Summary{summaryOf("least_conn", 100, 1000), summaryOf("llm", 50, 2000)}},
 	}}
