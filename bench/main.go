@@ -32,7 +32,6 @@ import (
 	"os"
 	"os/signal"
 	"runtime"
-	"runtime/debug"
 	"runtime/pprof"
 	"slices"
 	"strings"
@@ -149,7 +148,7 @@ func parseOptions(args []string) (options, error) {
 	fs.BoolVar(&o.goodput, "goodput", false, "step the load on shared-prefix and report the highest at which TTFT p99 stays under 2 s, least_conn vs llm")
 	fs.BoolVar(&o.faults, "faults", false, "one backend drops 10% of its streams mid-way and fails 3% of requests: complete streams, goodput and TTFT p99 of least_conn + lb_retries, llm, and llm + llm_resume")
 	fs.StringVar(&regimeList, "regimes", "all", "with -matrix or -goodput: comma-separated regimes (with -restart: one): "+strings.Join(regimeNames(), ","))
-	fs.IntVar(&o.length, "length", 1, "with -matrix: N times as many sessions (requests) per run at the same offered load, to see what a longer run (more learned, a p99 over more requests) changes; unset, a pool of more than 4 -backends runs ceil(backends/4) times as many, as long as a 4-backend run")
+	fs.IntVar(&o.length, "length", 1, "with -matrix: N times as many sessions (requests) per run at the same offered load, to see what a longer run (more learned, a p99 over more requests) changes; unset, a pool of more than 4 -backends runs ceil(backends/4) times as many (at most 20), as long as a 4-backend run")
 	fs.IntVar(&o.seeds, "seeds", 3, "with -matrix, -goodput or -faults: seeds per cell (medians over them; -faults pools them); 1 with -quick, -goodput or -faults unless set")
 	fs.IntVar(&o.backends, "backends", 4, "number of simulated backends")
 	fs.Float64Var(&o.load, "load", 0.75, "offered load as a fraction of the estimated cluster capacity")
@@ -385,9 +384,11 @@ func findPolicy(name string) (policy, bool) {
 
 // machine describes the machine a run ran on.
 func machine() string {
-	gc := debug.SetGCPercent(-1)
-	debug.SetGCPercent(gc)
-	return fmt.Sprintf("%s/%s, %d CPUs, GOMAXPROCS %d, GOGC %d, %s", runtime.GOOS, runtime.GOARCH, runtime.NumCPU(), runtime.GOMAXPROCS(0), gc, runtime.Version())
+	gc := os.Getenv("GOGC")
+	if gc == "" {
+		gc = "100"
+	}
+	return fmt.Sprintf("%s/%s, %d CPUs, GOMAXPROCS %d, GOGC %s, %s", runtime.GOOS, runtime.GOARCH, runtime.NumCPU(), runtime.GOMAXPROCS(0), gc, runtime.Version())
 }
 
 // run executes the benchmark described by args.
