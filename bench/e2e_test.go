@@ -238,7 +238,7 @@ func TestMatrixEndToEnd(t *testing.T) {
 			t.Errorf("%s: dump has %d lines (want %d), last %+v: want each request with its upstream and proxy time", s.Policy, len(lines), w.NumRequests(), r)
 		}
 		// and, for llm, what it had learned of each upstream at the end (its /llm/upstreams).
-		name := strings.TrimSuffix(dumpName(run.Regime+"/"+run.Workload+"/seed 3/load 0.50", s.Policy), ".jsonl") + ".upstreams.json"
+		name := upstreamsDumpName(run.Regime+"/"+run.Workload+"/seed 3/load 0.50", s.Policy)
 		b, err := os.ReadFile(filepath.Join(o.dump, name))
 		if s.Policy != "llm" {
 			if err == nil {

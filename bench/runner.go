@@ -247,6 +247,12 @@ func dumpName(workload, policy string) string {
 	return strings.NewReplacer("/", "_", " ", "").Replace(workload+"_"+policy) + ".jsonl"
 }
 
+// upstreamsDumpName is the file in -dump's directory that holds an llm run's /llm/upstreams at its
+// end, beside the run's dumpName.
+func upstreamsDumpName(workload, policy string) string {
+	return strings.TrimSuffix(dumpName(workload, policy), ".jsonl") + ".upstreams.json"
+}
+
 // saveUpstreams writes what the admin API at addr reports in /llm/upstreams (every upstream's learned
 // speed, slots, load and scrape) for the run's dials to path: with -dump, an llm run's estimates at its
 // end, beside its requests. The report also lists the upstreams of the runs before, which the process
@@ -322,13 +328,13 @@ func runPolicyResults(ctx context.Context, o options, sims []simSettings, w Work
 	}
 	defer c.close()
 	upstreamsDump := ""
-	if o.dump != "" && extras.Admin == "" && isLLMPolicy(p) {
+	if o.dump != "" && isLLMPolicy(p) {
 		ports, err := freeport.Ports(1)
 		if err != nil {
 			return Summary{}, nil, err
 		}
 		extras.Admin = fmt.Sprintf("127.0.0.1:%d", ports[0])
-		upstreamsDump = filepath.Join(o.dump, strings.TrimSuffix(dumpName(w.Name, p.Name), ".jsonl")+".upstreams.json")
+		upstreamsDump = filepath.Join(o.dump, upstreamsDumpName(w.Name, p.Name))
 	}
 	url, err := startCaddy(c.dials, scalePrior(scaleScrapes(p, o.sim.TimeScale), o.sim.TimeScale, c.dials), extras)
 	if err != nil {
