@@ -1,11 +1,13 @@
 package scraper
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"io"
 	"math"
 	"strconv"
+	"sync"
 	"time"
 
 	dto "github.com/prometheus/client_model/go"
@@ -108,9 +110,14 @@ var (
 	vllmGenerated     = []string{"vllm:generation_tokens_total", "vllm:generation_tokens"}
 	vllmSteps         = []string{"vllm:iteration_tokens_total"}
 	vllmRequestPrompt = "vllm:request_prompt_tokens"
+	vllmCacheConfig   = "vllm:cache_config_info"
 	sglangGenerated   = []string{"sglang:generation_tokens_total", "sglang:generation_tokens"}
 	sglangFinished    = []string{"sglang:num_requests_total", "sglang:num_requests"}
 	sglangPrompt      = []string{"sglang:prompt_tokens_total", "sglang:prompt_tokens"}
+	sglangCacheConfig = "sglang:cache_config_info"
+	sglangPageSize    = []string{"sglang:page_size"}
+	sglangNumPages    = []string{"sglang:num_pages"}
+	sglangPoolTokens  = []string{"sglang:max_total_num_tokens"}
 	// llama-server: its busy slots, the requests deferred until one frees, the KV-cache ratio (builds of
 	// 2024-2025 only), the tokens it generated and its llama_decode() calls (one per batch: a step).
 	llamacppRunning   = []string{"llamacpp:requests_processing"}
@@ -133,6 +140,8 @@ var (
 	tgiWaiting   = []string{"tgi_queue_size"}
 	tgiSteps     = []string{"tgi_batch_inference_count"}
 	tgiGenerated = "tgi_request_generated_tokens"
+	// Every server's: the process's start, which tells a restart.
+	processStartTime = "process_start_time_seconds"
 )
 
 const modelLabel = "model_name"
@@ -140,20 +149,43 @@ const modelLabel = "model_name"
 // Parse reads Prometheus text exposition (format 0.0.4, as served by vLLM's, SGLang's, llama.cpp's,
 // NVIDIA NIM's and TGI's metrics endpoints)
 // with expfmt's text parser and extracts the load signals into a Snapshot. Metric and label names
-// are validated with the UTF-8 scheme, so names with ':' parse.
+// are validated with the UTF-8 scheme, so names with ':' parse. Only the families it reads reach the
+// parser (see filterText): a malformed line of another family is no error.
 //
 // model, when not empty, keeps only series whose model_name label equals it; series without a
 // model_name label (such as vllm:cache_config_info) always count. Non-finite samples are ignored.
 //
 // Parse returns an error wrapping the parser's (or r's) error for malformed input, and one wrapping
 // ErrNoMetrics when no running, waiting or KV-usage series matched. It is safe for concurrent use;
-// its cost and memory are linear in the size of the input (the whole text is decoded into
-// metric families first), so bound r.
+// it reads the whole of r into memory, so bound r.
 func Parse(r io.Reader, model string) (Snapshot, error) {
-	families, err := parseText(r)
+	buf := textBuffers.Get().(*bytes.Buffer)
+	defer putTextBuffer(buf)
+	buf.Reset()
+	if _, err := buf.ReadFrom(r); err != nil {
+		return Snapshot{}, fmt.Errorf("parsing metrics text: %w", err)
+	}
+	families, err := parseText(bytes.NewReader(filterText(buf.Bytes())))
 	if err != nil {
 		return Snapshot{}, fmt.Errorf("parsing metrics text: %w", err)
 	}
+	return extract(families, model)
+}
+
+// textBuffers holds the buffers Parse reads a scrape into; one larger than maxPooledText is dropped
+// instead, so that one huge page does not stay in memory.
+var textBuffers = sync.Pool{New: func() any { return new(bytes.Buffer) }}
+
+const maxPooledText = 1 << 20
+
+func putTextBuffer(buf *bytes.Buffer) {
+	if buf.Cap() <= maxPooledText {
+		textBuffers.Put(buf)
+	}
+}
+
+// extract reads the load signals of the first server flavor whose families are there.
+func extract(families map[string]*dto.MetricFamily, model string) (Snapshot, error) {
 	var s Snapshot
 	if ok := extractVLLM(families, model, &s); ok {
 		s.Flavor = FlavorVLLM
@@ -182,7 +214,7 @@ func Parse(r io.Reader, model string) (Snapshot, error) {
 	s.FinishedPrompt = clampCount(s.FinishedPrompt)
 	s.MaxRunning = clampCount(s.MaxRunning)
 	s.KVUsage = math.Min(math.Max(s.KVUsage, 0), 1)
-	if start, ok := maxValue(families["process_start_time_seconds"], ""); ok && start > 0 && !math.IsInf(start, 0) {
+	if start, ok := maxValue(families[processStartTime], ""); ok && start > 0 && !math.IsInf(start, 0) {
 		s.StartTime = start
 	}
 	return s, nil
@@ -215,7 +247,7 @@ func extractVLLM(families map[string]*dto.MetricFamily, model string, s *Snapsho
 	s.GenerationTokens, _ = sum(families, vllmGenerated, model)
 	s.Steps, _ = sum(families, vllmSteps, model)
 	s.FinishedRequests, s.FinishedPrompt = histogramTotals(families[vllmRequestPrompt], model)
-	s.BlockSize, s.NumBlocks = geometryFromLabels(families["vllm:cache_config_info"], model, "block_size", "num_gpu_blocks")
+	s.BlockSize, s.NumBlocks = geometryFromLabels(families[vllmCacheConfig], model, "block_size", "num_gpu_blocks")
 	s.Model = modelName(families, vllmRunning[0], model)
 	s.LoRA = loraFromLabels(families[vllmLoRAInfo], model)
 	return true
@@ -288,14 +320,14 @@ func extractSGLang(families map[string]*dto.MetricFamily, model string, s *Snaps
 	if okF && okP {
 		s.FinishedRequests, s.FinishedPrompt = finished, prompt
 	}
-	s.BlockSize, s.NumBlocks = geometryFromLabels(families["sglang:cache_config_info"], model, "page_size", "num_pages")
+	s.BlockSize, s.NumBlocks = geometryFromLabels(families[sglangCacheConfig], model, "page_size", "num_pages")
 	if s.BlockSize == 0 || s.NumBlocks == 0 {
 		// Newer SGLang versions export the geometry as plain gauges.
-		pageSize, okP := maxValue(families["sglang:page_size"], model)
-		numPages, okN := sum(families, []string{"sglang:num_pages"}, model)
+		pageSize, okP := maxValue(families[sglangPageSize[0]], model)
+		numPages, okN := sum(families, sglangNumPages, model)
 		if okP && okN {
 			s.BlockSize, s.NumBlocks = toBlocks(pageSize), toBlocks(numPages)
-		} else if tokens, ok := sum(families, []string{"sglang:max_total_num_tokens"}, model); ok {
+		} else if tokens, ok := sum(families, sglangPoolTokens, model); ok {
 			// Or only the pool's size in tokens (a constant it sets at startup): pages of one token,
 			// SGLang's default, unless the page size is there too.
 			size := 1
