@@ -28,9 +28,10 @@ var readFamilies = func() map[string]bool {
 // histograms it does (it reads their counts and sums), plain comments and blank lines. A vLLM page is
 // mostly histogram buckets and families no router reads (latency histograms, per-finish-reason
 // counters, Python's gc and process figures), and the text parser costs about a microsecond a line
-// and allocates for every label it reads. Any line it cannot classify as one of those (a name it cannot read,
-// UTF-8 quoted names, HTML, JSON, binary) is kept, so that text which is not Prometheus exposition
-// still fails to parse; what the filter forgives is a malformed line in a family Parse does not read.
+// and allocates for every label it reads. Any line it cannot classify as one of those (a name it
+// cannot read, UTF-8 quoted names, HTML, JSON, binary) is kept, so that text which is not Prometheus
+// exposition still fails to parse; what the filter forgives is a malformed line in a family Parse does
+// not read.
 func filterText(text []byte) []byte {
 	w := 0
 	for r := 0; r < len(text); {
