@@ -10,7 +10,7 @@ var readFamilies = func() map[string]bool {
 		vllmRunning, vllmWaiting, vllmKV, vllmPrefixHits, vllmPrefixQueries, vllmGenerated, vllmSteps,
 		{vllmRequestPrompt, vllmLoRAInfo, vllmCacheConfig},
 		sglangRunning, sglangWaiting, sglangKV, sglangGenerated, sglangFinished, sglangPrompt,
-		{sglangCacheConfig}, sglangPageSize, sglangNumPages, sglangPoolTokens,
+		{sglangCacheConfig, sglangPageSize}, sglangNumPages, sglangPoolTokens,
 		llamacppRunning, llamacppWaiting, llamacppKV, llamacppGenerated, llamacppPrefilled, llamacppSteps,
 		nimRunning, nimWaiting, nimKV, nimGenerated, {nimRequestPrompt}, nimMaxRunning,
 		tgiRunning, tgiWaiting, tgiSteps, {tgiGenerated},

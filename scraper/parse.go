@@ -115,7 +115,7 @@ var (
 	sglangFinished    = []string{"sglang:num_requests_total", "sglang:num_requests"}
 	sglangPrompt      = []string{"sglang:prompt_tokens_total", "sglang:prompt_tokens"}
 	sglangCacheConfig = "sglang:cache_config_info"
-	sglangPageSize    = []string{"sglang:page_size"}
+	sglangPageSize    = "sglang:page_size"
 	sglangNumPages    = []string{"sglang:num_pages"}
 	sglangPoolTokens  = []string{"sglang:max_total_num_tokens"}
 	// llama-server: its busy slots, the requests deferred until one frees, the KV-cache ratio (builds of
@@ -323,7 +323,7 @@ func extractSGLang(families map[string]*dto.MetricFamily, model string, s *Snaps
 	s.BlockSize, s.NumBlocks = geometryFromLabels(families[sglangCacheConfig], model, "page_size", "num_pages")
 	if s.BlockSize == 0 || s.NumBlocks == 0 {
 		// Newer SGLang versions export the geometry as plain gauges.
-		pageSize, okP := maxValue(families[sglangPageSize[0]], model)
+		pageSize, okP := maxValue(families[sglangPageSize], model)
 		numPages, okN := sum(families, sglangNumPages, model)
 		if okP && okN {
 			s.BlockSize, s.NumBlocks = toBlocks(pageSize), toBlocks(numPages)
