@@ -177,7 +177,8 @@ func caddyConfig(port int, upstreams []string, p policy, extras proxyExtras) ([]
 	handlers = append(handlers, proxy)
 	admin := map[string]any{"disabled": true, "config": map[string]any{"persist": false}}
 	if extras.Admin != "" {
-		admin = map[string]any{"listen": extras.Admin, "config": map[string]any{"persist": false}}
+		delete(admin, "disabled")
+		admin["listen"] = extras.Admin
 	}
 	cfg := map[string]any{
 		"admin": admin,
