@@ -7,8 +7,10 @@ import (
 	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -53,9 +55,15 @@ func provisionedPolicy(tb testing.TB, s *LLMSelection) (*LLMSelection, reversepr
 // provisionedPolicyN is provisionedPolicy with n upstreams.
 func provisionedPolicyN(tb testing.TB, s *LLMSelection, n int) (*LLMSelection, reverseproxy.UpstreamPool) {
 	tb.Helper()
+	return provisionedPolicyWith(tb, s, n, http.NotFoundHandler())
+}
+
+// provisionedPolicyWith is provisionedPolicy with n upstreams that all answer with handler.
+func provisionedPolicyWith(tb testing.TB, s *LLMSelection, n int, handler http.Handler) (*LLMSelection, reverseproxy.UpstreamPool) {
+	tb.Helper()
 	pool := make(reverseproxy.UpstreamPool, n)
 	for i := range pool {
-		backend := httptest.NewServer(http.NotFoundHandler())
+		backend := httptest.NewServer(handler)
 		tb.Cleanup(backend.Close) // after the policy's cleanup, which stops its scrapes
 		pool[i] = &reverseproxy.Upstream{Host: new(reverseproxy.Host), Dial: backend.Listener.Addr().String()}
 	}
@@ -72,6 +80,23 @@ func provisionedPolicyN(tb testing.TB, s *LLMSelection, n int) (*LLMSelection, r
 	return s, pool
 }
 
+// awaitScrapes starts scraping every upstream of pool and waits until each has a fresh snapshot.
+func awaitScrapes(tb testing.TB, s *LLMSelection, pool reverseproxy.UpstreamPool) {
+	tb.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for _, up := range pool {
+		for {
+			if _, fresh := s.scrapes.load(up.Dial); fresh {
+				break
+			}
+			if time.Now().After(deadline) {
+				tb.Fatalf("no fresh scrape of %s in 10s", up.Dial)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+}
+
 // newProxyRequest builds the request Select sees: a POST with Caddy's variable table in its context.
 func newProxyRequest(body []byte) (*http.Request, context.CancelFunc) {
 	ctx, cancel := context.WithCancel(context.Background())
@@ -84,10 +109,23 @@ func newProxyRequest(body []byte) (*http.Request, context.CancelFunc) {
 // BenchmarkSelect measures the policy's hot path: read the body, parse and count a 20-message ~4k-token
 // chat request, match learned prefixes, choose, reserve and release. Warm: the messages are in the
 // message cache (a conversation's history); cold: every message is new. combined/warm16 is warm with
-// 16 upstreams instead of 4 (the choice is linear in the pool).
+// 16 upstreams instead of 4 (the choice is linear in the pool); combined/scraped16 is that with
+// every upstream's metrics scraped, as in front of vLLM (the others' upstreams have no /metrics).
 func BenchmarkSelect(b *testing.B) {
 	b.Run("combined/warm16", func(b *testing.B) {
 		s, pool := provisionedPolicyN(b, &LLMSelection{Mode: "combined"}, 16)
+		selectWarm(b, s, pool, [][]byte{chatRequest20(0)})
+	})
+	b.Run("combined/scraped16", func(b *testing.B) {
+		page, err := os.ReadFile("scraper/testdata/vllm_v1_two_engines.txt")
+		if err != nil {
+			b.Fatal(err)
+		}
+		s, pool := provisionedPolicyWith(b, &LLMSelection{Mode: "combined"}, 16, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Content-Type", "text/plain; version=0.0.4")
+			_, _ = w.Write(page)
+		}))
+		awaitScrapes(b, s, pool)
 		selectWarm(b, s, pool, [][]byte{chatRequest20(0)})
 	})
 	for _, mode := range []string{"least_tokens", "combined"} {

@@ -96,7 +96,7 @@ func (d *decider) withAvailability(table *availabilityTable, preference []string
 // adapter that is not resident at loadTime.
 func (d *decider) withLoRA(scrapes *scrapes, slots *loraSlots, loadTime time.Duration) *decider {
 	if scrapes != nil {
-		d.lora = &loraSignal{snapshot: scrapes.load, slots: slots, loadTime: loadTime.Seconds()}
+		d.lora = &loraSignal{snapshot: scrapes.peek, slots: slots, loadTime: loadTime.Seconds()}
 		d.signals = append(d.signals, d.lora)
 	}
 	return d
@@ -221,7 +221,7 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 		if s.scrapes != nil {
 			var sn scraper.Snapshot
 			var fresh bool
-			sn, fresh, awaited = s.scrapes.loadAwaited(key)
+			sn, fresh, awaited = s.scrapes.loadAwaited(key, q.now)
 			s.loads.noteScrape(key, &sn, q.now) // a restart forgets routes before the cache signal reads them
 			if fresh {
 				snap = &sn

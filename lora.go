@@ -26,8 +26,9 @@ const defaultLoRALoadTime = 500 * time.Millisecond
 
 // loraSignal fills each candidate's adapter load and slot wait.
 type loraSignal struct {
-	// snapshot returns an upstream's scraped metrics and whether they are fresh (scrapes.load).
-	snapshot func(dial string) (scraper.Snapshot, bool)
+	// snapshot returns an upstream's scraped metrics at the decision's time and whether they are
+	// fresh (scrapes.peek: the load signal, which runs first, has read them and started their scrapes).
+	snapshot func(dial string, now int64) (scraper.Snapshot, bool)
 	slots    *loraSlots
 	loadTime float64 // seconds
 }
@@ -38,7 +39,7 @@ func (s loraSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 		return
 	}
 	for i, key := range keys {
-		snap, fresh := s.snapshot(key)
+		snap, fresh := s.snapshot(key, q.now)
 		if !fresh || !snap.LoRA.Reported() || adapter == snap.Model {
 			continue
 		}
@@ -62,7 +63,7 @@ func (s loraSignal) commit(q *query, dial string) {
 	if !q.adapter {
 		return
 	}
-	snap, fresh := s.snapshot(dial)
+	snap, fresh := s.snapshot(dial, q.now)
 	if !fresh || !snap.LoRA.Reported() || q.req.Model == snap.Model {
 		return
 	}

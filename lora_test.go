@@ -37,7 +37,7 @@ func newLoRAFixture(t *testing.T) *loraFixture {
 	return f
 }
 
-func (f *loraFixture) snapshot(dial string) (scraper.Snapshot, bool) {
+func (f *loraFixture) snapshot(dial string, _ int64) (scraper.Snapshot, bool) {
 	s, ok := f.snaps[dial]
 	return s, ok
 }

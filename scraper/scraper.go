@@ -241,11 +241,17 @@ func (h *Handle) Release() {
 // Load returns the last good snapshot and whether it is fresh (scraped within StaleAfter of now).
 // It never blocks: one atomic load, no lock, no allocation.
 func (h *Handle) Load() (Snapshot, bool) {
+	return h.LoadAt(h.opts.Now())
+}
+
+// LoadAt is Load with the time to judge freshness against given, for a caller that read the clock
+// already (a decision reads every upstream's snapshot at the one time it was made).
+func (h *Handle) LoadAt(now time.Time) (Snapshot, bool) {
 	s := h.p.last.Load()
 	if s == nil {
 		return Snapshot{}, false
 	}
-	return *s, h.opts.Now().Sub(s.At) <= h.opts.StaleAfter
+	return *s, now.Sub(s.At) <= h.opts.StaleAfter
 }
 
 // ScrapeOnce scrapes the target now, synchronously, with the poller's current options, and
