@@ -157,13 +157,14 @@ func caddyConfig(port int, upstreams []string, p policy, extras proxyExtras) ([]
 		"flush_interval": -1,
 		"upstreams":      ups,
 		"load_balancing": lb,
-		// What the llm policy predicted cached, for the prediction's precision, and the time to first
-		// token it predicted (empty for other policies), and the backend that answered (-dump).
+		// What the llm policy predicted cached, for the prediction's precision, the time to first token
+		// it predicted and why it chose (empty for other policies), and the backend that answered (-dump).
 		"headers": map[string]any{"response": map[string]any{"set": map[string]any{
 			"X-Upstream":           []string{"{http.reverse_proxy.upstream.hostport}"},
 			"X-LLM-Matched-Tokens": []string{"{http.llm.matched_tokens}"},
 			"X-LLM-Prompt-Tokens":  []string{"{http.llm.prompt_tokens}"},
 			"X-LLM-Predicted-TTFT": []string{"{http.llm.predicted_ttft_ms}"},
+			"X-LLM-Reason":         []string{"{http.llm.upstream_reason}"},
 		}}},
 		"transport": map[string]any{
 			"protocol":                transport,

@@ -279,6 +279,7 @@ func (d *driver) send(ctx context.Context, req Request) requestResult {
 	r.Matched, _ = strconv.Atoi(resp.Header.Get("X-LLM-Matched-Tokens"))
 	r.PolicyPrompt, _ = strconv.Atoi(resp.Header.Get("X-LLM-Prompt-Tokens"))
 	r.PredictedTTFT, _ = strconv.ParseFloat(resp.Header.Get("X-LLM-Predicted-TTFT"), 64)
+	r.Reason = resp.Header.Get("X-LLM-Reason")
 	if resp.StatusCode != http.StatusOK {
 		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<16))
 		return fail(fmt.Errorf("status %d", resp.StatusCode))

@@ -91,9 +91,12 @@ type requestResult struct {
 	// PredictedTTFT is the llm policy's predicted time to first token for the backend it chose, in
 	// wall milliseconds (0 for other policies).
 	PredictedTTFT float64
-	Failed        bool
-	Status        int
-	Err           string
+	// Reason is why the llm policy chose that backend (http.llm.upstream_reason: load, affinity,
+	// conversation, guard, fallback; "" for other policies).
+	Reason string
+	Failed bool
+	Status int
+	Err    string
 	// Upstream is the backend that answered, when the proxy says so (X-Upstream), and
 	// Conversation the request's X-Conversation-ID.
 	Upstream, Conversation string
