@@ -47,6 +47,9 @@ type query struct {
 	seen   []int64   // and when each claim was last learned (unix nanoseconds)
 	cut    []int     // claims older than their upstream's cache horizon, not credited
 	avail  []float64 // scratch for the availability signal
+	// held and heldSeen are scratch for the cache signal's match of the request's first message.
+	held     []int
+	heldSeen []int64
 	// overdue is each candidate's overrun of its predicted durations (upstreamView.overdue).
 	overdue []float64
 	// full is each candidate's running count at which its scrape shows it full (upstreamView.full).
@@ -67,7 +70,7 @@ type query struct {
 // reset readies q for a new request, keeping its scratch slices' storage (a decision makes none).
 func (q *query) reset(req *tokenize.Request, now int64) {
 	*q = query{req: req, now: now, cached: q.cached[:0], seen: q.seen[:0], cut: q.cut[:0], avail: q.avail[:0],
-		overdue: q.overdue[:0], full: q.full[:0], settled: q.settled[:0]}
+		overdue: q.overdue[:0], full: q.full[:0], settled: q.settled[:0], held: q.held[:0], heldSeen: q.heldSeen[:0]}
 }
 
 // signal fills its part of each candidate; cands[i] is the upstream keys[i].
@@ -388,6 +391,12 @@ func (s cacheSignal) fill(q *query, keys []string, cands []selection.Candidate) 
 		cands[i].CachedTokens = int(float64(cached[i]) * l.cacheTrust())
 		cands[i].CachedFree = !l.holds(q.seen[i], q.now)
 	}
+	s.pin(q, cands)
+	s.held(q, keys, cands)
+}
+
+// pin marks the upstream the request's conversation is pinned to, if any.
+func (s cacheSignal) pin(q *query, cands []selection.Candidate) {
 	if q.conversation == "" {
 		return
 	}
@@ -403,6 +412,48 @@ func (s cacheSignal) fill(q *query, keys []string, cands []selection.Candidate) 
 				// waits in the free queue.
 				cands[i].CachedTokens, cands[i].CachedFree = q.req.Boundaries[n-2].Tokens, true
 			}
+		}
+	}
+}
+
+// held fills HeldTokens where a candidate's cached prefix is free (its last toucher has ended) but the
+// request's first message is in use there: a system prompt the requests running there share, ahead of a
+// conversation's history that waits in the free queue. Those blocks are held once for all their
+// sharers and take no free space; counted as free, every later turn of every conversation behind one
+// system prompt wanted it again, and each such request in flight counted it once more in the upstream's
+// KV demand (kv-pressure multi-turn-think: an 8k-token cache predicted full at 5-6k of demand, a KV wait
+// of 10-57 ms predicted at the home of 12-22% of later turns, which moved and re-prefilled their
+// histories elsewhere, while the backends answered those homes' turns in 8-9 ms under header hashing).
+// One route lookup more, and only when some candidate's claim is free and longer than that message.
+func (s cacheSignal) held(q *query, keys []string, cands []selection.Candidate) {
+	if len(q.req.Messages) < 2 {
+		return
+	}
+	first := q.req.Messages[0].End
+	k, found := slices.BinarySearchFunc(q.bounds, first, func(b tokenize.Boundary, t int) int { return cmp.Compare(b.Tokens, t) })
+	if !found {
+		return
+	}
+	need := false
+	for i := range cands {
+		need = need || cands[i].CachedFree && cands[i].CachedTokens > first
+	}
+	if !need {
+		return
+	}
+	if cap(q.held) < len(keys) {
+		q.held, q.heldSeen = make([]int, len(keys)), make([]int64, len(keys))
+	}
+	held, seen := q.held[:len(keys)], q.heldSeen[:len(keys)]
+	s.routes.MatchSeen(q.req.Model, q.bounds[:k+1], keys, held, seen)
+	for i := range cands {
+		// Matches are whole blocks: what is held is the first message's full blocks. Learned by the same
+		// request as the whole claim (the same time), it ended with it.
+		if !cands[i].CachedFree || cands[i].CachedTokens <= first || held[i] <= 0 || seen[i] == q.seen[i] {
+			continue
+		}
+		if l := s.loads.lookup(keys[i]); l != nil && l.holds(seen[i], q.now) {
+			cands[i].HeldTokens = held[i]
 		}
 	}
 }

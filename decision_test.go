@@ -317,6 +317,65 @@ func TestCachedPrefixFreeOnceItsTurnEnded(t *testing.T) {
 	}
 }
 
+// TestSharedPromptHeldWhileHistoryIsFree: a conversation whose last turn has ended finds its history
+// free at its home, but the system prompt it shares with another conversation running there is in use:
+// only the rest of its prompt takes free space (kv-pressure multi-turn-think moved 12-22% of later turns
+// off homes predicted full when every turn's system prompt was counted again). Once nothing running there
+// carries the system prompt, the whole prompt takes space again.
+func TestSharedPromptHeldWhileHistoryIsFree(t *testing.T) {
+	t0 := time.Unix(1_700_000_000, 0)
+	clock := t0
+	at := func(s float64) int64 { return t0.Add(time.Duration(s * float64(time.Second))).UnixNano() }
+	routes := affinity.New(affinity.Config{Capacity: 1000, TTL: 10 * time.Minute, BlockSize: 16, Now: func() time.Time { return clock }})
+	keys := []string{"10.0.0.1:8000"}
+	lt := &loadTable{m: make(map[string]*upstreamLoad)}
+	dec := newDecider(selection.DefaultConfig(), routes, lt, 256, nil)
+	system := map[string]string{"role": "system", "content": strings.Repeat("You review pull requests. ", 200)}
+	histories := map[string][]map[string]string{
+		"a": {system, {"role": "user", "content": strings.Repeat("first conversation ", 300)}},
+		"b": {system, {"role": "user", "content": strings.Repeat("second conversation ", 300)}},
+	}
+	turn := func(conv string, now int64) (*query, []selection.Candidate, selection.Decision) {
+		h := histories[conv]
+		if len(h) > 2 {
+			h = append(h, map[string]string{"role": "user", "content": "go on"})
+		}
+		histories[conv] = append(h, map[string]string{"role": "assistant", "content": "ok"})
+		clock = time.Unix(0, now)
+		body, _ := json.Marshal(map[string]any{"model": "m", "max_tokens": 64, "messages": h})
+		req, err := tokenize.Parse(body, tokenize.APIChat, tokenize.Options{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		q := &query{req: req, now: now}
+		cands := make([]selection.Candidate, len(keys))
+		return q, cands, dec.choose(q, keys, cands, nil)
+	}
+
+	q, _, d := turn("a", at(0))
+	dec.commit(q, keys[0], d).release(at(1), true) // a's first turn ends
+	q, _, d = turn("b", at(2))
+	running := dec.commit(q, keys[0], d) // b's runs on: it holds the system prompt
+	systemEnd := q.req.Messages[0].End
+
+	q, cands, d := turn("a", at(3))
+	held := cands[0].HeldTokens
+	if !cands[0].CachedFree || held <= 0 || held > systemEnd || systemEnd-held >= 16 {
+		t.Fatalf("a's next turn with b running: free %v, held %d; want free, the system prompt's %d tokens in whole blocks",
+			cands[0].CachedFree, held, systemEnd)
+	}
+	if want := q.req.PromptTokens - held + 64; d.KVTokens != want {
+		t.Errorf("a's next turn with b running: kv %d, want the prompt but the held system prompt, and the output (%d)", d.KVTokens, want)
+	}
+	running.release(at(3.5), true)
+
+	q, cands, d = turn("a", at(4))
+	if !cands[0].CachedFree || cands[0].HeldTokens != 0 || d.KVTokens != q.req.PromptTokens+64 {
+		t.Errorf("a's turn with nothing running: free %v, held %d, kv %d; want free, 0, the whole prompt and output (%d)",
+			cands[0].CachedFree, cands[0].HeldTokens, d.KVTokens, q.req.PromptTokens+64)
+	}
+}
+
 // TestPrefixDemandShares: the share of recent requests that carried a prefix, counted by request: a
 // prefix in four of five requests has about 0.8 of them, one seen once a small share, and nothing is
 // said before minDemand requests.

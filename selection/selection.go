@@ -107,6 +107,11 @@ type Candidate struct {
 	// whose previous turn has ended, does not make room for itself). False: the prefix is in use there
 	// (a system prompt the requests running there share), and only the uncached part takes new space.
 	CachedFree bool
+	// HeldTokens is, where CachedFree, how many leading tokens of the cached prefix requests running there
+	// still hold (a system prompt they share, ahead of a conversation's own history that waits in the free
+	// queue): those blocks are in use, counted once however many requests share them, and take no free
+	// space. 0: none known held, the whole cached prefix comes out of the free space.
+	HeldTokens int
 	// Pinned is true when the request's conversation is pinned to this candidate.
 	Pinned bool
 	// Availability is the share of new work the upstream should take, relative to what it would take
@@ -190,7 +195,8 @@ type Decision struct {
 	// its predicted time to first token (both in seconds).
 	Wait, TTFT float64
 	// KVTokens is the KV-cache space the request takes there: its uncached prompt and output, or its
-	// whole prompt and output where the cached prefix is free (Candidate.CachedFree).
+	// whole prompt (but what others hold, Candidate.HeldTokens) and output where the cached prefix is free
+	// (Candidate.CachedFree).
 	KVTokens int
 }
 
@@ -236,7 +242,7 @@ func Cost(c *Candidate, req Request, cached int) (cost, wait, ttft float64) {
 func kvTokens(c *Candidate, req Request, cached int) int {
 	output := OutputKV(req.OutputTokens*max(req.Sequences, 1), c.TokenScale)
 	if c.CachedFree {
-		return req.PromptTokens + output
+		return req.PromptTokens - min(c.HeldTokens, cached, req.PromptTokens) + output
 	}
 	return req.PromptTokens - min(cached, req.PromptTokens) + output
 }

@@ -401,17 +401,22 @@ func TestKVTokensInThePromptCountsTokens(t *testing.T) {
 		scale  float64
 		cached int
 		free   bool
+		held   int // Candidate.HeldTokens
 		want   int
 	}{
-		{0, 0, false, 1100},
-		{1, 400, false, 700},
-		{2, 400, false, 650},
-		{2, 400, true, 1050},
-		{0.5, 0, false, 1200},
+		{0, 0, false, 0, 1100},
+		{1, 400, false, 0, 700},
+		{2, 400, false, 0, 650},
+		{2, 400, true, 0, 1050},
+		{0.5, 0, false, 0, 1200},
+		// A free history behind a system prompt others hold: the held blocks take no space.
+		{1, 400, true, 160, 940},
+		{1, 400, false, 160, 700}, // held only matters where the prefix is free
+		{1, 400, true, 900, 700},  // never more than the cached prefix
 	} {
-		c := Candidate{Service: svc, TokenScale: tc.scale, CachedFree: tc.free}
+		c := Candidate{Service: svc, TokenScale: tc.scale, CachedFree: tc.free, HeldTokens: tc.held}
 		if got := kvTokens(&c, req, tc.cached); got != tc.want {
-			t.Errorf("scale %v, cached %d, free %v: KV tokens %d, want %d", tc.scale, tc.cached, tc.free, got, tc.want)
+			t.Errorf("scale %v, cached %d, free %v, held %d: KV tokens %d, want %d", tc.scale, tc.cached, tc.free, tc.held, got, tc.want)
 		}
 	}
 	// In a 1,100-token cache with nothing free, the wait is for all of it at 1x, for 1,050 of it at 2x.
