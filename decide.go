@@ -47,7 +47,10 @@ type query struct {
 	seen   []int64   // and when each claim was last learned (unix nanoseconds)
 	cut    []int     // claims older than their upstream's cache horizon, not credited
 	avail  []float64 // scratch for the availability signal
-	// held and heldSeen are scratch for the cache signal's match of the request's first message.
+	// heldIdx, heldKeys, held and heldSeen are scratch for the cache signal's match of the request's
+	// first message on the candidates whose free claim covers it.
+	heldIdx  []int
+	heldKeys []string
 	held     []int
 	heldSeen []int64
 	// overdue is each candidate's overrun of its predicted durations (upstreamView.overdue).
@@ -70,7 +73,8 @@ type query struct {
 // reset readies q for a new request, keeping its scratch slices' storage (a decision makes none).
 func (q *query) reset(req *tokenize.Request, now int64) {
 	*q = query{req: req, now: now, cached: q.cached[:0], seen: q.seen[:0], cut: q.cut[:0], avail: q.avail[:0],
-		overdue: q.overdue[:0], full: q.full[:0], settled: q.settled[:0], held: q.held[:0], heldSeen: q.heldSeen[:0]}
+		overdue: q.overdue[:0], full: q.full[:0], settled: q.settled[:0], heldIdx: q.heldIdx[:0], heldKeys: q.heldKeys[:0], held: q.held[:0],
+		heldSeen: q.heldSeen[:0]}
 }
 
 // signal fills its part of each candidate; cands[i] is the upstream keys[i].
@@ -434,26 +438,32 @@ func (s cacheSignal) held(q *query, keys []string, cands []selection.Candidate) 
 	if !found {
 		return
 	}
-	need := false
+	// Only the candidates whose free claim covers the first message: each holds its route, found at the
+	// first boundary tried, where an upstream that holds none of it would be looked up at every
+	// boundary of a long system prompt.
+	q.heldIdx, q.heldKeys = q.heldIdx[:0], q.heldKeys[:0]
 	for i := range cands {
-		need = need || cands[i].CachedFree && cands[i].CachedTokens > first
+		if cands[i].CachedFree && cands[i].CachedTokens > first {
+			q.heldIdx, q.heldKeys = append(q.heldIdx, i), append(q.heldKeys, keys[i])
+		}
 	}
-	if !need {
+	n := len(q.heldIdx)
+	if n == 0 {
 		return
 	}
-	if cap(q.held) < len(keys) {
-		q.held, q.heldSeen = make([]int, len(keys)), make([]int64, len(keys))
+	if cap(q.held) < n {
+		q.held, q.heldSeen = make([]int, n), make([]int64, n)
 	}
-	held, seen := q.held[:len(keys)], q.heldSeen[:len(keys)]
-	s.routes.MatchSeen(q.req.Model, q.bounds[:k+1], keys, held, seen)
-	for i := range cands {
+	held, seen := q.held[:n], q.heldSeen[:n]
+	s.routes.MatchSeen(q.req.Model, q.bounds[:k+1], q.heldKeys, held, seen)
+	for j, i := range q.heldIdx {
 		// Matches are whole blocks: what is held is the first message's full blocks. Learned by the same
 		// request as the whole claim (the same time), it ended with it.
-		if !cands[i].CachedFree || cands[i].CachedTokens <= first || held[i] <= 0 || seen[i] == q.seen[i] {
+		if held[j] <= 0 || seen[j] == q.seen[i] {
 			continue
 		}
-		if l := s.loads.lookup(keys[i]); l != nil && l.holds(seen[i], q.now) {
-			cands[i].HeldTokens = held[i]
+		if l := s.loads.lookup(keys[i]); l != nil && l.holds(seen[j], q.now) {
+			cands[i].HeldTokens = held[j]
 		}
 	}
 }
