@@ -10,7 +10,6 @@ import (
 	"os"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -83,18 +82,14 @@ func provisionedPolicyWith(tb testing.TB, s *LLMSelection, n int, handler http.H
 // awaitScrapes starts scraping every upstream of pool and waits until each has a fresh snapshot.
 func awaitScrapes(tb testing.TB, s *LLMSelection, pool reverseproxy.UpstreamPool) {
 	tb.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for _, up := range pool {
-		for {
-			if _, fresh := s.scrapes.load(up.Dial); fresh {
-				break
+	waitFor(tb, "a fresh scrape of every upstream", func() bool {
+		for _, up := range pool {
+			if _, fresh := s.scrapes.load(up.Dial); !fresh {
+				return false
 			}
-			if time.Now().After(deadline) {
-				tb.Fatalf("no fresh scrape of %s in 10s", up.Dial)
-			}
-			time.Sleep(10 * time.Millisecond)
 		}
-	}
+		return true
+	})
 }
 
 // newProxyRequest builds the request Select sees: a POST with Caddy's variable table in its context.

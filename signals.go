@@ -288,9 +288,7 @@ func (sc *scrapes) load(dial string) (scraper.Snapshot, bool) {
 // found unusable. A decision reads the clock once for all its upstreams: at 16 upstreams, reading it in
 // here for each was 7% of the decision's time.
 func (sc *scrapes) loadAwaited(dial string, now int64) (snap scraper.Snapshot, fresh, awaited bool) {
-	sc.mu.RLock()
-	e := sc.handles[dial]
-	sc.mu.RUnlock()
+	e := sc.entry(dial)
 	if e == nil {
 		e = sc.acquire(dial)
 		if e == nil {
@@ -308,13 +306,18 @@ func (sc *scrapes) loadAwaited(dial string, now int64) (snap scraper.Snapshot, f
 	return snap, fresh, !(sc.checkDue(now) && sc.checkUsable(dial, e))
 }
 
+// entry returns dial's entry, nil when the policy does not scrape it (yet).
+func (sc *scrapes) entry(dial string) *scrapeEntry {
+	sc.mu.RLock()
+	defer sc.mu.RUnlock()
+	return sc.handles[dial]
+}
+
 // peek returns dial's snapshot at now (unix nanoseconds) and whether it is fresh, if the policy scrapes
 // it: a second reader of the decision's snapshots (the LoRA signal) after load, which notes dial as in
 // the decision and starts its scrapes.
 func (sc *scrapes) peek(dial string, now int64) (scraper.Snapshot, bool) {
-	sc.mu.RLock()
-	e := sc.handles[dial]
-	sc.mu.RUnlock()
+	e := sc.entry(dial)
 	if e == nil || e.h == nil {
 		return scraper.Snapshot{}, false
 	}
@@ -381,9 +384,7 @@ func (sc *scrapes) checkDue(now int64) bool {
 
 // dropUnusable checks dial now (the admin report calls it, off the request path).
 func (sc *scrapes) dropUnusable(dial string) {
-	sc.mu.RLock()
-	e := sc.handles[dial]
-	sc.mu.RUnlock()
+	e := sc.entry(dial)
 	if e == nil || e.h == nil {
 		return
 	}

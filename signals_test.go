@@ -89,7 +89,7 @@ func adminUpstreamsAt(t *testing.T, admin string) map[string]upstreamStatus {
 }
 
 // waitFor polls cond (boundedly) until it holds.
-func waitFor(t *testing.T, what string, cond func() bool) {
+func waitFor(t testing.TB, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
 	for !cond() {
