@@ -20,7 +20,11 @@
 // request on that upstream. Because a route exists for every block-aligned message boundary, a continuing
 // conversation matches its previous request, a branch matches the shared system prompt, and a
 // conversation resumed from its middle matches the history it shares. Routes older than TTL are not
-// trusted: the engine has probably evicted them. Only the candidates passed in are considered, so an
+// trusted: the engine has probably evicted them. Nor is a route of an upstream that the prompt's first
+// block's route does not list: an engine's block hashes chain, so it never hits blocks past one it has
+// evicted. Learn keeps a prompt's first block its most recently learned route, so the LRU evicts a
+// prefix from its end too, and Match settles the upstreams that hold nothing of a prompt in one probe
+// instead of one a boundary. Only the candidates passed in are considered, so an
 // upstream that left the pool never matches; Forget also drops its state.
 //
 // Deciding between cache and load is not done here: see package selection.

@@ -26,8 +26,9 @@ func TestFeed(t *testing.T) {
 	if len(got) != 3 || got[0].Upstream != "b" || got[2].Pin != true {
 		t.Fatalf("DrainFeed() = %+v, want 2 routes and a pin on b", got)
 	}
-	if got[0].Key != RouteKey(ModelHash("m"), req[0].Hash) || got[0].Seen != clock.Now().UnixNano() {
-		t.Errorf("DrainFeed()[0] = %+v, want the system prompt's route seen now", got[0])
+	// Learned longest first: a peer importing them in order keeps the first block the most recent.
+	if got[1].Key != RouteKey(ModelHash("m"), req[0].Hash) || got[1].Seen != clock.Now().UnixNano() {
+		t.Errorf("DrainFeed()[1] = %+v, want the system prompt's route seen now, after the longer one", got[1])
 	}
 
 	clock.Advance(5 * time.Second) // under TTL/8 = 10s: a refresh is not news

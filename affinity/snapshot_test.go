@@ -24,8 +24,11 @@ func TestSnapshotRoundTrip(t *testing.T) {
 	clock.Advance(time.Second)
 	src.Learn("m", prompt(system, user1), "b")
 	src.Pin("m", "conv-1", "b")
-	peer := prompt(system, other)
-	src.ImportChanges([]Change{{Key: RouteKey(ModelHash("m"), peer[1].Hash), Upstream: "d", Seen: clock.Now().UnixNano()}})
+	peer := prompt(user2, asst2)
+	src.ImportChanges([]Change{
+		{Key: RouteKey(ModelHash("m"), peer[1].Hash), Upstream: "d", Seen: clock.Now().UnixNano()},
+		{Key: RouteKey(ModelHash("m"), peer[0].Hash), Upstream: "d", Seen: clock.Now().UnixNano()},
+	})
 
 	snap := src.AppendSnapshot(nil)
 	dst := New(Config{TTL: time.Minute, ConversationTTL: 5 * time.Minute, Now: clock.Now})
@@ -33,8 +36,8 @@ func TestSnapshotRoundTrip(t *testing.T) {
 	if err != nil {
 		t.Fatalf("Restore() error = %v", err)
 	}
-	if routes != 4 || pins != 2 {
-		t.Errorf("Restore() = %d routes %d pins, want 4 and 2", routes, pins)
+	if routes != 5 || pins != 2 {
+		t.Errorf("Restore() = %d routes %d pins, want 5 and 2", routes, pins)
 	}
 	for _, tc := range []struct {
 		name   string
@@ -61,8 +64,8 @@ func TestSnapshotRoundTrip(t *testing.T) {
 	if got, _ := dst.Pinned("m", "conv-old"); got != "c" {
 		t.Errorf("Pinned(conv-old) = %q, want c", got)
 	}
-	if s := dst.Stats(); s.RemoteRoutes != 1 {
-		t.Errorf("Stats().RemoteRoutes = %d, want 1", s.RemoteRoutes)
+	if s := dst.Stats(); s.RemoteRoutes != 2 {
+		t.Errorf("Stats().RemoteRoutes = %d, want 2", s.RemoteRoutes)
 	}
 	checkInvariants(t, dst)
 

@@ -227,7 +227,8 @@ func (t *Table) BlockSize() int {
 // Boundaries are aligned down to BlockSize; a boundary aligning to 0 is skipped; consecutive boundaries
 // aligning to the same block collapse into one route keyed by the earliest one's hash, so a request that
 // shares only the earlier messages still matches that block. Each touched route moves to the front of the
-// LRU and lists upstream first with the current time; entries of forgotten upstreams and entries past TTL
+// LRU, the longest first and the first block last (the LRU evicts a prefix from its end), and lists
+// upstream first with the current time; entries of forgotten upstreams and entries past TTL
 // are dropped, and those beyond MaxUpstreamsPerRoute move to the route's overflow routes. Cost:
 // O(len(bounds)) LRU operations under the exclusive lock, plus removing at most len(bounds)+64 expired
 // routes from the LRU tail. It returns the time recorded (unix nanoseconds), the one MatchSeen reports
@@ -242,14 +243,18 @@ func (t *Table) Learn(model string, bounds []tokenize.Boundary, upstream string)
 	now := t.cfg.Now().UnixNano()
 	id := t.ups.intern(upstream)
 	t.ups.ref(id) // hold: evictions below must not reclaim id before a route refers to it
-	prev := 0
-	for _, b := range bounds {
-		a := align(b.Tokens, t.cfg.BlockSize)
-		if a <= 0 || a == prev {
-			continue
+	// Longest first, so that the prompt's first block is the most recently learned of its routes and
+	// the LRU evicts a prefix from its end, as an engine does: Match trusts no claim past a block that
+	// is gone.
+	for j := len(bounds) - 1; j >= 0; j-- {
+		a := align(bounds[j].Tokens, t.cfg.BlockSize)
+		if a <= 0 {
+			break // boundaries are increasing: all earlier ones align to 0 too
 		}
-		prev = a
-		key := RouteKey(mh, b.Hash)
+		if j > 0 && align(bounds[j-1].Tokens, t.cfg.BlockSize) == a {
+			continue // the block is keyed by its earliest boundary
+		}
+		key := RouteKey(mh, bounds[j].Hash)
 		if before := t.mergeLocked(key, id, now, now, false, true); t.feed.on && t.feed.news(before, now, t.feed.routeRefresh) {
 			t.feed.add(Change{Key: key, Upstream: upstream, Seen: now})
 		}
@@ -406,7 +411,8 @@ func (t *Table) sweepLocked(now int64, limit int) (removed int) {
 const matchIDsOnStack = 32
 
 // Match writes into cached[i] the predicted cached prompt tokens for upstreams[i]: the aligned Tokens of
-// the longest boundary whose route lists upstreams[i] with an entry not older than TTL; 0 if none. It
+// the longest boundary whose route lists upstreams[i] with an entry not older than TTL, if the route of
+// the first block (the earliest boundary that aligns above 0) lists it too; 0 otherwise. It
 // returns the longest match over all upstreams. Only the given upstreams are reported, so an upstream
 // removed from the pool never matches. It probes the earliest boundary of each block, longest first,
 // under the shared lock and does not change recency. Allocation-free when len(cached) >= len(upstreams)
@@ -462,6 +468,16 @@ func (t *Table) MatchPeers(model string, bounds []tokenize.Boundary, upstreams [
 			unresolved++
 		}
 	}
+	// An engine caches a prefix from its first block on (its block hashes chain): an upstream the first
+	// block's route does not list holds none of the prompt, whatever a longer route says. Learn keeps
+	// the first block the most recently learned of a prompt's routes, so the LRU and the TTL take a
+	// prefix from its end; a longer claim without the first block is only possible on routes known
+	// from peers (whose first block is re-published once every TTL/8) and is not trusted either. The
+	// check settles, in one probe, the candidates that hold nothing, which would otherwise probe every
+	// boundary of a long prompt down to its first.
+	if unresolved > 0 {
+		unresolved, links = t.firstBlockLocked(mh, bounds, upstreams, ids, linkBuf[:0], now)
+	}
 	// credit gives the upstreams listed in r a match of a tokens.
 	credit := func(r *route, remote bool, a int) {
 		for e, x := range r.ids {
@@ -504,12 +520,7 @@ func (t *Table) MatchPeers(model string, bounds []tokenize.Boundary, upstreams [
 		// still unresolved, each once. Holders spill at the longest full route first, so a few probes
 		// find them; the budget stops upstreams that hold none of the prefix from probing every
 		// boundary of a long prompt down to its first.
-		if links == nil {
-			links = linkBuf[:0]
-			for _, u := range upstreams {
-				links = append(links, overflowLink(u, t.cfg.OverflowRoutes))
-			}
-		}
+		links = t.overflowLinks(upstreams, links, linkBuf[:0])
 		var probed [MaxOverflowRoutes + 1]bool
 		for i, id := range ids {
 			if id == 0 || out[i] != 0 || probed[links[i]] {
@@ -523,6 +534,83 @@ func (t *Table) MatchPeers(model string, bounds []tokenize.Boundary, upstreams [
 		}
 	}
 	return longest, peers
+}
+
+// firstBlockLocked zeroes ids[i] for each upstreams[i] that the route of the prompt's first block does
+// not list within TTL, nor (where that route is full) the upstream's overflow route of it, and returns
+// how many ids are left non-zero, and each upstream's overflow route in buf if it needed them (nil if
+// not). Must hold t.mu (shared).
+func (t *Table) firstBlockLocked(mh uint64, bounds []tokenize.Boundary, upstreams []string, ids []uint32, buf []uint64, now int64) (left int, links []uint64) {
+	j := 0
+	for j < len(bounds) && align(bounds[j].Tokens, t.cfg.BlockSize) <= 0 {
+		j++
+	}
+	if j == len(bounds) {
+		clear(ids)
+		return 0, nil
+	}
+	key, ttl := RouteKey(mh, bounds[j].Hash), int64(t.cfg.TTL)
+	r, _, ok := t.peekLocked(key)
+	if !ok {
+		clear(ids)
+		return 0, nil
+	}
+	if r.ids[t.cfg.MaxUpstreamsPerRoute-1] == 0 || t.cfg.OverflowRoutes == 0 {
+		for i, id := range ids {
+			if id != 0 && !r.lists(id, now, ttl) {
+				ids[i] = 0
+			}
+		}
+		return countNonZero(ids), nil
+	}
+	// A full route: the holders it pushed out are in its overflow routes, each read once for all the
+	// upstreams it may hold (a pool of 16 shares 7 of them).
+	l := t.overflowLinks(upstreams, nil, buf)
+	var probed [MaxOverflowRoutes + 1]bool
+	for i, id := range ids {
+		if id == 0 || r.lists(id, now, ttl) || probed[l[i]] {
+			continue
+		}
+		probed[l[i]] = true
+		over, _, _ := t.peekLocked(overflowKey(key, l[i]))
+		for k := i; k < len(ids); k++ {
+			if l[k] == l[i] && ids[k] != 0 && !r.lists(ids[k], now, ttl) && !over.lists(ids[k], now, ttl) {
+				ids[k] = 0
+			}
+		}
+	}
+	return countNonZero(ids), l
+}
+
+// overflowLinks returns links if not nil, else each upstream's overflow route appended to buf.
+func (t *Table) overflowLinks(upstreams []string, links, buf []uint64) []uint64 {
+	if links != nil {
+		return links
+	}
+	for _, u := range upstreams {
+		buf = append(buf, overflowLink(u, t.cfg.OverflowRoutes))
+	}
+	return buf
+}
+
+// countNonZero is how many of ids are not 0.
+func countNonZero(ids []uint32) (n int) {
+	for _, id := range ids {
+		if id != 0 {
+			n++
+		}
+	}
+	return n
+}
+
+// lists reports whether the route has an entry for id last seen within ttl of now.
+func (r *route) lists(id uint32, now, ttl int64) bool {
+	for e, x := range r.ids {
+		if x == id && now-r.seen[e] <= ttl {
+			return true
+		}
+	}
+	return false
 }
 
 // peekLocked returns the route at key, local or known from peers (remote), without changing recency.

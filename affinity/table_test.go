@@ -241,6 +241,37 @@ func TestLRUEviction(t *testing.T) {
 	checkInvariants(t, tb)
 }
 
+// TestPrefixEvictedFromItsEnd: the LRU takes a conversation's routes from its longest boundary back, as
+// an engine evicts a prefix's last blocks first, so what survives still matches; a longer route whose
+// first block is gone (expired there, or known only from a peer) is no claim, as an engine cannot hit
+// blocks past one it evicted.
+func TestPrefixEvictedFromItsEnd(t *testing.T) {
+	tb, clock := newTestTable(Config{Capacity: 3, TTL: time.Minute})
+	conv := prompt(system, user1, asst1)
+	tb.Learn("m", conv, "a")
+	tb.Learn("m", prompt(other), "b") // one route over capacity: evicts conv's longest
+	if got := match(tb, "m", conv, "a"); got[0] != 528 {
+		t.Errorf("Match(conversation) after an eviction = %d, want 528 (the system prompt and the question)", got[0])
+	}
+
+	tb, clock = newTestTable(Config{TTL: time.Minute})
+	tb.Learn("m", conv, "a")
+	clock.Advance(50 * time.Second)
+	tb.Learn("m", conv[1:], "a") // not a prompt Parse makes: every route but the first refreshed
+	clock.Advance(20 * time.Second)
+	if got := match(tb, "m", conv, "a", "b"); got[0] != 0 || got[1] != 0 {
+		t.Errorf("Match() with the first block expired = %v, want nothing", got)
+	}
+
+	tb, _ = newTestTable(Config{})
+	tb.ImportChanges([]Change{{Key: RouteKey(ModelHash("m"), conv[2].Hash), Upstream: "d", Seen: clock.Now().UnixNano()}})
+	tb.Learn("m", conv[:1], "a")
+	if got := match(tb, "m", conv, "a", "d"); got[0] != 496 || got[1] != 0 {
+		t.Errorf("Match() of a peer's route without its first block = %v, want [496 0]", got)
+	}
+	checkInvariants(t, tb)
+}
+
 // TestMemoryBoundUniquePrefixes is the adversary: endless unique prefixes on endless upstream names.
 func TestMemoryBoundUniquePrefixes(t *testing.T) {
 	tb, _ := newTestTable(Config{Capacity: 100, ConversationCapacity: 10})
