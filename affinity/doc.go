@@ -7,7 +7,10 @@
 // steps inside long messages, from package tokenize) and the upstream that received it. Each boundary is
 // aligned down to the engine's cache block size (an engine caches whole blocks only); boundaries that
 // align to the same block collapse into one route keyed by the earliest of them, so a request that
-// shares only the first of those messages still matches the block. A route's key is
+// shares only the first of those messages still matches the block. The steps inside a message
+// (Boundary.Step) are learned with its end only when that end is news on the upstream (not listed, or
+// last learned in an earlier TTL/8 interval): a repeated 16 KB system prompt costs a request two route
+// updates, not 64, and a prompt sharing part of the message still matches its steps. A route's key is
 // RouteKey(ModelHash(model), boundary hash): a fixed-seed hash of the whole prefix, scoped by model. The
 // route lists up to MaxUpstreamsPerRoute (4) upstreams with the time each was last sent that prefix; the
 // older holders of a prefix learned on more upstreams than that (a popular system prompt across a pool of

@@ -226,7 +226,8 @@ func (t *Table) BlockSize() int {
 // Learn records that upstream (a dial address) was sent the prompt with these boundaries under model.
 // Boundaries are aligned down to BlockSize; a boundary aligning to 0 is skipped; consecutive boundaries
 // aligning to the same block collapse into one route keyed by the earliest one's hash, so a request that
-// shares only the earlier messages still matches that block. Each touched route moves to the front of the
+// shares only the earlier messages still matches that block. Steps inside a message (Boundary.Step)
+// are learned only with an end that is news there (see the package doc). Each touched route moves to the front of the
 // LRU, the longest first and the first block last (the LRU evicts a prefix from its end), and lists
 // upstream first with the current time; entries of forgotten upstreams and entries past TTL
 // are dropped, and those beyond MaxUpstreamsPerRoute move to the route's overflow routes. Cost:
@@ -246,16 +247,34 @@ func (t *Table) Learn(model string, bounds []tokenize.Boundary, upstream string)
 	// Longest first, so that the prompt's first block is the most recently learned of its routes and
 	// the LRU evicts a prefix from its end, as an engine does: Match trusts no claim past a block that
 	// is gone.
+	//
+	// A message's steps are learned with its end when the end is news here (this upstream not listed,
+	// or last seen in an earlier TTL/8 interval), not by every request that repeats the message: only a
+	// prompt that shares part of that message ends at one of them, and a 16 KB system prompt is 64
+	// steps, most of the route work of every request behind it. Their entries lag by at most TTL/8.
+	interval := max(int64(t.cfg.TTL/8), 1)
+	steps, end := true, false
 	for j := len(bounds) - 1; j >= 0; j-- {
 		a := align(bounds[j].Tokens, t.cfg.BlockSize)
 		if a <= 0 {
 			break // boundaries are increasing: all earlier ones align to 0 too
 		}
-		if j > 0 && align(bounds[j-1].Tokens, t.cfg.BlockSize) == a {
+		end = end || !bounds[j].Step
+		first := j == 0 || align(bounds[j-1].Tokens, t.cfg.BlockSize) <= 0
+		if !first && align(bounds[j-1].Tokens, t.cfg.BlockSize) == a {
 			continue // the block is keyed by its earliest boundary
 		}
+		isEnd := end
+		end = false
+		if !isEnd && !first && !steps {
+			continue
+		}
 		key := RouteKey(mh, bounds[j].Hash)
-		if before := t.mergeLocked(key, id, now, now, false, true); t.feed.on && t.feed.news(before, now, t.feed.routeRefresh) {
+		before := t.mergeLocked(key, id, now, now, false, true)
+		if isEnd {
+			steps = before == 0 || before/interval != now/interval
+		}
+		if t.feed.on && t.feed.news(before, now, t.feed.routeRefresh) {
 			t.feed.add(Change{Key: key, Upstream: upstream, Seen: now})
 		}
 	}

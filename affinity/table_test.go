@@ -686,3 +686,60 @@ func TestMatchSeen(t *testing.T) {
 		t.Errorf("MatchSeen() seen = %v, want %v", seen, want)
 	}
 }
+
+// TestStepsLearnedWithTheirMessageEnd: the steps inside a message are learned with its end when that end
+// is news on the upstream (new there, or last seen in an earlier TTL/8 interval), not by every request
+// that repeats the message; the first block is learned by every one (Match trusts nothing without it).
+func TestStepsLearnedWithTheirMessageEnd(t *testing.T) {
+	tb, clock := newTestTable(Config{TTL: 80 * time.Second}) // intervals of 10 s; the clock starts on one
+	step := func(tokens int, hash uint64) tokenize.Boundary {
+		return tokenize.Boundary{Tokens: tokens, Hash: hash, Step: true}
+	}
+	// A system prompt with two steps inside, then a question.
+	req := []tokenize.Boundary{step(64, 1), step(128, 2), bd(160, 3), bd(200, 4)}
+	partial := []tokenize.Boundary{step(64, 1), step(128, 2), bd(150, 99)} // shares the first two steps
+	firstOnly := []tokenize.Boundary{step(64, 1), bd(100, 98)}
+	seenBy := func(bounds []tokenize.Boundary, upstream string) (int, int64) {
+		cached, seen := make([]int, 1), make([]int64, 1)
+		tb.MatchSeen("m", bounds, []string{upstream}, cached, seen)
+		return cached[0], seen[0]
+	}
+	t0 := clock.Now().UnixNano()
+	tb.Learn("m", req, "a")
+	clock.Advance(4 * time.Second)
+	t1 := clock.Now().UnixNano()
+	tb.Learn("m", req, "a")
+	for _, c := range []struct {
+		name   string
+		bounds []tokenize.Boundary
+		cached int
+		seen   int64
+	}{
+		{"the whole prompt", req, 192, t1},
+		{"a prompt ending at a step", partial, 128, t0},
+		{"the first block", firstOnly, 64, t1},
+	} {
+		if cached, seen := seenBy(c.bounds, "a"); cached != c.cached || seen != c.seen {
+			t.Errorf("%s, within the interval: matched %d learned at +%v, want %d at +%v", c.name,
+				cached, time.Duration(seen-t0), c.cached, time.Duration(c.seen-t0))
+		}
+	}
+	tb.Learn("m", req, "b") // new on b: its steps too
+	if cached, seen := seenBy(partial, "b"); cached != 128 || seen != t1 {
+		t.Errorf("a prompt ending at a step on a new upstream: matched %d at +%v, want 128 at +4s", cached, time.Duration(seen-t0))
+	}
+	clock.Advance(7 * time.Second) // the next interval
+	t2 := clock.Now().UnixNano()
+	tb.Learn("m", req, "a")
+	if cached, seen := seenBy(partial, "a"); cached != 128 || seen != t2 {
+		t.Errorf("a prompt ending at a step, in the next interval: matched %d at +%v, want 128 at +11s", cached, time.Duration(seen-t0))
+	}
+	for range 20 { // 100 s: past the TTL of the first learning
+		clock.Advance(5 * time.Second)
+		tb.Learn("m", req, "a")
+	}
+	if cached, _ := seenBy(partial, "a"); cached != 128 {
+		t.Errorf("a prompt ending at a step after 100 s of requests repeating it: matched %d, want 128", cached)
+	}
+	checkInvariants(t, tb)
+}

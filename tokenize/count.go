@@ -186,6 +186,14 @@ func appendBoundary(bs []Boundary, tokens int, h uint64) []Boundary {
 	return append(bs, Boundary{Tokens: tokens, Hash: h})
 }
 
+// appendStep appends a step boundary if it advances the token position.
+func appendStep(bs []Boundary, tokens int, h uint64) []Boundary {
+	if len(bs) > 0 && bs[len(bs)-1].Tokens >= tokens {
+		return bs
+	}
+	return append(bs, Boundary{Tokens: tokens, Hash: h, Step: true})
+}
+
 // cached returns a message's count from the cache, or computes it and caches exact counts.
 func (p *parser) cached(enc *encoder, h uint64, b *budget, compute func() (int, bool)) (n int, exact, hit bool) {
 	if enc.tk == nil {
@@ -463,7 +471,7 @@ func (p *parser) steps(bs []Boundary, m *msg, h uint64, start, n int) []Boundary
 				h = chain(h, d.Sum64())
 				d.ResetWithSeed(messageHashSeed)
 				fill = 0
-				bs = appendBoundary(bs, start+int(int64(n)*int64(done)/int64(total)), h)
+				bs = appendStep(bs, start+int(int64(n)*int64(done)/int64(total)), h)
 				if p.stepsLeft--; p.stepsLeft <= 0 {
 					return bs
 				}
@@ -511,7 +519,7 @@ func (p *parser) tokenSteps(bs []Boundary, m *msg, h uint64, start int) []Bounda
 			d.ResetWithSeed(messageHashSeed)
 			p.hashIDs(d, ids[off-tokenIDBlock:off])
 			h = chain(h, d.Sum64())
-			bs = appendBoundary(bs, start+off, h)
+			bs = appendStep(bs, start+off, h)
 			if p.stepsLeft--; p.stepsLeft <= 0 {
 				return bs
 			}

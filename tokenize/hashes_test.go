@@ -64,11 +64,43 @@ func TestStepHashesUnchanged(t *testing.T) {
 		"completions list":   "37:250e0a27f78ea43f",
 	}
 	table := crc64.MakeTable(crc64.ECMA)
+	type pinned struct { // what routes are keyed and aligned by, as Boundary was when recorded
+		Tokens int
+		Hash   uint64
+	}
 	for name, c := range stepBodies() {
 		r := mustParse(t, c.body, c.api, Options{})
-		got := fmt.Sprintf("%d:%016x", len(r.Boundaries), crc64.Checksum([]byte(fmt.Sprint(r.Boundaries)), table))
+		bs := make([]pinned, len(r.Boundaries))
+		for i, b := range r.Boundaries {
+			bs[i] = pinned{b.Tokens, b.Hash}
+		}
+		got := fmt.Sprintf("%d:%016x", len(bs), crc64.Checksum([]byte(fmt.Sprint(bs)), table))
 		if got != want[name] {
 			t.Errorf("%s: boundaries %s, want %s", name, got, want[name])
+		}
+	}
+}
+
+// TestStepsMarked: every boundary inside a message is marked a step, every message end is not, and a
+// prompt's last boundary is an end.
+func TestStepsMarked(t *testing.T) {
+	for name, c := range stepBodies() {
+		r := mustParse(t, c.body, c.api, Options{})
+		ends := map[int]bool{}
+		for _, m := range r.Messages {
+			ends[m.End] = true
+		}
+		steps := 0
+		for i, b := range r.Boundaries {
+			if b.Step == ends[b.Tokens] {
+				t.Errorf("%s: boundary %d at %d: step %v, a message end %v", name, i, b.Tokens, b.Step, ends[b.Tokens])
+			}
+			if b.Step {
+				steps++
+			}
+		}
+		if n := len(r.Boundaries); n == 0 || r.Boundaries[n-1].Step || steps == 0 {
+			t.Errorf("%s: %d boundaries, %d steps, the last a step: want steps, and an end last", name, n, steps)
 		}
 	}
 }
