@@ -119,7 +119,7 @@ func (p *parser) count(enc *encoder, opts Options, keepAll bool) *Request {
 		r.ToolsTokens = n
 		pos += n
 		h = chain(h, th)
-		r.Boundaries = appendBoundary(r.Boundaries, pos, h)
+		r.Boundaries = appendBoundary(r.Boundaries, Boundary{Tokens: pos, Hash: h})
 	}
 	for i := range p.msgs {
 		m := &p.msgs[i]
@@ -148,7 +148,7 @@ func (p *parser) count(enc *encoder, opts Options, keepAll bool) *Request {
 		pos += n
 		h = chain(h, mh)
 		if bounded {
-			r.Boundaries = appendBoundary(r.Boundaries, pos, h)
+			r.Boundaries = appendBoundary(r.Boundaries, Boundary{Tokens: pos, Hash: h})
 		}
 		j := i
 		if i >= midEnd {
@@ -178,20 +178,12 @@ func tally(hits, misses uint64, enc *encoder, hit bool) (uint64, uint64) {
 	return hits, misses
 }
 
-// appendBoundary appends a boundary if it advances the token position.
-func appendBoundary(bs []Boundary, tokens int, h uint64) []Boundary {
-	if len(bs) > 0 && bs[len(bs)-1].Tokens >= tokens {
+// appendBoundary appends b if it advances the token position.
+func appendBoundary(bs []Boundary, b Boundary) []Boundary {
+	if len(bs) > 0 && bs[len(bs)-1].Tokens >= b.Tokens {
 		return bs
 	}
-	return append(bs, Boundary{Tokens: tokens, Hash: h})
-}
-
-// appendStep appends a step boundary if it advances the token position.
-func appendStep(bs []Boundary, tokens int, h uint64) []Boundary {
-	if len(bs) > 0 && bs[len(bs)-1].Tokens >= tokens {
-		return bs
-	}
-	return append(bs, Boundary{Tokens: tokens, Hash: h, Step: true})
+	return append(bs, b)
 }
 
 // cached returns a message's count from the cache, or computes it and caches exact counts.
@@ -471,7 +463,7 @@ func (p *parser) steps(bs []Boundary, m *msg, h uint64, start, n int) []Boundary
 				h = chain(h, d.Sum64())
 				d.ResetWithSeed(messageHashSeed)
 				fill = 0
-				bs = appendStep(bs, start+int(int64(n)*int64(done)/int64(total)), h)
+				bs = appendBoundary(bs, Boundary{Tokens: start + int(int64(n)*int64(done)/int64(total)), Hash: h, Step: true})
 				if p.stepsLeft--; p.stepsLeft <= 0 {
 					return bs
 				}
@@ -519,7 +511,7 @@ func (p *parser) tokenSteps(bs []Boundary, m *msg, h uint64, start int) []Bounda
 			d.ResetWithSeed(messageHashSeed)
 			p.hashIDs(d, ids[off-tokenIDBlock:off])
 			h = chain(h, d.Sum64())
-			bs = appendStep(bs, start+off, h)
+			bs = appendBoundary(bs, Boundary{Tokens: start + off, Hash: h, Step: true})
 			if p.stepsLeft--; p.stepsLeft <= 0 {
 				return bs
 			}
