@@ -19,12 +19,10 @@ type Change struct {
 // time falls in an earlier interval, so an entry learned continuously is still recorded once per interval
 // without keeping a "last recorded" time per entry.
 type feed struct {
-	on           bool
-	buf          []Change
-	max          int
-	dropped      uint64
-	routeRefresh int64 // nanoseconds; TTL/8
-	pinRefresh   int64 // nanoseconds; ConversationTTL/8
+	on      bool
+	buf     []Change
+	max     int
+	dropped uint64
 }
 
 func (f *feed) add(c Change) {
@@ -35,13 +33,16 @@ func (f *feed) add(c Change) {
 	f.buf = append(f.buf, c)
 }
 
-func (f *feed) refresh(cfg Config) {
-	f.routeRefresh = max(int64(cfg.TTL/8), 1)
-	f.pinRefresh = max(int64(cfg.ConversationTTL/8), 1)
-}
+// routeRefresh is how often (nanoseconds) a route entry learned again is news: TTL/8. The feed records
+// it then, and Learn learns a message's steps with its end then.
+func (c Config) routeRefresh() int64 { return max(int64(c.TTL/8), 1) }
 
-// news reports whether an entry last seen at before (0: never) and seen again at now is worth recording.
-func (f *feed) news(before, now, interval int64) bool {
+// pinRefresh is how often (nanoseconds) a pin set again is news: ConversationTTL/8.
+func (c Config) pinRefresh() int64 { return max(int64(c.ConversationTTL/8), 1) }
+
+// news reports whether an entry last seen at before (0: never) and seen again at now is worth recording
+// (or, for Learn, a message's steps worth learning again), at most once an interval.
+func news(before, now, interval int64) bool {
 	return before == 0 || before/interval != now/interval
 }
 
@@ -60,7 +61,6 @@ func (t *Table) EnableFeed(capacity int) {
 	}
 	t.feed.on = true
 	t.feed.max = capacity
-	t.feed.refresh(t.cfg)
 }
 
 // DrainFeed appends the recorded changes to dst, oldest first, empties the feed and returns dst with the

@@ -26,7 +26,7 @@ func (t *Table) Pin(model, conversationID, upstream string) {
 	id := t.ups.intern(upstream)
 	old, existed := t.pins.Peek(key)
 	t.putPinLocked(key, old, existed, pin{id: id, seen: now})
-	if t.feed.on && (!existed || old.id != id || t.feed.news(old.seen, now, t.feed.pinRefresh)) {
+	if t.feed.on && (!existed || old.id != id || news(old.seen, now, t.cfg.pinRefresh())) {
 		t.feed.add(Change{Key: key, Upstream: upstream, Seen: now, Pin: true})
 	}
 	t.stats.Changes++

@@ -252,29 +252,31 @@ func (t *Table) Learn(model string, bounds []tokenize.Boundary, upstream string)
 	// or last seen in an earlier TTL/8 interval), not by every request that repeats the message: only a
 	// prompt that shares part of that message ends at one of them, and a 16 KB system prompt is 64
 	// steps, most of the route work of every request behind it. Their entries lag by at most TTL/8.
-	interval := max(int64(t.cfg.TTL/8), 1)
+	interval := t.cfg.routeRefresh()
 	steps, end := true, false
 	for j := len(bounds) - 1; j >= 0; j-- {
 		a := align(bounds[j].Tokens, t.cfg.BlockSize)
 		if a <= 0 {
 			break // boundaries are increasing: all earlier ones align to 0 too
 		}
-		end = end || !bounds[j].Step
-		first := j == 0 || align(bounds[j-1].Tokens, t.cfg.BlockSize) <= 0
-		if !first && align(bounds[j-1].Tokens, t.cfg.BlockSize) == a {
+		end = end || !bounds[j].Step // the block holds a message end
+		prev := 0
+		if j > 0 {
+			prev = align(bounds[j-1].Tokens, t.cfg.BlockSize)
+		}
+		if prev == a {
 			continue // the block is keyed by its earliest boundary
 		}
-		isEnd := end
-		end = false
-		if !isEnd && !first && !steps {
+		if !end && prev > 0 && !steps { // a step, not the first block
 			continue
 		}
 		key := RouteKey(mh, bounds[j].Hash)
-		before := t.mergeLocked(key, id, now, now, false, true)
-		if isEnd {
-			steps = before == 0 || before/interval != now/interval
+		isNews := news(t.mergeLocked(key, id, now, now, false, true), now, interval)
+		if end {
+			steps = isNews
 		}
-		if t.feed.on && t.feed.news(before, now, t.feed.routeRefresh) {
+		end = false
+		if t.feed.on && isNews {
 			t.feed.add(Change{Key: key, Upstream: upstream, Seen: now})
 		}
 	}
@@ -539,7 +541,9 @@ func (t *Table) MatchPeers(model string, bounds []tokenize.Boundary, upstreams [
 		// still unresolved, each once. Holders spill at the longest full route first, so a few probes
 		// find them; the budget stops upstreams that hold none of the prefix from probing every
 		// boundary of a long prompt down to its first.
-		links = t.overflowLinks(upstreams, links, linkBuf[:0])
+		if links == nil {
+			links = t.overflowLinks(upstreams, linkBuf[:0])
+		}
 		var probed [MaxOverflowRoutes + 1]bool
 		for i, id := range ids {
 			if id == 0 || out[i] != 0 || probed[links[i]] {
@@ -584,7 +588,7 @@ func (t *Table) firstBlockLocked(mh uint64, bounds []tokenize.Boundary, upstream
 	}
 	// A full route: the holders it pushed out are in its overflow routes, each read once for all the
 	// upstreams it may hold (a pool of 16 shares 7 of them).
-	l := t.overflowLinks(upstreams, nil, buf)
+	l := t.overflowLinks(upstreams, buf)
 	var probed [MaxOverflowRoutes + 1]bool
 	for i, id := range ids {
 		if id == 0 || r.lists(id, now, ttl) || probed[l[i]] {
@@ -601,11 +605,8 @@ func (t *Table) firstBlockLocked(mh uint64, bounds []tokenize.Boundary, upstream
 	return countNonZero(ids), l
 }
 
-// overflowLinks returns links if not nil, else each upstream's overflow route appended to buf.
-func (t *Table) overflowLinks(upstreams []string, links, buf []uint64) []uint64 {
-	if links != nil {
-		return links
-	}
+// overflowLinks appends each upstream's overflow route to buf.
+func (t *Table) overflowLinks(upstreams []string, buf []uint64) []uint64 {
 	for _, u := range upstreams {
 		buf = append(buf, overflowLink(u, t.cfg.OverflowRoutes))
 	}
@@ -750,5 +751,4 @@ func (t *Table) Reconfigure(cfg Config) {
 	t.stats.Evictions += uint64(t.pins.Resize(cfg.ConversationCapacity))
 	t.cfg = cfg
 	t.boundLocked()
-	t.feed.refresh(cfg)
 }
