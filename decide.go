@@ -438,9 +438,8 @@ func (s cacheSignal) held(q *query, keys []string, cands []selection.Candidate) 
 	if !found {
 		return
 	}
-	// Only the candidates whose free claim covers the first message: each holds its route, found at the
-	// first boundary tried, where an upstream that holds none of it would be looked up at every
-	// boundary of a long system prompt.
+	// Only the candidates whose free claim covers the first message: HeldTokens counts nowhere else (a
+	// claim in use takes no free space already), and each of these holds the message's route.
 	q.heldIdx, q.heldKeys = q.heldIdx[:0], q.heldKeys[:0]
 	for i := range cands {
 		if cands[i].CachedFree && cands[i].CachedTokens > first {
