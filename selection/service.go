@@ -43,12 +43,15 @@ type Service struct {
 	// (BusyIntervals >= minBusy), its ratio to scaledPrefill is how much slower or faster this kind of
 	// backend prefills than it decodes, against the prior: Fleet pools that ratio.
 	scaledPrefill float64
+	// fromBusy is set when the busy intervals' fit set PrefillSecondsPerToken: it had enough intervals
+	// and lies within the plausible band (serviceLocked).
+	fromBusy bool
 }
 
 // busyRatio is s's prefill speed from busy intervals over its speed-scaled prior; 0 when busy intervals
 // do not set it.
 func (s Service) busyRatio() float64 {
-	if s.scaledPrefill == 0 || s.BusyIntervals < minBusy {
+	if s.scaledPrefill == 0 || !s.fromBusy {
 		return 0
 	}
 	return s.PrefillSecondsPerToken / s.scaledPrefill
@@ -369,8 +372,17 @@ func (m *ServiceModel) serviceLocked() Service {
 		return s
 	}
 	s.scaledPrefill = s.PrefillSecondsPerToken
-	if m.busyN >= minBusy {
-		s.PrefillSecondsPerToken = clamp(m.busy.theta[1]/1000, p.PrefillSecondsPerToken/maxScale, p.PrefillSecondsPerToken*maxScale)
+	// A busy fit outside the band is no estimate, not one at its edge: the step time took more than its
+	// share of the intervals and the prefill the rest, down to nothing or below (traced, small-batch
+	// multi-turn-think: an upstream's first interval took 0.8 s for what its steps and prefill explain
+	// in 0.6, its step time stayed 1.35x too long, and its prefill was negative from its third
+	// interval). Clamped, such a fit priced that upstream's prefill at 30x the prior's speed and, pooled
+	// (Fleet), the other upstreams' at 2.5-3.5x what their own fits said: in one run that upstream took
+	// 128 of 322 requests, its turns predicted at 50-90 simulated ms and answered in 1.1-1.4 s behind
+	// 12 in flight while the others held 1-3. It keeps the speed-scaled prior instead, borrows the
+	// fleet's ratio, and lends none.
+	if v := m.busy.theta[1] / 1000; m.busyN >= minBusy && v > p.PrefillSecondsPerToken/maxScale && v < p.PrefillSecondsPerToken*maxScale {
+		s.PrefillSecondsPerToken, s.fromBusy = v, true
 	}
 	return s
 }
@@ -549,9 +561,9 @@ func (f *Fleet) Blend(s Service) Service {
 	if s.Slots == 0 && f.slots > 0 && s.Ceiling <= f.slots {
 		s.Slots = f.slots
 	}
-	if f.ratioWeight > 0 && s.BusyIntervals < trustedBusy && s.scaledPrefill > 0 {
+	if f.ratioWeight > 0 && s.scaledPrefill > 0 && (s.BusyIntervals < trustedBusy || !s.fromBusy) {
 		own := 0.0
-		if s.busyRatio() > 0 {
+		if s.fromBusy {
 			own = float64(s.BusyIntervals) / trustedBusy
 		}
 		pooled := s.scaledPrefill * math.Exp(f.logRatio/f.ratioWeight)

@@ -491,6 +491,49 @@ func TestServiceModelSteadyMix(t *testing.T) {
 	}
 }
 
+// TestServiceModelBusyFitOutsideBand: busy intervals whose fit puts the prefill outside the plausible
+// band (here below nothing: a long first interval made the steps look slow, and later intervals heavy
+// with prefill took less time than those steps alone would) set no prefill
+// speed: the upstream keeps its speed-scaled prior and the fleet pools only the others' ratios. Clamped
+// to the band, it priced that upstream's prefill at 30x the prior's speed and, pooled, everyone's.
+func TestServiceModelBusyFitOutsideBand(t *testing.T) {
+	bad := NewServiceModel(Prior)
+	bad.ObserveBusy(0.8, 1000, 270) // 3 ms a step where the backend steps in 2
+	for range 6 {
+		bad.ObserveBusy(0.40, 2500, 140) // 2,500 tokens prefilled and 140 steps in less than 140 such steps
+	}
+	if th := bad.busy.theta[1]; th >= Prior.PrefillSecondsPerToken*1000/maxScale {
+		t.Fatalf("the fit's prefill is %v s per 1k tokens: the intervals did not take it out of the band", th)
+	}
+	s := bad.Service()
+	if s.PrefillSecondsPerToken != Prior.PrefillSecondsPerToken {
+		t.Errorf("prefill %v s/token from a fit outside the band, want the prior's %v", s.PrefillSecondsPerToken, Prior.PrefillSecondsPerToken)
+	}
+	if r := s.busyRatio(); r != 0 {
+		t.Errorf("busyRatio() = %v from a fit outside the band, want 0 (nothing to pool)", r)
+	}
+	if s.BusyIntervals != 7 {
+		t.Errorf("BusyIntervals = %d, want the 7 observed", s.BusyIntervals)
+	}
+
+	// A fleet of it and one upstream whose intervals show the prefill 2x slower than the prior: only
+	// the latter's ratio is pooled, and the bad one borrows it.
+	good := NewServiceModel(Prior)
+	for range 16 {
+		good.ObserveBusy(40*0.030+2000*2*Prior.PrefillSecondsPerToken, 2000, 40)
+		good.ObserveBusy(60*0.030+500*2*Prior.PrefillSecondsPerToken, 500, 60)
+	}
+	var f Fleet
+	f.Add(s)
+	f.Add(good.Service())
+	if got, want := math.Exp(f.logRatio/f.ratioWeight), good.Service().busyRatio(); math.Abs(got/want-1) > 1e-9 {
+		t.Errorf("the fleet pools a ratio of %v, want the good upstream's alone, %v", got, want)
+	}
+	if got := f.Blend(s).PrefillSecondsPerToken; got <= Prior.PrefillSecondsPerToken {
+		t.Errorf("the bad upstream blended to %v s/token, want slower than the prior's %v, as the good one shows", got, Prior.PrefillSecondsPerToken)
+	}
+}
+
 // TestServiceModelReportedSlots: a slot count the backend reports itself (NVIDIA NIM's num_request_max)
 // is the model's from the first scrape, over what the queue taught, and goes with ForgetSlots (a restart)
 // until reported again; a count below one says nothing.
