@@ -491,11 +491,12 @@ func TestServiceModelSteadyMix(t *testing.T) {
 	}
 }
 
-// TestServiceModelBusyFitOutsideBand: busy intervals whose fit puts the prefill outside the plausible
-// band (here below nothing: a long first interval made the steps look slow, and later intervals heavy
+// TestServiceModelBusyFitOutsideBand: busy intervals whose fit puts the prefill past the fast edge of
+// the plausible band (here below nothing: a long first interval made the steps look slow, and later intervals heavy
 // with prefill took less time than those steps alone would) set no prefill
 // speed: the upstream keeps its speed-scaled prior and the fleet pools only the others' ratios. Clamped
-// to the band, it priced that upstream's prefill at 30x the prior's speed and, pooled, everyone's.
+// to the band, it priced that upstream's prefill at 30x the prior's speed and, pooled, everyone's. A
+// fit past the slow edge is still used, clamped.
 func TestServiceModelBusyFitOutsideBand(t *testing.T) {
 	bad := NewServiceModel(Prior)
 	bad.ObserveBusy(0.8, 1000, 270) // 3 ms a step where the backend steps in 2
@@ -514,6 +515,17 @@ func TestServiceModelBusyFitOutsideBand(t *testing.T) {
 	}
 	if s.BusyIntervals != 7 {
 		t.Errorf("BusyIntervals = %d, want the 7 observed", s.BusyIntervals)
+	}
+
+	// Past the slow edge (100x slower than the prior) the fit still counts, clamped to the edge.
+	slow := NewServiceModel(Prior)
+	for i := range 30 {
+		uncached := float64(500 + 1500*(i%3))
+		slow.ObserveBusy(40*0.030+uncached*100*Prior.PrefillSecondsPerToken, uncached, 40)
+	}
+	if s := slow.Service(); s.PrefillSecondsPerToken != Prior.PrefillSecondsPerToken*maxScale || s.busyRatio() <= 0 {
+		t.Errorf("a fit 100x slower than the prior: prefill %v s/token (ratio %v), want the edge %v, pooled",
+			s.PrefillSecondsPerToken, s.busyRatio(), Prior.PrefillSecondsPerToken*maxScale)
 	}
 
 	// A fleet of it and one upstream whose intervals show the prefill 2x slower than the prior: only
