@@ -40,7 +40,7 @@ type Service struct {
 
 	// scaledPrefill is what PrefillSecondsPerToken is without the busy intervals (the prior at the
 	// upstream's speed scale); 0 when first tokens pin it. Once busy intervals set PrefillSecondsPerToken
-	// (BusyIntervals >= minBusy), its ratio to scaledPrefill is how much slower or faster this kind of
+	// (fromBusy), its ratio to scaledPrefill is how much slower or faster this kind of
 	// backend prefills than it decodes, against the prior: Fleet pools that ratio.
 	scaledPrefill float64
 	// fromBusy is set when the busy intervals' fit set PrefillSecondsPerToken: it had enough intervals
@@ -541,7 +541,8 @@ func (f *Fleet) Add(s Service) {
 
 // Blend returns s, with as much of the fleet's estimate mixed in as s lacks samples. Its prefill speed,
 // unless first tokens pinned it, also takes as much of the fleet's busy-interval ratio (applied to s's own
-// speed-scaled prior, so a backend 3x slower than the others stays 3x slower) as s lacks busy intervals.
+// speed-scaled prior, so a backend 3x slower than the others stays 3x slower) as s lacks busy intervals,
+// all of it while its own fit sets no speed (past the band's fast edge, serviceLocked).
 //
 // An upstream never measured borrows only what is faster than its own estimate: learned from durations,
 // the fleet's slowness may be congestion (waits for slots or cache the model did not see), which a

@@ -492,11 +492,11 @@ func TestServiceModelSteadyMix(t *testing.T) {
 }
 
 // TestServiceModelBusyFitOutsideBand: busy intervals whose fit puts the prefill past the fast edge of
-// the plausible band (here below nothing: a long first interval made the steps look slow, and later intervals heavy
-// with prefill took less time than those steps alone would) set no prefill
-// speed: the upstream keeps its speed-scaled prior and the fleet pools only the others' ratios. Clamped
-// to the band, it priced that upstream's prefill at 30x the prior's speed and, pooled, everyone's. A
-// fit past the slow edge is still used, clamped.
+// the plausible band (here below nothing: a long first interval made the steps look slow, and later
+// intervals heavy with prefill took less time than those steps alone would) set no prefill speed: the
+// upstream keeps its speed-scaled prior and the fleet pools only the others' ratios. Clamped to the
+// band, it priced that upstream's prefill at 30x the prior's speed and, pooled, everyone's. A fit past
+// the slow edge is still used, clamped.
 func TestServiceModelBusyFitOutsideBand(t *testing.T) {
 	bad := NewServiceModel(Prior)
 	bad.ObserveBusy(0.8, 1000, 270) // 3 ms a step where the backend steps in 2
