@@ -607,6 +607,70 @@ func TestBusyIntervalsNeedFinishedRequests(t *testing.T) {
 	}
 }
 
+// TestBusyIntervalsSkipIdleTime: a busy interval's time that this proxy had nothing in flight on the
+// upstream, which no other client's requests share, is not counted as engine time: a backend that works
+// 0.7 s of every second and idles the rest is learned at its speed, not at 0.7 of it (counted, the idle
+// time went to the step time, the dominant term, and the prefill was fitted to what was left). Where a
+// scrape shows other clients' requests there, the backend may have run them meanwhile (here it works the
+// whole second for them): nothing is subtracted.
+func TestBusyIntervalsSkipIdleTime(t *testing.T) {
+	const (
+		dial     = "10.0.0.1:8000"
+		step     = 0.005
+		perToken = 1.0 / 2000
+		running  = 8
+	)
+	for _, foreign := range []bool{false, true} {
+		lt := newTestLoads()
+		at := time.Unix(1_700_000_000, 0)
+		var held []*reservation
+		hold := func() {
+			for range running {
+				held = append(held, lt.reserve(dial, work{uncached: 100, output: 64}, at.UnixNano()))
+			}
+		}
+		drop := func() {
+			for _, r := range held {
+				r.release(at.UnixNano(), false)
+			}
+			held = held[:0]
+		}
+		snap := scraper.Snapshot{Running: running}
+		if foreign {
+			snap.Running += 2 // another client's two requests, running throughout
+		}
+		scrape := func() {
+			s := snap
+			s.At = at
+			lt.observeScrape(dial, &s)
+		}
+		hold()
+		scrape()
+		worked := 0.7
+		if foreign {
+			worked = 1
+		}
+		for _, steps := range []int{80, 120, 100, 90} {
+			// worked seconds of work, steps decode steps and the prefill that fills the rest, in a
+			// second of which this proxy had nothing in flight for the last 0.3 s.
+			snap.PrefixQueries += (worked - float64(steps)*step) / perToken
+			snap.GenerationTokens += float64(steps * running)
+			at = at.Add(700 * time.Millisecond)
+			drop()
+			at = at.Add(300 * time.Millisecond)
+			hold()
+			scrape()
+		}
+		s := lt.lookup(dial).model.Service()
+		if s.BusyIntervals != 4 {
+			t.Fatalf("foreign %v: %d busy intervals, want 4", foreign, s.BusyIntervals)
+		}
+		if math.Abs(s.PrefillSecondsPerToken-perToken) > 0.15*perToken {
+			t.Errorf("foreign %v: learned %.0f tokens/s, want about %.0f", foreign, 1/s.PrefillSecondsPerToken, 1/perToken)
+		}
+	}
+}
+
 // TestSlotsLearnedOncePerStep: scrapes taken while one long prefill step runs (no counter moved) show one
 // state, not several observations of where the backend queues: five of them at 6 running with requests
 // waiting teach no slot count. Steps that end between scrapes do; so does every scrape of a backend that
