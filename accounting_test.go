@@ -477,6 +477,14 @@ func TestCacheTrust(t *testing.T) {
 	}
 }
 
+// The backend of the busy-interval tests: 5 ms decode steps, 2k prefill tokens/s, 8 requests running.
+const (
+	busyDial     = "10.0.0.1:8000"
+	busyStep     = 0.005      // seconds a decode step
+	busyPerToken = 1.0 / 2000 // seconds a prefilled token
+	busyRunning  = 8
+)
+
 // TestBusyIntervalsTeachPrefill: a backend's own counters between scrapes, while it runs requests
 // throughout, pin its prefill speed (here 2k tokens/s, a quarter of the prior's): scrapes inside one long
 // step (no counter moved) extend the interval rather than end it, an idle scrape and a restart start a
@@ -491,34 +499,28 @@ func TestBusyIntervalsTeachPrefill(t *testing.T) {
 }
 
 func testBusyIntervalsTeachPrefill(t *testing.T, evaluated bool) {
-	const (
-		dial     = "10.0.0.1:8000"
-		step     = 0.005      // seconds a decode step
-		perToken = 1.0 / 2000 // seconds a prefilled token
-		running  = 8
-	)
 	lt := newTestLoads()
 	t0 := time.Unix(1_700_000_000, 0)
-	at, snap := t0, scraper.Snapshot{Running: running}
+	at, snap := t0, scraper.Snapshot{Running: busyRunning}
 	scrape := func(d time.Duration, s scraper.Snapshot) {
 		t.Helper()
 		at = at.Add(d)
 		s.At = at
-		lt.view(dial, at.UnixNano(), &s)
+		lt.view(busyDial, at.UnixNano(), &s)
 	}
 	// work advances the counters by one second of work: steps decode steps and the prefill that fills
 	// the rest of the second.
 	work := func(steps int) {
-		uncached := (1 - float64(steps)*step) / perToken
+		uncached := (1 - float64(steps)*busyStep) / busyPerToken
 		if evaluated {
 			snap.PrefilledTokens += uncached
 		} else {
 			snap.PrefixQueries += uncached + 500
 			snap.PrefixHits += 500
 		}
-		snap.GenerationTokens += float64(steps * running)
+		snap.GenerationTokens += float64(steps * busyRunning)
 	}
-	busy := func() int { return lt.lookup(dial).model.Service().BusyIntervals }
+	busy := func() int { return lt.lookup(busyDial).model.Service().BusyIntervals }
 
 	scrape(0, snap)
 	scrape(200*time.Millisecond, snap) // inside a long prefill step: no counter moved
@@ -532,9 +534,9 @@ func testBusyIntervalsTeachPrefill(t *testing.T, evaluated bool) {
 		work(steps)
 		scrape(time.Second, snap)
 	}
-	s := lt.lookup(dial).model.Service()
-	if s.BusyIntervals != 3 || math.Abs(s.PrefillSecondsPerToken-perToken) > 0.15*perToken {
-		t.Errorf("after 3 busy seconds: %d intervals, %.0f tokens/s, want 3 and about %.0f", s.BusyIntervals, 1/s.PrefillSecondsPerToken, 1/perToken)
+	s := lt.lookup(busyDial).model.Service()
+	if s.BusyIntervals != 3 || math.Abs(s.PrefillSecondsPerToken-busyPerToken) > 0.15*busyPerToken {
+		t.Errorf("after 3 busy seconds: %d intervals, %.0f tokens/s, want 3 and about %.0f", s.BusyIntervals, 1/s.PrefillSecondsPerToken, 1/busyPerToken)
 	}
 
 	// Idle at a scrape: what happened since is unknown (the engine stops stepping), nothing is learned.
@@ -544,7 +546,7 @@ func testBusyIntervalsTeachPrefill(t *testing.T, evaluated bool) {
 	work(80)
 	scrape(10*time.Second, snap)
 	// A restart: counters back to zero.
-	scrape(time.Second, scraper.Snapshot{Running: running, GenerationTokens: 80})
+	scrape(time.Second, scraper.Snapshot{Running: busyRunning, GenerationTokens: 80})
 	if n := busy(); n != 3 {
 		t.Errorf("%d busy intervals after an idle scrape and a restart, want still 3", n)
 	}
@@ -552,7 +554,7 @@ func testBusyIntervalsTeachPrefill(t *testing.T, evaluated bool) {
 	// Neither (SGLang): the prefill done is unknown, nothing is learned.
 	const sglang = "10.0.0.2:30000"
 	for i := range 5 {
-		s := scraper.Snapshot{Running: running, GenerationTokens: float64(i * 80), At: at.Add(time.Duration(i) * time.Second)}
+		s := scraper.Snapshot{Running: busyRunning, GenerationTokens: float64(i * 80), At: at.Add(time.Duration(i) * time.Second)}
 		lt.view(sglang, s.At.UnixNano(), &s)
 	}
 	if n := lt.lookup(sglang).model.Service().BusyIntervals; n != 0 {
@@ -565,32 +567,26 @@ func testBusyIntervalsTeachPrefill(t *testing.T, evaluated bool) {
 // when scheduled and prefilled after, and an interval of a few prompts is mostly its edges. Scrapes are
 // observed as they arrive (observeScrape, as the scraper's OnScrape calls it), not through a decision.
 func TestBusyIntervalsNeedFinishedRequests(t *testing.T) {
-	const (
-		dial     = "10.0.0.1:8000"
-		step     = 0.005
-		perToken = 1.0 / 2000
-		running  = 8
-	)
 	lt := newTestLoads()
 	at := time.Unix(1_700_000_000, 0)
-	snap := scraper.Snapshot{Running: running, FinishedRequests: 100, FinishedPrompt: 100 * 3000}
+	snap := scraper.Snapshot{Running: busyRunning, FinishedRequests: 100, FinishedPrompt: 100 * 3000}
 	// second observes one second of work, steps decode steps and the prefill that fills the rest, in which
 	// the backend finished finished requests.
 	second := func(steps int, finished float64) {
 		t.Helper()
-		snap.PrefixQueries += (1 - float64(steps)*step) / perToken
-		snap.GenerationTokens += float64(steps * running)
+		snap.PrefixQueries += (1 - float64(steps)*busyStep) / busyPerToken
+		snap.GenerationTokens += float64(steps * busyRunning)
 		snap.FinishedRequests += finished
 		at = at.Add(time.Second)
 		snap.At = at
 		s := snap
-		lt.observeScrape(dial, &s)
+		lt.observeScrape(busyDial, &s)
 	}
-	busy := func() selection.Service { return lt.lookup(dial).model.Service() }
+	busy := func() selection.Service { return lt.lookup(busyDial).model.Service() }
 
 	snap.At = at
 	first := snap
-	lt.observeScrape(dial, &first)
+	lt.observeScrape(busyDial, &first)
 	second(80, 3)
 	if n := busy().BusyIntervals; n != 0 {
 		t.Fatalf("%d busy intervals after 80 steps and 3 finished requests, want 0 (the interval goes on)", n)
@@ -602,8 +598,8 @@ func TestBusyIntervalsNeedFinishedRequests(t *testing.T) {
 	for _, steps := range []int{150, 100} {
 		second(steps, minBusyRequests)
 	}
-	if s := busy(); s.BusyIntervals != 3 || math.Abs(s.PrefillSecondsPerToken-perToken) > 0.15*perToken {
-		t.Errorf("after 3 busy intervals: %d, %.0f tokens/s, want 3 and about %.0f", s.BusyIntervals, 1/s.PrefillSecondsPerToken, 1/perToken)
+	if s := busy(); s.BusyIntervals != 3 || math.Abs(s.PrefillSecondsPerToken-busyPerToken) > 0.15*busyPerToken {
+		t.Errorf("after 3 busy intervals: %d, %.0f tokens/s, want 3 and about %.0f", s.BusyIntervals, 1/s.PrefillSecondsPerToken, 1/busyPerToken)
 	}
 }
 
@@ -614,19 +610,13 @@ func TestBusyIntervalsNeedFinishedRequests(t *testing.T) {
 // scrape shows other clients' requests there, the backend may have run them meanwhile (here it works the
 // whole second for them): nothing is subtracted.
 func TestBusyIntervalsSkipIdleTime(t *testing.T) {
-	const (
-		dial     = "10.0.0.1:8000"
-		step     = 0.005
-		perToken = 1.0 / 2000
-		running  = 8
-	)
 	for _, foreign := range []bool{false, true} {
 		lt := newTestLoads()
 		at := time.Unix(1_700_000_000, 0)
 		var held []*reservation
 		hold := func() {
-			for range running {
-				held = append(held, lt.reserve(dial, work{uncached: 100, output: 64}, at.UnixNano()))
+			for range busyRunning {
+				held = append(held, lt.reserve(busyDial, work{uncached: 100, output: 64}, at.UnixNano()))
 			}
 		}
 		drop := func() {
@@ -635,14 +625,14 @@ func TestBusyIntervalsSkipIdleTime(t *testing.T) {
 			}
 			held = held[:0]
 		}
-		snap := scraper.Snapshot{Running: running}
+		snap := scraper.Snapshot{Running: busyRunning}
 		if foreign {
 			snap.Running += 2 // another client's two requests, running throughout
 		}
 		scrape := func() {
 			s := snap
 			s.At = at
-			lt.observeScrape(dial, &s)
+			lt.observeScrape(busyDial, &s)
 		}
 		hold()
 		scrape()
@@ -653,20 +643,20 @@ func TestBusyIntervalsSkipIdleTime(t *testing.T) {
 		for _, steps := range []int{80, 120, 100, 90} {
 			// worked seconds of work, steps decode steps and the prefill that fills the rest, in a
 			// second of which this proxy had nothing in flight for the last 0.3 s.
-			snap.PrefixQueries += (worked - float64(steps)*step) / perToken
-			snap.GenerationTokens += float64(steps * running)
+			snap.PrefixQueries += (worked - float64(steps)*busyStep) / busyPerToken
+			snap.GenerationTokens += float64(steps * busyRunning)
 			at = at.Add(700 * time.Millisecond)
 			drop()
 			at = at.Add(300 * time.Millisecond)
 			hold()
 			scrape()
 		}
-		s := lt.lookup(dial).model.Service()
+		s := lt.lookup(busyDial).model.Service()
 		if s.BusyIntervals != 4 {
 			t.Fatalf("foreign %v: %d busy intervals, want 4", foreign, s.BusyIntervals)
 		}
-		if math.Abs(s.PrefillSecondsPerToken-perToken) > 0.15*perToken {
-			t.Errorf("foreign %v: learned %.0f tokens/s, want about %.0f", foreign, 1/s.PrefillSecondsPerToken, 1/perToken)
+		if math.Abs(s.PrefillSecondsPerToken-busyPerToken) > 0.15*busyPerToken {
+			t.Errorf("foreign %v: learned %.0f tokens/s, want about %.0f", foreign, 1/s.PrefillSecondsPerToken, 1/busyPerToken)
 		}
 	}
 }
