@@ -85,6 +85,10 @@ type serviceModel struct {
 	MeanDurationSeconds    float64 `json:"mean_request_seconds"`
 	// FirstTokens counts the first tokens observed (by the llm transport or llm_resume) that taught it.
 	FirstTokens int `json:"first_tokens_observed"`
+	// SkippedFirstTokens counts the first tokens observed that taught it nothing: predicted to wait
+	// longer than their own service, come before their predicted wait ended, or (the slot count unknown)
+	// probably waiting for a slot. Many of them mean the queue it predicts there is often wrong.
+	SkippedFirstTokens int `json:"first_tokens_skipped"`
 	// UnqueuedConcurrency is the most of this proxy's requests in flight there beside one whose observed
 	// first token still came on time (selection.Service.Free): while the slot count is unknown, a first
 	// token later than that teaches nothing and leaves the prefill queue where it was. Absent until a
@@ -105,7 +109,7 @@ type serviceModel struct {
 }
 
 func reportService(s selection.Service, overrun, tokenScale float64) *serviceModel {
-	m := &serviceModel{OverheadMS: 1000 * s.Overhead, TokenMS: 1000 * s.TokenSeconds, Slots: s.Slots, MeanDurationSeconds: s.MeanDuration, FirstTokens: s.FirstTokens, UnqueuedConcurrency: s.Free, BusyIntervals: s.BusyIntervals, Overrun: overrun, TokenScale: tokenScale}
+	m := &serviceModel{OverheadMS: 1000 * s.Overhead, TokenMS: 1000 * s.TokenSeconds, Slots: s.Slots, MeanDurationSeconds: s.MeanDuration, FirstTokens: s.FirstTokens, SkippedFirstTokens: s.SkippedFirstTokens, UnqueuedConcurrency: s.Free, BusyIntervals: s.BusyIntervals, Overrun: overrun, TokenScale: tokenScale}
 	if s.PrefillSecondsPerToken > 0 {
 		m.PrefillTokensPerSecond = 1 / s.PrefillSecondsPerToken
 	}

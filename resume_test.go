@@ -568,7 +568,7 @@ func TestResumeObservesOnce(t *testing.T) {
 				return false
 			})
 			for _, u := range report.Upstreams {
-				if u.Upstream == up.dial && (u.Cache.Requests != n || u.Model == nil || u.Model.FirstTokens != n) {
+				if u.Upstream == up.dial && (u.Cache.Requests != n || u.Model == nil || u.Model.FirstTokens+u.Model.SkippedFirstTokens != n) {
 					t.Errorf("%s: %d usages and %+v first tokens observed, want %d of each", u.Upstream, u.Cache.Requests, u.Model, n)
 				}
 			}

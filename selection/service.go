@@ -37,6 +37,9 @@ type Service struct {
 	// FirstTokens is how many of them are observed first tokens (ObserveFirstToken), and BusyIntervals
 	// how many are the backend's own counters over an interval it was busy prefilling (ObserveBusy).
 	FirstTokens, BusyIntervals int
+	// SkippedFirstTokens counts the first tokens observed that taught nothing: predicted to wait longer
+	// than their own service, earlier than their predicted wait, or probably waiting for a slot.
+	SkippedFirstTokens int
 
 	// scaledPrefill is what PrefillSecondsPerToken is without the busy intervals (the prior at the
 	// upstream's speed scale); 0 when first tokens pin it. Once busy intervals set PrefillSecondsPerToken
@@ -105,7 +108,8 @@ type ServiceModel struct {
 	mu        sync.Mutex
 	prior     Service
 	ttft      rls2    // first-token delay = overhead + prefill seconds per 1000 tokens x uncached/1000
-	ttftN     int     // first tokens observed
+	ttftN     int     // first tokens observed that taught it
+	skippedN  int     // first tokens observed that taught nothing (ObserveFirstToken)
 	busy      rls2    // a busy interval's seconds = step time x steps + prefill seconds per 1000 tokens x uncached/1000
 	busyN     int     // busy intervals observed
 	logScale  float64 // log of observed/predicted durations (EWMA)
@@ -146,7 +150,7 @@ func (m *ServiceModel) SetPrior(prior Service) {
 // else can see the model yet).
 func (m *ServiceModel) resetLocked(prior Service) {
 	m.prior, m.meanDur = prior, prior.MeanDuration
-	m.ttft, m.ttftN = newRLS2(prior.Overhead, prior.PrefillSecondsPerToken*1000), 0
+	m.ttft, m.ttftN, m.skippedN = newRLS2(prior.Overhead, prior.PrefillSecondsPerToken*1000), 0, 0
 	m.busy, m.busyN = newRLS2(prior.TokenSeconds, prior.PrefillSecondsPerToken*1000), 0
 	m.logScale, m.durN = 0, 0
 	m.forgetSlotsLocked()
@@ -167,17 +171,19 @@ func (m *ServiceModel) resetLocked(prior Service) {
 // behind more requests than Free raises Free to them: the upstream ran that many beside a new one
 // without queueing it.
 func (m *ServiceModel) ObserveFirstToken(uncached, ahead int, queued, ttft float64) (slotWait bool) {
-	y := ttft - queued
-	if !(y > 0) || math.IsInf(y, 0) {
-		return false
-	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	y := ttft - queued
+	if !(y > 0) || math.IsInf(y, 0) {
+		m.skippedN = counted(m.skippedN)
+		return false
+	}
 	s := m.serviceLocked()
 	pred := s.TTFT(uncached)
 	late := y > onTime*pred
 	slotWait = late && s.SlotWait(ahead)
 	if queued > pred || slotWait {
+		m.skippedN = counted(m.skippedN)
 		return slotWait
 	}
 	if !late && ahead > m.free {
@@ -357,6 +363,7 @@ func (m *ServiceModel) serviceLocked() Service {
 		Samples:                m.durN + m.ttftN + m.busyN,
 		BusyIntervals:          m.busyN,
 		FirstTokens:            m.ttftN,
+		SkippedFirstTokens:     m.skippedN,
 		Free:                   m.free,
 	}
 	if m.atCeil >= 2 && m.belowCeil == 0 {

@@ -323,14 +323,19 @@ func TestServiceModelSkipsQueuedFirstTokens(t *testing.T) {
 	for range 20 {
 		m.ObserveFirstToken(1000, 0, 2, 2+5) // 2 s predicted queue, then 5 s: the queue was longer than thought
 	}
+	m.ObserveFirstToken(1000, 0, 2, 1) // came before its predicted queue ended
 	if got := m.Service(); got.Overhead != before.Overhead || got.PrefillSecondsPerToken != before.PrefillSecondsPerToken {
 		t.Errorf("queued first tokens moved the model: %+v, want %+v", got, before)
 	}
 	for range 20 {
 		m.ObserveFirstToken(1000, 0, 0, 0.030+1000.0/2000) // idle, 2k tokens/s
 	}
-	if got := 1 / m.Service().PrefillSecondsPerToken; !within(got, 2000, 0.2) {
+	s := m.Service()
+	if got := 1 / s.PrefillSecondsPerToken; !within(got, 2000, 0.2) {
 		t.Errorf("prefill %.0f tokens/s after first tokens served at once, want about 2000", got)
+	}
+	if s.FirstTokens != 20 || s.SkippedFirstTokens != 21 {
+		t.Errorf("counted %d first tokens that taught and %d skipped, want 20 and 21", s.FirstTokens, s.SkippedFirstTokens)
 	}
 }
 

@@ -182,8 +182,8 @@ func TestDemoReloadMidStream(t *testing.T) {
 			tokens, usage.CompletionTokens, maxTokens)
 	}
 
-	// The demo's transport llm observed the stream across the reload: its first token taught the
-	// service model, and its usage the cache figures.
+	// The demo's transport llm observed the stream across the reload: its first token reached the
+	// service model (taught it or was skipped), and its usage the cache figures.
 	firstTokens, observed := observedByDemo(t, admin)
 	if firstTokens-firstBefore != 1 || observed-observedBefore != 1 {
 		t.Errorf("/llm/upstreams: %d first tokens and %d usages observed during the test, want the stream's one of each",
@@ -191,13 +191,15 @@ func TestDemoReloadMidStream(t *testing.T) {
 	}
 }
 
-// observedByDemo returns the first tokens and the usages the demo's policy has observed, over its upstreams.
+// observedByDemo returns the first tokens (taught or skipped) and the usages the demo's policy has observed,
+// over its upstreams.
 func observedByDemo(t *testing.T, admin int) (firstTokens, observed int) {
 	t.Helper()
 	var report struct {
 		Upstreams []struct {
 			Model struct {
 				FirstTokens int `json:"first_tokens_observed"`
+				Skipped     int `json:"first_tokens_skipped"`
 			} `json:"model"`
 			Cache struct {
 				Requests int `json:"observed_requests"`
@@ -213,7 +215,7 @@ func observedByDemo(t *testing.T, admin int) (firstTokens, observed int) {
 		t.Fatalf("decoding /llm/upstreams: %v", err)
 	}
 	for _, u := range report.Upstreams {
-		firstTokens += u.Model.FirstTokens
+		firstTokens += u.Model.FirstTokens + u.Model.Skipped
 		observed += u.Cache.Requests
 	}
 	return firstTokens, observed
