@@ -17,6 +17,7 @@ type ModelState struct {
 
 	TTFT      RLSState `json:"ttft"`
 	FirstToks int      `json:"first_tokens"`
+	Skipped   int      `json:"skipped_first_tokens,omitempty"` // Service.SkippedFirstTokens; absent from states saved before it
 	Busy      RLSState `json:"busy"`
 	BusyN     int      `json:"busy_intervals"`
 	LogScale  float64  `json:"log_scale"`
@@ -67,6 +68,7 @@ func (m *ServiceModel) State() ModelState {
 		Prior:     priorOf(m.prior),
 		TTFT:      RLSState{m.ttft.theta, m.ttft.p},
 		FirstToks: m.ttftN,
+		Skipped:   m.skippedN,
 		Busy:      RLSState{m.busy.theta, m.busy.p},
 		BusyN:     m.busyN,
 		LogScale:  m.logScale,
@@ -103,7 +105,7 @@ func (m *ServiceModel) Restore(st ModelState) error {
 	// A covariance that is not symmetric positive semi-definite is made one (boundCovariance2), not
 	// refused: versions before the bound saved such matrices when their estimator wound up, and an
 	// indefinite one turns a variance negative within a few updates.
-	m.ttft, m.ttftN = rls2{theta: st.TTFT.Theta, p: boundCovariance2(st.TTFT.P)}, st.FirstToks
+	m.ttft, m.ttftN, m.skippedN = rls2{theta: st.TTFT.Theta, p: boundCovariance2(st.TTFT.P)}, st.FirstToks, st.Skipped
 	m.busy, m.busyN = rls2{theta: st.Busy.Theta, p: boundCovariance2(st.Busy.P)}, st.BusyN
 	m.logScale, m.durN, m.meanDur = st.LogScale, st.Durations, st.MeanDur
 	m.slots, m.ceiling, m.atCeil, m.belowCeil, m.free = st.Slots, st.Ceiling, st.AtCeil, st.BelowCeil, st.Free
@@ -121,7 +123,7 @@ func (st ModelState) check() error {
 			return fmt.Errorf("a figure is not finite: %v", v)
 		}
 	}
-	for _, n := range []int{st.FirstToks, st.BusyN, st.Durations, st.AtCeil, st.BelowCeil, st.Free} {
+	for _, n := range []int{st.FirstToks, st.Skipped, st.BusyN, st.Durations, st.AtCeil, st.BelowCeil, st.Free} {
 		if n < 0 || n > maxStateCount {
 			return fmt.Errorf("count %d out of range", n)
 		}

@@ -30,6 +30,7 @@ func learned(prior Service) *ServiceModel {
 // it) predicts what the saved one predicts, and goes on learning exactly as it does.
 func TestServiceModelStateRoundTrip(t *testing.T) {
 	saved := learned(Prior)
+	saved.ObserveFirstToken(1000, 0, 5, 1) // came before its predicted wait ended: skipped
 	js, err := json.Marshal(saved.State())
 	if err != nil {
 		t.Fatal(err)
@@ -46,8 +47,8 @@ func TestServiceModelStateRoundTrip(t *testing.T) {
 	if got, want := restored.Service(), saved.Service(); got != want {
 		t.Fatalf("restored service %+v, want %+v", got, want)
 	}
-	if got := restored.Service(); got.Slots != 12 || got.PrefillSecondsPerToken < 2*fresh.PrefillSecondsPerToken || got.Free == 0 {
-		t.Fatalf("restored service %+v: want 12 slots, about 3x the prior's prefill time and the requests it ran beside a first token", got)
+	if got := restored.Service(); got.Slots != 12 || got.PrefillSecondsPerToken < 2*fresh.PrefillSecondsPerToken || got.Free == 0 || got.SkippedFirstTokens == 0 {
+		t.Fatalf("restored service %+v: want 12 slots, about 3x the prior's prefill time, the requests it ran beside a first token and the first tokens skipped", got)
 	}
 	for _, m := range []*ServiceModel{saved, restored} {
 		m.ObserveEnd(2000, 100, 0.1, 12)
@@ -77,6 +78,7 @@ func TestServiceModelRestoreRefuses(t *testing.T) {
 		"huge covariance":    func(s *ModelState) { s.TTFT.P[0][1] = 1e12 },
 		"huge parameter":     func(s *ModelState) { s.Busy.Theta[0] = 1.7e308 },
 		"negative count":     func(s *ModelState) { s.FirstToks = -1 },
+		"negative skipped":   func(s *ModelState) { s.Skipped = -1 },
 		"scale out of range": func(s *ModelState) { s.LogScale = 10 },
 		"slots above ceil":   func(s *ModelState) { s.Slots, s.Ceiling = 64, 8 },
 		"negative duration":  func(s *ModelState) { s.MeanDur = -2 },
