@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/tokenrouter/caddy-llm/affinity"
+	"github.com/tokenrouter/caddy-llm/scraper"
 	"github.com/tokenrouter/caddy-llm/selection"
 	"github.com/tokenrouter/caddy-llm/tokenize"
 )
@@ -708,5 +709,27 @@ func TestBlindHotPrefixSpills(t *testing.T) {
 	}
 	for _, r := range held {
 		r.release(now.UnixNano(), false)
+	}
+}
+
+// TestOpenCeiling: a scrape leaves an upstream's ceiling open when it shows requests waiting, not for
+// cache space, at the most the upstream has been seen running, and no slot count is known or likely.
+func TestOpenCeiling(t *testing.T) {
+	for _, tt := range []struct {
+		name string
+		s    selection.Service
+		snap scraper.Snapshot
+		want bool
+	}{
+		{"waiting at the ceiling", selection.Service{Ceiling: 8}, scraper.Snapshot{Running: 8, Waiting: 3, KVUsage: 0.3}, true},
+		{"nothing waiting", selection.Service{Ceiling: 8}, scraper.Snapshot{Running: 8, KVUsage: 0.3}, false},
+		{"below the ceiling", selection.Service{Ceiling: 12}, scraper.Snapshot{Running: 8, Waiting: 3, KVUsage: 0.3}, false},
+		{"waiting for cache space", selection.Service{Ceiling: 8}, scraper.Snapshot{Running: 8, Waiting: 3, KVUsage: 0.95}, false},
+		{"slot count likely", selection.Service{Ceiling: 8, LikelySlots: 8}, scraper.Snapshot{Running: 8, Waiting: 3, KVUsage: 0.3}, false},
+		{"slot count known", selection.Service{Ceiling: 8, Slots: 8}, scraper.Snapshot{Running: 8, Waiting: 3, KVUsage: 0.3}, false},
+	} {
+		if got := openCeiling(tt.s, &tt.snap); got != tt.want {
+			t.Errorf("%s: openCeiling = %v, want %v", tt.name, got, tt.want)
+		}
 	}
 }

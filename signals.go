@@ -306,6 +306,14 @@ func (sc *scrapes) loadAwaited(dial string, now int64) (snap scraper.Snapshot, f
 	return snap, fresh, !(sc.checkDue(now) && sc.checkUsable(dial, e))
 }
 
+// kick asks for dial's next scrape sooner than the interval (scraper.Handle.Kick), if the policy
+// scrapes it.
+func (sc *scrapes) kick(dial string) {
+	if e := sc.entry(dial); e != nil && e.h != nil {
+		e.h.Kick()
+	}
+}
+
 // entry returns dial's entry, nil when the policy does not scrape it (yet).
 func (sc *scrapes) entry(dial string) *scrapeEntry {
 	sc.mu.RLock()

@@ -205,6 +205,57 @@ func TestScrapedQueueSteersRequests(t *testing.T) {
 	sendAllTo(t, tester.Client, sims, a, 10)
 }
 
+// TestOpenCeilingBringsScrapeForward: a scrape that shows requests waiting at the most an upstream has
+// been seen running, its slot count not yet likely, has the decisions of a hot prefix (which would price
+// a likely slot count, fullNow) bring the next scrape forward (a fifth of the interval) rather than
+// wait a whole interval to confirm it. B runs one request with four waiting, loaded by another client
+// before Caddy starts; the interval is 10s, every request carries one system prompt, and the second
+// scrape of B comes within 6s.
+func TestOpenCeilingBringsScrapeForward(t *testing.T) {
+	a, b, sims := fastAndSlow(t, 300*time.Millisecond)
+	loadDirectly(t, b, 5)
+	waitFor(t, "B loaded", func() bool { s := sims[b].State(); return s.Running == 1 && s.Waiting == 4 })
+
+	tester := caddytest.NewTester(t)
+	tester.InitServer(globalOptions+fmt.Sprintf(`
+%s {
+	reverse_proxy %s %s {
+		lb_policy llm {
+			metrics {
+				interval 10s
+				stale_after 60s
+			}
+		}
+	}
+}
+`, site, a, b), "caddyfile")
+
+	var first time.Time // when B's first scrape was seen, about its age ago
+	waitFor(t, "B's first scrape", func() bool {
+		m := adminUpstreams(t)[b].Metrics
+		if m == nil || !m.Fresh || m.Waiting != 4 {
+			return false
+		}
+		first = time.Now().Add(-time.Duration(m.AgeSeconds * float64(time.Second)))
+		return true
+	})
+	deadline := first.Add(6 * time.Second) // the interval's tick comes at 10s
+	system := strings.TrimSpace(strings.Repeat("You answer briefly and in English. ", 40))
+	for i := 0; ; i++ {
+		body := fmt.Sprintf(`{"model":"sim-model","max_tokens":1,"messages":[{"role":"system","content":%q},{"role":"user","content":"question %d"}]}`, system, i)
+		sendCounting(t, tester.Client, body, sims) // a decision reads B's scrape
+		m := adminUpstreams(t)[b].Metrics
+		scraped := time.Now().Add(-time.Duration(m.AgeSeconds * float64(time.Second)))
+		if scraped.Sub(first) > 500*time.Millisecond {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no second scrape of B within 6s of its first, with an interval of 10s and its ceiling open")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
 // TestScrapesTeachWhileIdle: every scrape teaches the service model as it arrives, not only the ones a
 // decision happens to read. Another client keeps backend B full (one slot, four waiting) while this
 // proxy routes nothing; B's slot count is learned from its metrics alone, and the first requests, in the

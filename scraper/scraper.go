@@ -98,6 +98,9 @@ type Options struct {
 	// Logger receives scrape failures with the target URL (password redacted): the first failure
 	// after a success at warn level, the following ones at debug. Default: no logging.
 	Logger *zap.Logger
+	// KickGap is the least time from one scrape's start to a scrape a Kick brings; default
+	// Interval/5, never more than Interval.
+	KickGap time.Duration
 	// OnScrape, when set, is called with each good snapshot once it is published, on the poller's
 	// goroutine, for as long as the handle is live: a user that learns from every scrape, not only
 	// from those it happens to Load. It must return quickly (the next scrape waits for it) and not
@@ -120,6 +123,10 @@ func (o Options) withDefaults() Options {
 	if o.StaleAfter <= 0 {
 		o.StaleAfter = DefaultStaleFactor * o.Interval
 	}
+	if o.KickGap <= 0 {
+		o.KickGap = o.Interval / 5
+	}
+	o.KickGap = min(o.KickGap, o.Interval)
 	if o.Now == nil {
 		o.Now = time.Now
 	}
@@ -151,8 +158,8 @@ type Status struct {
 // call NewRegistry. All methods are safe for concurrent use.
 //
 // When holders of the same Target pass different Options, the poller combines them: the shortest
-// Interval, the longest Timeout (capped by that interval), the largest MaxBytes; Client, Now and
-// Logger come from the most recent live Handle. Each Handle judges freshness with its own StaleAfter
+// Interval, the longest Timeout (capped by that interval), the largest MaxBytes; Client, Now, Logger
+// and KickGap (capped by the interval) come from the most recent live Handle. Each Handle judges freshness with its own StaleAfter
 // and Now. The combination is recomputed on every Acquire and Release, so after a config reload
 // releases the old handles the new configuration's options alone apply.
 type Registry struct {
@@ -254,6 +261,17 @@ func (h *Handle) LoadAt(now time.Time) (Snapshot, bool) {
 	return *s, now.Sub(s.At) <= h.opts.StaleAfter
 }
 
+// Kick asks for a scrape sooner than the interval: at once when the last one started at least
+// KickGap ago, else when it has; kicks in between are one. It never blocks. A user that reads a
+// scrape which leaves a question open (requests waiting at a batch size seen once) gets the next
+// look in a fraction of the interval instead of a whole one.
+func (h *Handle) Kick() {
+	select {
+	case h.p.kick <- struct{}{}:
+	default:
+	}
+}
+
 // ScrapeOnce scrapes the target now, synchronously, with the poller's current options, and
 // publishes the result like a background scrape would. It returns the scrape's error. Tests use it
 // instead of waiting for the ticker.
@@ -277,6 +295,7 @@ type poller struct {
 	ctx       context.Context
 	cancel    context.CancelFunc
 	reset     chan struct{}
+	kick      chan struct{} // Kick: a scrape sooner than the interval
 	transport *http.Transport
 
 	mu          sync.Mutex // guards the fields below; never held across I/O
@@ -304,6 +323,7 @@ func newPoller(t Target, r *Registry) *poller {
 		ctx:       ctx,
 		cancel:    cancel,
 		reset:     make(chan struct{}, 1),
+		kick:      make(chan struct{}, 1),
 		transport: tr,
 	}
 }
@@ -352,6 +372,7 @@ func (p *poller) combineLocked() {
 		cfg.MaxBytes = max(cfg.MaxBytes, h.opts.MaxBytes)
 	}
 	cfg.Timeout = min(cfg.Timeout, cfg.Interval)
+	cfg.KickGap = min(cfg.KickGap, cfg.Interval)
 	if cfg.Client != p.cfg.Client || p.client == nil {
 		p.client = p.clientFor(cfg.Client)
 	}
@@ -397,7 +418,16 @@ func (p *poller) run(active *atomic.Int64) {
 	}()
 	ticker := time.NewTicker(cfg.Interval)
 	defer ticker.Stop()
-	_ = p.scrape(p.ctx)
+	soon := time.NewTimer(time.Hour) // a kicked scrape that had to wait for KickGap
+	soon.Stop()
+	defer soon.Stop()
+	last := time.Now()
+	scrape := func() {
+		soon.Stop()
+		last = time.Now()
+		_ = p.scrape(p.ctx)
+	}
+	scrape()
 	for {
 		select {
 		case <-p.stopCh:
@@ -406,7 +436,16 @@ func (p *poller) run(active *atomic.Int64) {
 			cfg, _ := p.config()
 			ticker.Reset(cfg.Interval)
 		case <-ticker.C:
-			_ = p.scrape(p.ctx)
+			scrape()
+		case <-p.kick:
+			cfg, _ := p.config()
+			if wait := cfg.KickGap - time.Since(last); wait > 0 {
+				soon.Reset(wait)
+				continue
+			}
+			scrape()
+		case <-soon.C:
+			scrape()
 		}
 	}
 }

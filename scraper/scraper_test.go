@@ -643,3 +643,47 @@ func BenchmarkScrapeOnce(b *testing.B) {
 		}
 	}
 }
+
+// TestKick: a kick brings a scrape long before the interval, and kicks in a row bring at most one
+// scrape per KickGap.
+func TestKick(t *testing.T) {
+	b := newBackend(t, readTestdata(t, "vllm_legacy.txt"))
+	const gap = 20 * time.Millisecond
+	h := NewRegistry().Acquire(b.target(), Options{Interval: time.Hour, KickGap: gap})
+	defer h.Release()
+	waitHits := func(n int64) {
+		t.Helper()
+		deadline := time.Now().Add(10 * time.Second) // a failure guard, not a wait
+		for b.hits.Load() < n {
+			if time.Now().After(deadline) {
+				t.Fatalf("%d scrapes, want %d", b.hits.Load(), n)
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+	waitHits(1) // the first, at start
+	h.Kick()    // within the gap of the first: it comes once the gap has passed
+	waitHits(2)
+
+	before, start := b.hits.Load(), time.Now()
+	for time.Since(start) < 10*gap {
+		h.Kick()
+		time.Sleep(100 * time.Microsecond)
+	}
+	elapsed := time.Since(start)
+	time.Sleep(2 * gap) // a kick still waiting for its gap
+	got := b.hits.Load() - before
+	if most := int64(elapsed/gap) + 2; got > most {
+		t.Errorf("%d scrapes from kicks over %v, want at most one per %v gap (%d)", got, elapsed, gap, most)
+	}
+	if got < 1 {
+		t.Error("kicks brought no scrape")
+	}
+
+	if o := (Options{Interval: 100 * time.Millisecond}).withDefaults(); o.KickGap != 20*time.Millisecond {
+		t.Errorf("KickGap = %v, want a fifth of the 100ms interval", o.KickGap)
+	}
+	if o := (Options{Interval: 100 * time.Millisecond, KickGap: time.Second}).withDefaults(); o.KickGap != 100*time.Millisecond {
+		t.Errorf("KickGap = %v, want capped at the 100ms interval", o.KickGap)
+	}
+}
