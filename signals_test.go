@@ -216,19 +216,7 @@ func TestOpenCeilingBringsScrapeForward(t *testing.T) {
 	loadDirectly(t, b, 5)
 	waitFor(t, "B loaded", func() bool { s := sims[b].State(); return s.Running == 1 && s.Waiting == 4 })
 
-	tester := caddytest.NewTester(t)
-	tester.InitServer(globalOptions+fmt.Sprintf(`
-%s {
-	reverse_proxy %s %s {
-		lb_policy llm {
-			metrics {
-				interval 10s
-				stale_after 60s
-			}
-		}
-	}
-}
-`, site, a, b), "caddyfile")
+	tester := scrapedPair(t, a, b, "interval 10s", "stale_after 60s")
 
 	var first time.Time // when B's first scrape was seen, about its age ago
 	waitFor(t, "B's first scrape", func() bool {
@@ -267,19 +255,7 @@ func TestScrapesTeachWhileIdle(t *testing.T) {
 		t.Run(flavour, func(t *testing.T) {
 			a, b, sims := fastAndSlowServing(t, 300*time.Millisecond, flavour)
 
-			tester := caddytest.NewTester(t)
-			tester.InitServer(globalOptions+fmt.Sprintf(`
-%s {
-	reverse_proxy %s %s {
-		lb_policy llm {
-			metrics {
-				interval 100ms
-				stale_after 30s
-			}
-		}
-	}
-}
-`, site, a, b), "caddyfile")
+			tester := scrapedPair(t, a, b, "interval 100ms", "stale_after 30s")
 
 			loadDirectly(t, b, 5)
 			waitFor(t, "B's queue scraped and its slot count learned from its scrapes alone", func() bool {
@@ -506,19 +482,7 @@ func TestHangingMetricsDoNotBlockRouting(t *testing.T) {
 	dial := strings.TrimPrefix(metricsServer.URL, "http://")
 	other := newBackend(t)
 
-	tester := caddytest.NewTester(t)
-	tester.InitServer(globalOptions+fmt.Sprintf(`
-%s {
-	reverse_proxy %s %s {
-		lb_policy llm {
-			metrics {
-				interval 30s
-				timeout 30s
-			}
-		}
-	}
-}
-`, site, dial, other.dial), "caddyfile")
+	tester := scrapedPair(t, dial, other.dial, "interval 30s", "timeout 30s")
 
 	for i := range 20 {
 		res, got := post(t, tester.Client, "/v1/chat/completions", chatBody("m", 10+i, false))
@@ -543,18 +507,7 @@ func TestHangingMetricsDoNotBlockRouting(t *testing.T) {
 func TestBarePolicyScrapesFromProvision(t *testing.T) {
 	_, a := simBackend(t, vllmsim.Config{TimeScale: 1000, Seed: 1})
 	plain := newBackend(t) // answers /metrics with 404
-	tester := caddytest.NewTester(t)
-	tester.InitServer(globalOptions+fmt.Sprintf(`
-%s {
-	reverse_proxy %s %s {
-		lb_policy llm {
-			metrics {
-				interval 50ms
-			}
-		}
-	}
-}
-`, site, a, plain.dial), "caddyfile")
+	tester := scrapedPair(t, a, plain.dial, "interval 50ms")
 
 	waitFor(t, "the simulator scraped before any request", func() bool {
 		m := adminUpstreams(t)[a].Metrics
@@ -1031,4 +984,23 @@ func TestBlindUpstreamsBounded(t *testing.T) {
 			}
 		})
 	}
+}
+
+// scrapedPair starts Caddy proxying to a and b with a bare lb_policy llm whose metrics block holds the
+// given directives, one a line.
+func scrapedPair(t *testing.T, a, b string, metrics ...string) *caddytest.Tester {
+	t.Helper()
+	tester := caddytest.NewTester(t)
+	tester.InitServer(globalOptions+fmt.Sprintf(`
+%s {
+	reverse_proxy %s %s {
+		lb_policy llm {
+			metrics {
+				%s
+			}
+		}
+	}
+}
+`, site, a, b, strings.Join(metrics, "\n\t\t\t\t")), "caddyfile")
+	return tester
 }
