@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"io"
 	"math/rand/v2"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -28,6 +27,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/tokenrouter/caddy-llm/bench/vllmsim"
+	"github.com/tokenrouter/caddy-llm/internal/freeport"
 	"github.com/tokenrouter/caddy-llm/tokenize"
 )
 
@@ -259,22 +259,17 @@ type resumeTest struct {
 // resumePorts are the admin and HTTP ports of the llm_resume tests, picked free once per test process so
 // that test processes running side by side never load configs into each other's Caddy. When the process
 // already runs Caddy (other tests started it), its admin port is kept, so that those tests find it again.
-var resumePorts = sync.OnceValues(func() (admin, http int) {
-	admin = caddytest.Default.AdminPort
-	if caddy.ActiveContext().Context == nil {
-		admin = pickPort()
-	}
-	return admin, pickPort()
-})
-
-func pickPort() int {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+var resumePorts = sync.OnceValue(func() (p [3]int) { // admin, HTTP, HTTPS
+	ports, err := freeport.Ports(3)
 	if err != nil {
 		panic(err)
 	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
-}
+	p = [3]int(ports)
+	if caddy.ActiveContext().Context != nil {
+		p[0] = caddytest.Default.AdminPort
+	}
+	return p
+})
 
 // resumeUpstream is a simulated vLLM server on 127.0.0.1 that records the completion bodies it receives.
 type resumeUpstream struct {
@@ -333,7 +328,8 @@ func newResumeTest(t *testing.T, resumeOptions string, ups ...*resumeUpstream) *
 // newResumeTestWith is newResumeTest with proxyOptions added to the reverse_proxy block.
 func newResumeTestWith(t *testing.T, resumeOptions, proxyOptions string, ups ...*resumeUpstream) *resumeTest {
 	t.Helper()
-	admin, port := resumePorts()
+	ports := resumePorts()
+	admin, port := ports[0], ports[1]
 	dials := make([]string, len(ups))
 	for i, u := range ups {
 		dials[i] = u.dial
@@ -355,7 +351,7 @@ func newResumeTestWith(t *testing.T, resumeOptions, proxyOptions string, ups ...
 		%s
 	}
 }
-`, admin, port, pickPort(), port, resumeOptions, strings.Join(dials, " "), proxyOptions)
+`, admin, port, ports[2], port, resumeOptions, strings.Join(dials, " "), proxyOptions)
 	tester := caddytest.NewTester(t).WithDefaultOverrides(caddytest.Config{AdminPort: admin})
 	tester.InitServer(cfg, "caddyfile")
 	rt := &resumeTest{t: t, tester: tester, url: fmt.Sprintf("http://localhost:%d", port), admin: admin, ups: ups}

@@ -11,6 +11,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/tokenrouter/caddy-llm/internal/freeport"
 )
 
 func TestParseInstancesOptions(t *testing.T) {
@@ -123,18 +125,17 @@ func TestDriverSplitsAtRandom(t *testing.T) {
 // TestDriverRetriesUnanswered sends to a port nothing listens on yet: with retryUnanswered the
 // request waits until a server answers there, and succeeds.
 func TestDriverRetriesUnanswered(t *testing.T) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	ports, err := freeport.Ports(1) // below the ephemeral range: no listener on port 0 takes it meanwhile
 	if err != nil {
 		t.Fatal(err)
 	}
-	addr := l.Addr().String()
-	l.Close()
+	addr := fmt.Sprintf("127.0.0.1:%d", ports[0])
 	d := &driver{targets: []string{"http://" + addr}, retryUnanswered: true, client: newClient(), model: "m", rate: 1e6, seed: 1}
 	w := Workload{Sessions: []Session{{Requests: []Request{{Messages: []Message{{Role: "user", Content: "hi"}}, MaxTokens: 1}}}}}
 	done := make(chan []requestResult)
 	go func() { done <- d.run(context.Background(), w) }()
 	time.Sleep(50 * time.Millisecond) // the request is refused meanwhile: this is what is tested
-	l, err = net.Listen("tcp", addr)
+	l, err := net.Listen("tcp", addr)
 	if err != nil {
 		t.Skipf("port %s taken meanwhile: %v", addr, err)
 	}

@@ -4,13 +4,54 @@ package freeport
 
 import (
 	"fmt"
+	"math/rand/v2"
 	"net"
+	"os"
+	"strconv"
+	"strings"
 )
 
+// rangeFile holds the kernel's ephemeral port range (Linux): the ports it hands to a bind to port 0
+// and to outgoing connections.
+const rangeFile = "/proc/sys/net/ipv4/ip_local_port_range"
+
+// lowest is the least port Ports chooses below the ephemeral range.
+const lowest = 10000
+
 // Ports returns n distinct TCP ports free on 127.0.0.1 now. Every listener stays open until all n are
-// chosen, so the kernel cannot hand out one port twice (two sites on one port: "ambiguous site
-// definition").
+// chosen, so one port is not handed out twice (two sites on one port: "ambiguous site definition").
+//
+// Where the kernel's ephemeral range is known, the ports come from below it. A port a test names in a
+// config may be closed and opened again while the test runs (Caddy's admin endpoint restarts at every
+// config load), and a port from the ephemeral range could meanwhile be handed to any listener on port
+// 0 (an httptest server or a simulated backend of a test running beside it): caddytest's next load
+// then went to that server ("failed to load config: {"detail":"Not Found"}", a simulator's 404).
 func Ports(n int) ([]int, error) {
+	if lo, ok := ephemeralLow(); ok && lo-lowest >= 1000 {
+		return below(n, lo)
+	}
+	return fromKernel(n)
+}
+
+// below chooses n free ports at random in [lowest, lo).
+func below(n, lo int) ([]int, error) {
+	ports := make([]int, 0, n)
+	for tries := 0; len(ports) < n; tries++ {
+		if tries == 1000 {
+			return nil, fmt.Errorf("choosing a free port: none of 1000 tried below %d was free", lo)
+		}
+		l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", lowest+rand.IntN(lo-lowest)))
+		if err != nil {
+			continue // taken
+		}
+		defer l.Close()
+		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
+	}
+	return ports, nil
+}
+
+// fromKernel asks the kernel for n ports (a listen on port 0 each).
+func fromKernel(n int) ([]int, error) {
 	ports := make([]int, n)
 	for i := range ports {
 		l, err := net.Listen("tcp", "127.0.0.1:0")
@@ -21,4 +62,18 @@ func Ports(n int) ([]int, error) {
 		ports[i] = l.Addr().(*net.TCPAddr).Port
 	}
 	return ports, nil
+}
+
+// ephemeralLow returns the lowest port of the kernel's ephemeral range, when it can be read.
+func ephemeralLow() (int, bool) {
+	b, err := os.ReadFile(rangeFile)
+	if err != nil {
+		return 0, false
+	}
+	f := strings.Fields(string(b))
+	if len(f) != 2 {
+		return 0, false
+	}
+	lo, err := strconv.Atoi(f[0])
+	return lo, err == nil
 }

@@ -5,7 +5,6 @@ package redistest
 
 import (
 	"context"
-	"net"
 	"os"
 	"os/exec"
 	"strconv"
@@ -13,6 +12,7 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"github.com/tokenrouter/caddy-llm/internal/freeport"
 )
 
 // Server is a redis-server process.
@@ -33,13 +33,13 @@ func Start(t testing.TB) *Server {
 		}
 		t.Skip("redis-server not installed (apt-get install redis-server); skipping the Redis tests")
 	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	// From below the ephemeral range: Restart stops the server and starts it on the same port, and
+	// meanwhile a listener on port 0 elsewhere could be handed a port from that range.
+	ports, err := freeport.Ports(1)
 	if err != nil {
 		t.Fatal(err)
 	}
-	port := l.Addr().(*net.TCPAddr).Port
-	l.Close()
-	s := &Server{t: t, bin: bin, Port: port}
+	s := &Server{t: t, bin: bin, Port: ports[0]}
 	s.Restart()
 	t.Cleanup(s.Kill)
 	return s
