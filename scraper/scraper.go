@@ -159,9 +159,10 @@ type Status struct {
 //
 // When holders of the same Target pass different Options, the poller combines them: the shortest
 // Interval, the longest Timeout (capped by that interval), the largest MaxBytes; Client, Now, Logger
-// and KickGap (capped by the interval) come from the most recent live Handle. Each Handle judges freshness with its own StaleAfter
-// and Now. The combination is recomputed on every Acquire and Release, so after a config reload
-// releases the old handles the new configuration's options alone apply.
+// and KickGap (capped by the interval) come from the most recent live Handle. Each Handle judges
+// freshness with its own StaleAfter and Now. The combination is recomputed on every Acquire and
+// Release, so after a config reload releases the old handles the new configuration's options alone
+// apply.
 type Registry struct {
 	mu      sync.Mutex
 	pollers map[Target]*poller
