@@ -135,6 +135,7 @@ var (
 	descKV               = prometheus.NewDesc("caddy_llm_upstream_kv_cache_usage", "KV-cache usage (0-1), as scraped from the upstream.", []string{"upstream"}, nil)
 	descScrapeAge        = prometheus.NewDesc("caddy_llm_upstream_scrape_age_seconds", "Age of the last good scrape of the upstream's metrics.", []string{"upstream"}, nil)
 	descScrapeErrors     = prometheus.NewDesc("caddy_llm_upstream_scrape_errors_total", "Failed scrapes of the upstream's metrics.", []string{"upstream"}, nil)
+	descScrapesForward   = prometheus.NewDesc("caddy_llm_upstream_scrapes_brought_forward_total", "Scrapes of the upstream brought before the interval: a hot prefix's decision found requests waiting at a batch size seen once.", []string{"upstream"}, nil)
 	descRoutes           = prometheus.NewDesc("caddy_llm_routes", "Learned prefix routes.", nil, nil)
 	descRouteEvictions   = prometheus.NewDesc("caddy_llm_route_evictions_total", "Learned routes and conversation pins evicted by capacity.", nil, nil)
 	descRoutesExpired    = prometheus.NewDesc("caddy_llm_routes_expired_total", "Learned routes and conversation pins dropped by TTL.", nil, nil)
@@ -159,7 +160,7 @@ var (
 
 func (stateCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descInflightTokens, descInflightRequests, descSaturated, descQueue, descRunning, descKV,
-		descScrapeAge, descScrapeErrors, descRoutes, descRouteEvictions, descRoutesExpired, descPins,
+		descScrapeAge, descScrapeErrors, descScrapesForward, descRoutes, descRouteEvictions, descRoutesExpired, descPins,
 		descPhase, descQueuedPrefill, descPrefillRate, descTokenSeconds, descOverhead, descSlots, descOverrun, descAvailability,
 		descObservedPrompt, descPredictedCached, descObservedCached, descConfirmedCached, descCorrections, descEvictedClaims, descRestarts, descTokenScale} {
 		ch <- d
@@ -208,6 +209,7 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 				ch <- prometheus.MustNewConstMetric(descScrapeAge, prometheus.GaugeValue, m.AgeSeconds, u.Upstream)
 			}
 			ch <- prometheus.MustNewConstMetric(descScrapeErrors, prometheus.CounterValue, float64(m.Errors), u.Upstream)
+			ch <- prometheus.MustNewConstMetric(descScrapesForward, prometheus.CounterValue, float64(m.BroughtForward), u.Upstream)
 		}
 	}
 	if st := currentRoutesReport(); st.Provisioned {

@@ -126,7 +126,10 @@ type scrapedMetrics struct {
 	AgeSeconds float64  `json:"age_seconds"` // -1 before the first good scrape
 	Fresh      bool     `json:"fresh"`
 	Errors     uint64   `json:"errors"`
-	LastError  string   `json:"last_error,omitempty"`
+	// BroughtForward counts the scrapes brought before the interval because a hot prefix's decision
+	// found requests waiting at a ceiling seen once (How it decides, 2).
+	BroughtForward uint64 `json:"brought_forward"`
+	LastError      string `json:"last_error,omitempty"`
 	// LastErrorAgeSeconds is the time since LastError; beside AgeSeconds it tells a failure that is over
 	// from one that is not. Absent with LastError.
 	LastErrorAgeSeconds *float64 `json:"last_error_age_seconds,omitempty"`
@@ -228,7 +231,7 @@ func reportScrape(st scraper.Status) *scrapedMetrics {
 	m := &scrapedMetrics{
 		Flavor: st.Snapshot.Flavor, Running: st.Snapshot.Running, Waiting: st.Snapshot.Waiting,
 		BlockSize: st.Snapshot.BlockSize, NumBlocks: st.Snapshot.NumBlocks,
-		AgeSeconds: -1, Fresh: st.Fresh, Errors: st.Errors, LastError: st.LastError,
+		AgeSeconds: -1, Fresh: st.Fresh, Errors: st.Errors, BroughtForward: st.BroughtForward, LastError: st.LastError,
 	}
 	if !st.Snapshot.At.IsZero() {
 		m.AgeSeconds = st.Age.Seconds()

@@ -235,6 +235,9 @@ func TestOpenCeilingBringsScrapeForward(t *testing.T) {
 		m := adminUpstreams(t)[b].Metrics
 		scraped := time.Now().Add(-time.Duration(m.AgeSeconds * float64(time.Second)))
 		if scraped.Sub(first) > 500*time.Millisecond {
+			if n := m.BroughtForward; n == 0 {
+				t.Errorf("B scraped again %v after its first, but brought_forward = 0", scraped.Sub(first))
+			}
 			break
 		}
 		if time.Now().After(deadline) {

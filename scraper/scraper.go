@@ -144,6 +144,8 @@ type Status struct {
 	Fresh bool
 	// Errors counts failed scrapes since the poller started.
 	Errors uint64
+	// BroughtForward counts the scrapes a Kick brought before the interval's tick.
+	BroughtForward uint64
 	// LastError is the message of the most recent failure ("" if none), LastErrorAt its time and
 	// LastErrorAge the time since (zero when none): beside Age, it tells a failure that is over (an
 	// older one, such as a first scrape before the backend listened) from one that is not.
@@ -289,6 +291,7 @@ type poller struct {
 	// last is the last good snapshot, published atomically for Load.
 	last      atomic.Pointer[Snapshot]
 	errors    atomic.Uint64
+	kicked    atomic.Uint64 // scrapes a Kick brought forward
 	failing   atomic.Bool
 	stopOnce  sync.Once
 	stopCh    chan struct{}
@@ -444,8 +447,10 @@ func (p *poller) run(active *atomic.Int64) {
 				soon.Reset(wait)
 				continue
 			}
+			p.kicked.Add(1)
 			scrape()
 		case <-soon.C:
+			p.kicked.Add(1)
 			scrape()
 		}
 	}
@@ -554,6 +559,7 @@ func (p *poller) status() Status {
 		st.LastErrorAge = max(now.Sub(st.LastErrorAt), 0)
 	}
 	st.Errors = p.errors.Load()
+	st.BroughtForward = p.kicked.Load()
 	if s := p.last.Load(); s != nil {
 		st.Snapshot = *s
 		st.Age = max(now.Sub(s.At), 0)

@@ -679,6 +679,9 @@ func TestKick(t *testing.T) {
 	if got < 1 {
 		t.Error("kicks brought no scrape")
 	}
+	if st, _ := h.p.registry.Status(b.target()); st.BroughtForward != uint64(got+1) {
+		t.Errorf("Status().BroughtForward = %d, want the %d scrapes kicks brought", st.BroughtForward, got+1)
+	}
 
 	if o := (Options{Interval: 100 * time.Millisecond}).withDefaults(); o.KickGap != 20*time.Millisecond {
 		t.Errorf("KickGap = %v, want a fifth of the 100ms interval", o.KickGap)
