@@ -439,6 +439,9 @@ type upstreamView struct {
 	// backend limited by the chunked-prefill token budget queues at varying batch sizes); 0 otherwise.
 	// See fullNow.
 	full float64
+	// open is whether its fresh scrape leaves its ceiling open (openCeiling): the decision of a hot
+	// prefix brings its next scrape forward.
+	open bool
 }
 
 // view returns dial's state at now for the decision.
@@ -492,11 +495,23 @@ func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstrea
 		if l := v.service.LikelySlots; l > 0 && snap.Running >= l && selection.SlotBound(snap.Running, snap.Waiting, snap.KVUsage) {
 			v.full = snap.Running
 		}
+		v.open = openCeiling(v.service, snap)
 	}
 	if foreign < 1 {
 		v.overdue = l.overdueLocked(now, v.service)
 	}
 	return v
+}
+
+// openCeiling reports whether snap, the upstream's latest scrape, shows requests waiting at the most it
+// has been seen running while its slot count is not even likely yet (selection.Service.LikelySlots: two
+// such scrapes): the next scrape, brought forward, confirms or refutes it. At the interval, the second
+// came a simulated second after the first, and in that second the upstreams holding a hot prefix took
+// bursts of its cache hits onto 8 slots (small-batch hot-prefix: 12 of 16 requests to one upstream with
+// 10-13 in flight, predicted at 60-135 ms, answered in 0.6-1.4 s).
+func openCeiling(s selection.Service, snap *scraper.Snapshot) bool {
+	return s.Slots == 0 && s.LikelySlots == 0 && snap.Running >= s.Ceiling &&
+		selection.SlotBound(snap.Running, snap.Waiting, snap.KVUsage)
 }
 
 // overdueLocked returns how many times longer than s predicts this proxy's requests in flight there

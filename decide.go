@@ -58,7 +58,7 @@ type query struct {
 	overdue []float64
 	// full is each candidate's running count at which its scrape shows it full (upstreamView.full).
 	full []float64
-	// open is whether each candidate's scrape leaves its ceiling open (openCeiling).
+	// open is whether each candidate's scrape leaves its ceiling open (upstreamView.open).
 	open []bool
 	// settled is each candidate's queue as predicted (upstreamView.settled), in the same speed as its
 	// Queued.
@@ -254,7 +254,7 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 		// bounded, so that where metrics work the decision is the one the matrix measured.
 		cands[i].Blind = snap == nil && !awaited
 		q.overdue, q.full, q.settled = append(q.overdue, v.overdue), append(q.full, v.full), append(q.settled, v.settled)
-		q.open = append(q.open, snap != nil && openCeiling(v.service, snap))
+		q.open = append(q.open, v.open)
 		fleet.Add(v.service)
 	}
 	knownArrivals(cands)
@@ -280,17 +280,6 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 		cands[i].Queued *= scale
 		q.settled[i] *= scale
 	}
-}
-
-// openCeiling reports whether snap, the upstream's latest scrape, shows requests waiting at the most it
-// has been seen running while its slot count is not even likely yet (selection.Service.LikelySlots: two
-// such scrapes): the next scrape, brought forward, confirms or refutes it. At the interval, the second
-// came a simulated second after the first, and in that second the upstreams holding a hot prefix took
-// bursts of its cache hits onto 8 slots (small-batch hot-prefix: 12 of 16 requests to one upstream with
-// 10-13 in flight, predicted at 60-135 ms, answered in 0.6-1.4 s).
-func openCeiling(s selection.Service, snap *scraper.Snapshot) bool {
-	return s.Slots == 0 && s.LikelySlots == 0 && snap.Running >= s.Ceiling &&
-		selection.SlotBound(snap.Running, snap.Waiting, snap.KVUsage)
 }
 
 // continuesHome reports whether one candidate holds more of the request's prompt than every other by
