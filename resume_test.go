@@ -27,7 +27,6 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/tokenrouter/caddy-llm/bench/vllmsim"
-	"github.com/tokenrouter/caddy-llm/internal/freeport"
 	"github.com/tokenrouter/caddy-llm/tokenize"
 )
 
@@ -256,15 +255,12 @@ type resumeTest struct {
 	ups    []*resumeUpstream
 }
 
-// resumePorts are the admin and HTTP ports of the llm_resume tests, picked free once per test process so
-// that test processes running side by side never load configs into each other's Caddy. When the process
-// already runs Caddy (other tests started it), its admin port is kept, so that those tests find it again.
-var resumePorts = sync.OnceValue(func() (p [3]int) { // admin, HTTP, HTTPS
-	ports, err := freeport.Ports(3)
-	if err != nil {
-		panic(err)
-	}
-	p = [3]int(ports)
+// resumePorts are the admin, HTTP and HTTPS ports of the llm_resume tests, picked free once per test
+// process so that test processes running side by side never load configs into each other's Caddy. When
+// the process already runs Caddy (other tests started it), its admin port is kept, so that those tests
+// find it again.
+var resumePorts = sync.OnceValue(func() (p [3]int) {
+	p[0], p[1], p[2] = freePorts3()
 	if caddy.ActiveContext().Context != nil {
 		p[0] = caddytest.Default.AdminPort
 	}
