@@ -230,7 +230,7 @@ func runInstancesMode(ctx context.Context, o options, args []string, started tim
 func runFront(ctx context.Context, o options, sims []simSettings, w Workload, rate float64, bin, tmp string,
 	setup frontSetup, redisURL, prefix string, prog *progress) (InstancesRun, error) {
 	run := InstancesRun{Setup: setup.Name, Instances: setup.Instances, Share: setup.Share}
-	c, err := startCluster(sims, o.seed)
+	c, err := startCluster(sims, o.seed, w.Name)
 	if err != nil {
 		return run, err
 	}

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"math/rand/v2"
+	"net"
 	"net/http"
 	"strings"
 	"sync"
@@ -95,10 +96,12 @@ func runOverhead(ctx context.Context, o options) (OverheadResult, error) {
 	}
 	c := &cluster{}
 	for range o.backends {
-		if err := c.serve(instantBackend{}); err != nil {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
 			c.close()
-			return res, err
+			return res, fmt.Errorf("listening for a backend: %w", err)
 		}
+		c.serve(instantBackend{}, l)
 	}
 	defer c.close()
 	// Alternate the policies in short rounds so that background load on a shared machine hits

@@ -186,7 +186,7 @@ func runRestart(ctx context.Context, o options, sims []simSettings, name, keep, 
 	}
 	run.Sessions = len(w.Sessions)
 
-	c, err := startCluster(sims, o.seed)
+	c, err := startCluster(sims, o.seed, "restart/"+w.Name)
 	if err != nil {
 		return run, err
 	}

@@ -50,6 +50,44 @@ func below(n, lo int) ([]int, error) {
 	return ports, nil
 }
 
+// Seeded returns n listeners on 127.0.0.1 at ports drawn from seed: the same seed gives the same ports
+// whenever they are free (a port taken is skipped for the next draw). Below the kernel's ephemeral range
+// when it is known, else on ports the kernel chooses. For a benchmark whose servers are told apart by
+// address: Caddy's hashing policies hash each upstream's address with the key, so which upstream a key
+// lands on, and how evenly keys spread, follows the ports; drawn from the run's seed, a run repeats.
+func Seeded(n int, seed uint64) ([]net.Listener, error) {
+	lo, ok := ephemeralLow()
+	ls := make([]net.Listener, 0, n)
+	fail := func(err error) ([]net.Listener, error) {
+		for _, l := range ls {
+			_ = l.Close()
+		}
+		return nil, err
+	}
+	if !ok || lo-lowest < 1000 {
+		for range n {
+			l, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				return fail(fmt.Errorf("listening on a free port: %w", err))
+			}
+			ls = append(ls, l)
+		}
+		return ls, nil
+	}
+	r := rand.New(rand.NewPCG(seed, 0x9e3779b97f4a7c15))
+	for tries := 0; len(ls) < n; tries++ {
+		if tries == 1000 {
+			return fail(fmt.Errorf("listening on a free port: none of 1000 tried below %d was free", lo))
+		}
+		l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", lowest+r.IntN(lo-lowest)))
+		if err != nil {
+			continue // taken
+		}
+		ls = append(ls, l)
+	}
+	return ls, nil
+}
+
 // fromKernel asks the kernel for n ports (a listen on port 0 each).
 func fromKernel(n int) ([]int, error) {
 	ports := make([]int, n)

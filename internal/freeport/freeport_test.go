@@ -65,3 +65,53 @@ func TestPortsSkipsTaken(t *testing.T) {
 		t.Errorf("chose %d, want the one free port %d", ports[0], free)
 	}
 }
+
+// TestSeeded: a seed gives the same ports again once they are free, another seed others, and a port
+// taken in between is skipped while the others stay.
+func TestSeeded(t *testing.T) {
+	lo, known := ephemeralLow()
+	if !known || lo-lowest < 1000 {
+		t.Skip("no ephemeral range to choose below: the kernel chooses")
+	}
+	ports := func(seed uint64, n int) []int {
+		t.Helper()
+		ls, err := Seeded(n, seed)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := make([]int, len(ls))
+		for i, l := range ls {
+			out[i] = l.Addr().(*net.TCPAddr).Port
+			if err := l.Close(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return out
+	}
+	a, b := ports(7, 4), ports(7, 4)
+	if fmt.Sprint(a) != fmt.Sprint(b) {
+		t.Fatalf("seed 7 gave %v, then %v", a, b)
+	}
+	for i, p := range a {
+		if p < lowest || p >= lo {
+			t.Errorf("port %d outside [%d, %d)", p, lowest, lo)
+		}
+		for _, q := range a[:i] {
+			if p == q {
+				t.Errorf("port %d twice in %v", p, a)
+			}
+		}
+	}
+	if c := ports(8, 4); fmt.Sprint(c) == fmt.Sprint(a) {
+		t.Errorf("seeds 7 and 8 both gave %v", a)
+	}
+	held, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", a[1]))
+	if err != nil {
+		t.Skipf("port %d taken by another process meanwhile: %v", a[1], err)
+	}
+	defer held.Close()
+	c := ports(7, 3)
+	if c[0] != a[0] || c[1] != a[2] || c[2] != a[3] {
+		t.Errorf("with %d held, seed 7 gave %v; want %v without it", a[1], c, []int{a[0], a[2], a[3]})
+	}
+}
