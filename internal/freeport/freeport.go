@@ -26,12 +26,19 @@ const lowest = 10000
 // config load), and a port from the ephemeral range could meanwhile be handed to any listener on port
 // 0 (an httptest server or a simulated backend of a test running beside it): caddytest's next load
 // then went to that server ("failed to load config: {"detail":"Not Found"}", a simulator's 404).
+//
+// They come from the lower half of that range, and Seeded's listeners from the upper half: a benchmark
+// test's simulated backends, started beside a test whose Caddy restarts its admin port, are never drawn
+// that port.
 func Ports(n int) ([]int, error) {
 	if lo, ok := ephemeralLow(); ok && lo-lowest >= 1000 {
-		return below(n, lo)
+		return below(n, middle(lo))
 	}
 	return fromKernel(n)
 }
+
+// middle splits [lowest, lo) between Ports (below it) and Seeded (from it).
+func middle(lo int) int { return lowest + (lo-lowest)/2 }
 
 // below chooses n free ports at random in [lowest, lo).
 func below(n, lo int) ([]int, error) {
@@ -51,8 +58,8 @@ func below(n, lo int) ([]int, error) {
 }
 
 // Seeded returns n listeners on 127.0.0.1 at ports drawn from seed: the same seed gives the same ports
-// whenever they are free (a port taken is skipped for the next draw). Below the kernel's ephemeral range
-// when it is known, else on ports the kernel chooses. For a benchmark whose servers are told apart by
+// whenever they are free (a port taken is skipped for the next draw). From the upper half below the
+// kernel's ephemeral range when it is known (Ports has the lower), else on ports the kernel chooses. For a benchmark whose servers are told apart by
 // address: Caddy's hashing policies hash each upstream's address with the key, so which upstream a key
 // lands on, and how evenly keys spread, follows the ports; drawn from the run's seed, a run repeats.
 func Seeded(n int, seed uint64) ([]net.Listener, error) {
@@ -75,11 +82,12 @@ func Seeded(n int, seed uint64) ([]net.Listener, error) {
 		return ls, nil
 	}
 	r := rand.New(rand.NewPCG(seed, 0x9e3779b97f4a7c15))
+	mid := middle(lo)
 	for tries := 0; len(ls) < n; tries++ {
 		if tries == 1000 {
-			return fail(fmt.Errorf("listening on a free port: none of 1000 tried below %d was free", lo))
+			return fail(fmt.Errorf("listening on a free port: none of 1000 tried in [%d, %d) was free", mid, lo))
 		}
-		l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", lowest+r.IntN(lo-lowest)))
+		l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", mid+r.IntN(lo-mid)))
 		if err != nil {
 			continue // taken
 		}
