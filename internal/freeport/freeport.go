@@ -59,9 +59,10 @@ func below(n, lo int) ([]int, error) {
 
 // Seeded returns n listeners on 127.0.0.1 at ports drawn from seed: the same seed gives the same ports
 // whenever they are free (a port taken is skipped for the next draw). From the upper half below the
-// kernel's ephemeral range when it is known (Ports has the lower), else on ports the kernel chooses. For a benchmark whose servers are told apart by
-// address: Caddy's hashing policies hash each upstream's address with the key, so which upstream a key
-// lands on, and how evenly keys spread, follows the ports; drawn from the run's seed, a run repeats.
+// kernel's ephemeral range when it is known (Ports has the lower), else on ports the kernel chooses.
+// For a benchmark whose servers are told apart by address: Caddy's hashing policies hash each
+// upstream's address with the key, so which upstream a key lands on, and how evenly keys spread,
+// follows the ports; drawn from the run's seed, a run repeats.
 func Seeded(n int, seed uint64) ([]net.Listener, error) {
 	lo, ok := ephemeralLow()
 	ls := make([]net.Listener, 0, n)
