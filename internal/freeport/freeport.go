@@ -31,31 +31,26 @@ const lowest = 10000
 // test's simulated backends, started beside a test whose Caddy restarts its admin port, are never drawn
 // that port.
 func Ports(n int) ([]int, error) {
+	var ls []net.Listener
+	var err error
 	if lo, ok := ephemeralLow(); ok && lo-lowest >= 1000 {
-		return below(n, middle(lo))
+		ls, err = listen(n, lowest, middle(lo), rand.IntN)
+	} else {
+		ls, err = listen(n, 0, 0, nil)
 	}
-	return fromKernel(n)
+	if err != nil {
+		return nil, err
+	}
+	ports := make([]int, len(ls))
+	for i, l := range ls {
+		ports[i] = l.Addr().(*net.TCPAddr).Port
+		_ = l.Close()
+	}
+	return ports, nil
 }
 
 // middle splits [lowest, lo) between Ports (below it) and Seeded (from it).
 func middle(lo int) int { return lowest + (lo-lowest)/2 }
-
-// below chooses n free ports at random in [lowest, lo).
-func below(n, lo int) ([]int, error) {
-	ports := make([]int, 0, n)
-	for tries := 0; len(ports) < n; tries++ {
-		if tries == 1000 {
-			return nil, fmt.Errorf("choosing a free port: none of 1000 tried below %d was free", lo)
-		}
-		l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", lowest+rand.IntN(lo-lowest)))
-		if err != nil {
-			continue // taken
-		}
-		defer l.Close()
-		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
-	}
-	return ports, nil
-}
 
 // Seeded returns n listeners on 127.0.0.1 at ports drawn from seed: the same seed gives the same ports
 // whenever they are free (a port taken is skipped for the next draw). From the upper half below the
@@ -64,7 +59,15 @@ func below(n, lo int) ([]int, error) {
 // upstream's address with the key, so which upstream a key lands on, and how evenly keys spread,
 // follows the ports; drawn from the run's seed, a run repeats.
 func Seeded(n int, seed uint64) ([]net.Listener, error) {
-	lo, ok := ephemeralLow()
+	if lo, ok := ephemeralLow(); ok && lo-lowest >= 1000 {
+		return listen(n, middle(lo), lo, rand.New(rand.NewPCG(seed, 0x9e3779b97f4a7c15)).IntN)
+	}
+	return listen(n, 0, 0, nil)
+}
+
+// listen opens n listeners on 127.0.0.1: on ports from + draw(to - from), a port taken skipped for the
+// next draw, when to > from; else on ports the kernel chooses (port 0). On an error none is left open.
+func listen(n, from, to int, draw func(int) int) ([]net.Listener, error) {
 	ls := make([]net.Listener, 0, n)
 	fail := func(err error) ([]net.Listener, error) {
 		for _, l := range ls {
@@ -72,43 +75,25 @@ func Seeded(n int, seed uint64) ([]net.Listener, error) {
 		}
 		return nil, err
 	}
-	if !ok || lo-lowest < 1000 {
-		for range n {
+	for tries := 0; len(ls) < n; tries++ {
+		if to <= from {
 			l, err := net.Listen("tcp", "127.0.0.1:0")
 			if err != nil {
-				return fail(fmt.Errorf("listening on a free port: %w", err))
+				return fail(fmt.Errorf("choosing a free port: %w", err))
 			}
 			ls = append(ls, l)
+			continue
 		}
-		return ls, nil
-	}
-	r := rand.New(rand.NewPCG(seed, 0x9e3779b97f4a7c15))
-	mid := middle(lo)
-	for tries := 0; len(ls) < n; tries++ {
 		if tries == 1000 {
-			return fail(fmt.Errorf("listening on a free port: none of 1000 tried in [%d, %d) was free", mid, lo))
+			return fail(fmt.Errorf("choosing a free port: none of 1000 tried in [%d, %d) was free", from, to))
 		}
-		l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", mid+r.IntN(lo-mid)))
+		l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", from+draw(to-from)))
 		if err != nil {
 			continue // taken
 		}
 		ls = append(ls, l)
 	}
 	return ls, nil
-}
-
-// fromKernel asks the kernel for n ports (a listen on port 0 each).
-func fromKernel(n int) ([]int, error) {
-	ports := make([]int, n)
-	for i := range ports {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			return nil, fmt.Errorf("choosing a free port: %w", err)
-		}
-		defer l.Close()
-		ports[i] = l.Addr().(*net.TCPAddr).Port
-	}
-	return ports, nil
 }
 
 // ephemeralLow returns the lowest port of the kernel's ephemeral range, when it can be read.
