@@ -661,6 +661,60 @@ func TestBusyIntervalsSkipIdleTime(t *testing.T) {
 	}
 }
 
+// TestBusyIntervalsSpanIdleScrapes: a scrape that finds the backend running nothing, while this proxy had
+// nothing in flight there and no scrape showed other clients' requests, does not end the busy interval:
+// the idle time is taken out of it anyway (TestBusyIntervalsSkipIdleTime), and ended there, an interval
+// of a backend that empties between bursts never reached its minBusySteps, so its prefill speed was never
+// learned. Here every burst is shorter than that (20-60 steps, 0.5 s of work, then 0.5 s idle across a
+// scrape), and three intervals of two bursts each teach the speed. Where another client's requests were
+// seen, the backend may have worked for them while this proxy idled: an idle scrape still ends it.
+func TestBusyIntervalsSpanIdleScrapes(t *testing.T) {
+	for _, foreign := range []bool{false, true} {
+		lt := newTestLoads()
+		at := time.Unix(1_700_000_000, 0)
+		var held []*reservation
+		snap := scraper.Snapshot{}
+		scrape := func(running float64) {
+			s := snap
+			s.At, s.Running = at, running
+			lt.observeScrape(busyDial, &s)
+		}
+		running := float64(busyRunning)
+		if foreign {
+			running += 2 // another client's two requests, seen while the bursts run
+		}
+		for _, steps := range []int{40, 30, 60, 20, 50, 45} {
+			for range busyRunning {
+				held = append(held, lt.reserve(busyDial, work{uncached: 100, output: 64}, at.UnixNano()))
+			}
+			scrape(running)
+			snap.PrefixQueries += (0.5 - float64(steps)*busyStep) / busyPerToken
+			snap.GenerationTokens += float64(steps) * running
+			at = at.Add(500 * time.Millisecond)
+			scrape(running) // the burst's last step ends as this scrape reads it
+			for _, r := range held {
+				r.release(at.UnixNano(), false)
+			}
+			held = held[:0]
+			at = at.Add(500 * time.Millisecond)
+			scrape(0) // idle: nothing running, nothing in flight
+		}
+		s := lt.lookup(busyDial).model.Service()
+		if foreign {
+			if s.BusyIntervals != 0 {
+				t.Errorf("with another client's requests seen: %d busy intervals, want 0 (each idle scrape ends one)", s.BusyIntervals)
+			}
+			continue
+		}
+		if s.BusyIntervals != 3 {
+			t.Fatalf("%d busy intervals, want 3 (two bursts each)", s.BusyIntervals)
+		}
+		if math.Abs(s.PrefillSecondsPerToken-busyPerToken) > 0.15*busyPerToken {
+			t.Errorf("learned %.0f tokens/s, want about %.0f", 1/s.PrefillSecondsPerToken, 1/busyPerToken)
+		}
+	}
+}
+
 // TestSlotsLearnedOncePerStep: scrapes taken while one long prefill step runs (no counter moved) show one
 // state, not several observations of where the backend queues: five of them at 6 running with requests
 // waiting teach no slot count. Steps that end between scrapes do; so does every scrape of a backend that
