@@ -812,21 +812,20 @@ func backendMeanUncached(snap *scraper.Snapshot) float64 {
 
 // observeBusyLocked teaches the service model what the backend did since the snapshot the current busy
 // interval started at: the prefill it did (prefix-cache queries not hit) and the tokens it generated, over
-// the time between the scrapes. An interval lasts while the backend is running requests at every scrape
-// (vLLM steps while anything runs) and ends once it spans minBusySteps engine steps and minBusyRequests
-// finished requests: counters move only when a step ends, and one prefill step can outlast a scrape
-// interval (8k tokens at 2k tokens/s), so a shorter interval would credit a step's work to less than its
-// time. Counters that went back (a restart) start a new interval.
+// the time between the scrapes. An interval lasts until it spans minBusySteps engine steps and
+// minBusyRequests finished requests: counters move only when a step ends, and one prefill step can
+// outlast a scrape interval (8k tokens at 2k tokens/s), so a shorter interval would credit a step's work
+// to less than its time. Counters that went back (a restart) start a new interval.
 // The time within it that this proxy had nothing in flight there is not busy time, where no scrape in it
-// showed other clients' requests: the backend ran nothing then either (idleAtLocked). So a scrape that
-// finds nothing running ends the interval only where one did show others' requests (the backend may have
-// worked for them while this proxy idled): ended at every such scrape, the intervals of a backend that
-// empties between bursts (agent sessions between turns) seldom reached minBusySteps, and its prefill
-// speed stayed the speed-scaled prior's (agentic TTFT p50 0.77-0.61x in three regimes over nine seeds
-// with them spanning idle scrapes, docs/bench/busy-idle). Counted,
+// showed other clients' requests: the backend ran nothing then either (idleAtLocked). Counted,
 // it was taken for engine steps, the dominant term, and the prefill was fitted to what was left: in
 // small-batch multi-turn-think the first intervals held 0.03-0.09 s of idle time in 0.5-0.7 s, and the
-// four upstreams' fits, replayed, ended at 16-47k tokens/s without it, 18-21k with it. A
+// four upstreams' fits, replayed, ended at 16-47k tokens/s without it, 18-21k with it. So a scrape that
+// finds nothing running ends the interval only where one in it showed others' requests (the backend may
+// have worked for them while this proxy idled): ended at every such scrape, the intervals of a backend
+// that empties between bursts (agent sessions between turns) seldom reached minBusySteps, and its
+// prefill speed stayed the speed-scaled prior's (agentic TTFT p50 0.77x and 0.61x in default and
+// kv-pressure, medians over nine seeds, with them spanning idle scrapes: docs/bench/busy-idle). A
 // backend without prefix-cache counters shows its prefill as the prompt tokens it says it computed
 // (llama.cpp), or not at all (SGLang, NIM, TGI), and an interval without prefill does not pin the
 // prefill speed (ObserveBusy). The caller holds l.mu.
