@@ -835,17 +835,17 @@ func (l *upstreamLoad) observeBusyLocked(snap *scraper.Snapshot) {
 	restart := func() {
 		l.busyFrom, l.busyIdle, l.busyForeign = *snap, idle, l.foreign >= 1
 	}
+	l.busyForeign = l.busyForeign || l.foreign >= 1
 	// Nothing running at a scrape ends the interval only where the backend may have worked for others
 	// while this proxy idled there: its own idle time is taken out below.
-	ownIdle := !l.busyForeign && l.foreign < 1
-	if from.At.IsZero() || !snap.At.After(from.At) || (!ownIdle && (snap.Running < 1 || from.Running < 1)) ||
+	idleEdge := snap.Running < 1 || from.Running < 1
+	if from.At.IsZero() || !snap.At.After(from.At) || (l.busyForeign && idleEdge) ||
 		snap.PrefixQueries < from.PrefixQueries || snap.PrefixHits < from.PrefixHits ||
 		snap.GenerationTokens < from.GenerationTokens || snap.Steps < from.Steps ||
 		snap.PrefilledTokens < from.PrefilledTokens {
 		restart()
 		return
 	}
-	l.busyForeign = l.busyForeign || l.foreign >= 1
 	uncached := (snap.PrefixQueries - from.PrefixQueries) - (snap.PrefixHits - from.PrefixHits)
 	if snap.PrefixQueries == 0 && snap.PrefilledTokens > 0 {
 		// No prefix-cache counters, but a count of the prompt tokens computed (llama.cpp).
@@ -855,7 +855,7 @@ func (l *upstreamLoad) observeBusyLocked(snap *scraper.Snapshot) {
 	// generated over the batch size (which undercounts when part of the batch is prefilling); a scrape
 	// that found nothing running says nothing of the batch size while it ran.
 	batch := (snap.Running + from.Running) / 2
-	if snap.Running < 1 || from.Running < 1 {
+	if idleEdge {
 		batch = max(snap.Running, from.Running)
 	}
 	steps := (snap.GenerationTokens - from.GenerationTokens) / max(batch, 1)
