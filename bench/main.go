@@ -13,6 +13,7 @@
 //	go run ./bench -quick -matrix       # 2 regimes x 5 workloads, one seed (CI, ~4 min)
 //	go run ./bench -matrix -length 3 -regimes fast-prefill  # runs 3 times as long, at the same load
 //	go run ./bench -rejudge docs/bench/results.json -out /tmp/m  # judge a recorded matrix again
+//	go run ./bench -rejudge stock1.json,stock2.json -replace llm1.json,llm2.json -out /tmp/m  # llm run alone, judged against those runs' stock policies
 //	go run ./bench -compare docs/bench/results.json,/tmp/m/results.json  # two matrices, cell by cell
 //	go run ./bench -matrix -regimes hetero -workloads shared-prefix -dump /tmp/d  # and every request
 //	go run ./bench -goodput             # highest load with TTFT p99 < 2 s: least_conn vs llm
@@ -96,6 +97,9 @@ type options struct {
 	// rejudge (-rejudge FILE[,FILE...]) judges the runs of earlier -matrix results.json again, pooled,
 	// and writes their report into out, running nothing (matrix.go).
 	rejudge string
+	// replace (-replace FILE[,FILE...], with -rejudge) sets the policies of other -matrix results.json
+	// into -rejudge's runs in place of theirs, run by run (replaceRuns).
+	replace string
 	// compare (-compare BASE,NEW) compares two -matrix results.json, cell by cell and policy by policy,
 	// running nothing (matrix.go).
 	compare string
@@ -170,6 +174,7 @@ func parseOptions(args []string) (options, error) {
 	fs.StringVar(&o.mutexProfile, "mutexprofile", "", "write a profile of lock contention (one event in 5 sampled) during the run to this file")
 	fs.StringVar(&o.compare, "compare", "", "BASE.json,NEW.json: compare two -matrix results.json (nothing is run): each cell's median TTFT p50, p99 and hit rate of NEW over BASE per policy, the same seed by seed (geometric mean of the per-seed ratios, seeds worse), and their geometric means")
 	fs.StringVar(&o.rejudge, "rejudge", "", "judge the runs of an earlier -matrix results.json again (nothing is run) and write its report, results.json and matrix.svg into -out; several comma-separated files of different seeds are pooled, as one run of all their seeds")
+	fs.StringVar(&o.replace, "replace", "", "with -rejudge: comma-separated -matrix results.json whose policies (say llm, run alone) replace the same policies in -rejudge's runs of the same regime, workload, seed and load before they are judged; every run on either side must have its match")
 	fs.StringVar(&o.dump, "dump", "", "write every run's requests (timings, tokens, the backend that answered) as JSON lines into this directory, one file per run")
 	fs.BoolVar(&o.observe, "observe", false, "run every llm policy behind transport llm (it reads each response's cached tokens and corrects the routes)")
 	if err := fs.Parse(args); err != nil {
@@ -189,6 +194,9 @@ func parseOptions(args []string) (options, error) {
 	}
 	if modes := btoi(o.matrix) + btoi(o.goodput) + btoi(o.faults) + btoi(o.overhead) + btoi(o.rejudge != "") + btoi(o.compare != ""); modes > 1 {
 		return o, fmt.Errorf("-matrix, -goodput, -faults, -overhead, -rejudge and -compare are separate modes")
+	}
+	if o.replace != "" && o.rejudge == "" {
+		return o, fmt.Errorf("-replace is for -rejudge")
 	}
 	if (o.instances > 0 || o.restart) && policies != "all" && strings.Contains(policies, ",") {
 		return o, fmt.Errorf("-instances and -restart run one policy (an llm variant)")
@@ -398,7 +406,7 @@ func run(args []string) error {
 		return err
 	}
 	if o.rejudge != "" {
-		return rejudgeMatrix(o.rejudge, o.out, "go run ./bench "+strings.Join(args, " "))
+		return rejudgeMatrix(o.rejudge, o.replace, o.out, "go run ./bench "+strings.Join(args, " "))
 	}
 	if o.compare != "" {
 		base, changed, ok := strings.Cut(o.compare, ",")

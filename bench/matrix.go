@@ -855,12 +855,23 @@ func writeMatrixMarkdown(out io.Writer, mr MatrixResults) {
 }
 
 // rejudgeMatrix reads an earlier -matrix results.json, judges its runs again (the verdict's rules may
-// have changed since, e.g. seeds passing) and writes the outputs into dir; nothing is run. command is
-// recorded in the notes; the original command, start time and machine stay the run's.
-func rejudgeMatrix(paths, dir, command string) error {
+// have changed since, e.g. seeds passing) and writes the outputs into dir; nothing is run. With replace
+// (files, comma-separated; may be empty), their policies take the place of the same policies in those
+// runs first (replaceRuns). command is recorded in the notes; the original command, start time and
+// machine stay the run's.
+func rejudgeMatrix(paths, replace, dir, command string) error {
 	mr, err := readMatrices(strings.Split(paths, ","))
 	if err != nil {
 		return err
+	}
+	if replace != "" {
+		with, err := readMatrices(strings.Split(replace, ","))
+		if err != nil {
+			return err
+		}
+		if err := replaceRuns(&mr, with, replace); err != nil {
+			return err
+		}
 	}
 	mr.Cells = judgeCells(mr.Runs)
 	note := fmt.Sprintf("judged again by `%s` on %s", command, time.Now().UTC().Format(time.RFC3339))
@@ -873,6 +884,50 @@ func rejudgeMatrix(paths, dir, command string) error {
 	fmt.Println(matrixVerdict(mr.Cells))
 	printSubVerdicts(mr.Cells)
 	return writeMatrixOutputs(dir, mr)
+}
+
+// replaceRuns sets the policies of with's runs into mr's runs of the same regime, workload, seed and load,
+// in place of mr's policies of the same name (or beside them): a policy run alone (llm, A/B runs of a
+// change) judged against the stock policies of runs made on the same seeds and ports. Every run of mr
+// must have its match in with and every run of with one in mr, so a judgement never mixes replaced and
+// original figures unnoticed. A note names the policies replaced and source, the files they came from.
+func replaceRuns(mr *MatrixResults, with MatrixResults, source string) error {
+	type runKey struct {
+		regime, workload string
+		seed             int64
+		load             float64
+	}
+	keyOf := func(r MatrixRun) runKey { return runKey{r.Regime, r.Workload, r.Seed, r.Load} }
+	from := make(map[runKey]MatrixRun, len(with.Runs))
+	for _, r := range with.Runs {
+		from[keyOf(r)] = r
+	}
+	var names []string
+	for i := range mr.Runs {
+		run := &mr.Runs[i]
+		k := keyOf(*run)
+		r, ok := from[k]
+		if !ok {
+			return fmt.Errorf("-replace holds no run of %s/%s seed %d load %g", k.regime, k.workload, k.seed, k.load)
+		}
+		delete(from, k)
+		run.Policies = slices.Clone(run.Policies)
+		for _, p := range r.Policies {
+			if j := slices.IndexFunc(run.Policies, func(q Summary) bool { return q.Policy == p.Policy }); j >= 0 {
+				run.Policies[j] = p
+			} else {
+				run.Policies = append(run.Policies, p)
+			}
+			if !slices.Contains(names, p.Policy) {
+				names = append(names, p.Policy)
+			}
+		}
+	}
+	for k := range from {
+		return fmt.Errorf("-replace holds %s/%s seed %d load %g, which the judged runs do not", k.regime, k.workload, k.seed, k.load)
+	}
+	mr.Notes = append(mr.Notes, fmt.Sprintf("%s from %s, in place of the runs' own", strings.Join(names, ", "), source))
+	return nil
 }
 
 // readMatrices reads one or more -matrix results.json and pools their runs, as if one run had made

@@ -571,6 +571,59 @@ func TestRejudge(t *testing.T) {
 	}
 }
 
+// TestRejudgeReplace: -replace sets llm's figures from a run of llm alone into another run's cells in
+// place of its own, and the verdict follows them; a run on either side without its match is an error.
+func TestRejudgeReplace(t *testing.T) {
+	dir := t.TempDir()
+	stock := MatrixResults{runHeader: runHeader{Command: "go run ./bench -matrix", Seeds: []int64{1, 2}}, Runs: []MatrixRun{
+		{Regime: "r", Workload: "w", Seed: 1, Policies: []Summary{summaryOf("least_conn", 100, 1000), summaryOf("llm", 50, 2000)}},
+		{Regime: "r", Workload: "w", Seed: 2, Policies: []Summary{summaryOf("least_conn", 100, 1000), summaryOf("llm", 50, 2000)}},
+	}}
+	alone := MatrixResults{runHeader: runHeader{Command: "go run ./bench -matrix -policies llm", Seeds: []int64{1, 2}}, Runs: []MatrixRun{
+		{Regime: "r", Workload: "w", Seed: 1, Policies: []Summary{summaryOf("llm", 50, 500)}},
+		{Regime: "r", Workload: "w", Seed: 2, Policies: []Summary{summaryOf("llm", 60, 900)}},
+	}}
+	in := writeMatrixFile(t, filepath.Join(dir, "stock.json"), stock)
+	with := writeMatrixFile(t, filepath.Join(dir, "alone.json"), alone)
+	out := filepath.Join(dir, "out")
+	judged := func(args ...string) MatrixResults {
+		t.Helper()
+		if err := run(append(args, "-out", out)); err != nil {
+			t.Fatal(err)
+		}
+		var got MatrixResults
+		if b, err := os.ReadFile(filepath.Join(out, "results.json")); err != nil || json.Unmarshal(b, &got) != nil {
+			t.Fatalf("results.json: %v", err)
+		}
+		return got
+	}
+	if got := judged("-rejudge", in); got.Cells[0].Pass {
+		t.Fatalf("the stock run's own llm (p99 2x least_conn's) passes: %+v", got.Cells[0])
+	}
+	got := judged("-rejudge", in, "-replace", with)
+	c := got.Cells[0]
+	if !c.Pass || c.SeedsPassing != 2 || len(got.Runs[0].Policies) != 2 || got.Runs[1].Policies[1].TTFTP99 != 900 {
+		t.Errorf("judged with llm replaced: %+v, runs %+v; want a pass on 2 of 2 seeds, llm's p99s 500 and 900", c, got.Runs)
+	}
+	if !slices.ContainsFunc(got.Notes, func(n string) bool { return strings.Contains(n, "llm from "+with) }) {
+		t.Errorf("notes %q do not say where llm came from", got.Notes)
+	}
+
+	short := alone
+	short.Runs = alone.Runs[:1]
+	if err := run([]string{"-rejudge", in, "-replace", writeMatrixFile(t, filepath.Join(dir, "short.json"), short), "-out", out}); err == nil || !strings.Contains(err.Error(), "seed 2") {
+		t.Errorf("-replace missing seed 2: %v, want an error naming it", err)
+	}
+	extra := alone
+	extra.Runs = append(slices.Clone(alone.Runs), MatrixRun{Regime: "r", Workload: "w", Seed: 3, Policies: []Summary{summaryOf("llm", 1, 1)}})
+	if err := run([]string{"-rejudge", in, "-replace", writeMatrixFile(t, filepath.Join(dir, "extra.json"), extra), "-out", out}); err == nil || !strings.Contains(err.Error(), "seed 3") {
+		t.Errorf("-replace with a run the judged ones lack: %v, want an error naming it", err)
+	}
+	if _, err := parseOptions([]string{"-replace", with}); err == nil {
+		t.Error("-replace without -rejudge: no error")
+	}
+}
+
 // writeMatrixFile writes mr as a -matrix results.json at path and returns path.
 func writeMatrixFile(t *testing.T, path string, mr MatrixResults) string {
 	t.Helper()
