@@ -904,19 +904,19 @@ func replaceRuns(mr *MatrixResults, with MatrixResults, source string) error {
 	}
 	var names []string
 	for i := range mr.Runs {
-		run := &mr.Runs[i]
-		k := keyOf(*run)
+		dst := &mr.Runs[i]
+		k := keyOf(*dst)
 		r, ok := from[k]
 		if !ok {
 			return fmt.Errorf("-replace holds no run of %s/%s seed %d load %g", k.regime, k.workload, k.seed, k.load)
 		}
 		delete(from, k)
-		run.Policies = slices.Clone(run.Policies)
+		dst.Policies = slices.Clone(dst.Policies)
 		for _, p := range r.Policies {
-			if j := slices.IndexFunc(run.Policies, func(q Summary) bool { return q.Policy == p.Policy }); j >= 0 {
-				run.Policies[j] = p
+			if j := slices.IndexFunc(dst.Policies, func(q Summary) bool { return q.Policy == p.Policy }); j >= 0 {
+				dst.Policies[j] = p
 			} else {
-				run.Policies = append(run.Policies, p)
+				dst.Policies = append(dst.Policies, p)
 			}
 			if !slices.Contains(names, p.Policy) {
 				names = append(names, p.Policy)
