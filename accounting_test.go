@@ -611,31 +611,14 @@ func TestBusyIntervalsNeedFinishedRequests(t *testing.T) {
 // whole second for them): nothing is subtracted.
 func TestBusyIntervalsSkipIdleTime(t *testing.T) {
 	for _, foreign := range []bool{false, true} {
-		lt := newTestLoads()
+		p := busyProxy{lt: newTestLoads()}
 		at := time.Unix(1_700_000_000, 0)
-		var held []*reservation
-		hold := func() {
-			for range busyRunning {
-				held = append(held, lt.reserve(busyDial, work{uncached: 100, output: 64}, at.UnixNano()))
-			}
-		}
-		drop := func() {
-			for _, r := range held {
-				r.release(at.UnixNano(), false)
-			}
-			held = held[:0]
-		}
 		snap := scraper.Snapshot{Running: busyRunning}
 		if foreign {
 			snap.Running += 2 // another client's two requests, running throughout
 		}
-		scrape := func() {
-			s := snap
-			s.At = at
-			lt.observeScrape(busyDial, &s)
-		}
-		hold()
-		scrape()
+		p.hold(at)
+		p.scrape(snap, at)
 		worked := 0.7
 		if foreign {
 			worked = 1
@@ -646,12 +629,12 @@ func TestBusyIntervalsSkipIdleTime(t *testing.T) {
 			snap.PrefixQueries += (worked - float64(steps)*busyStep) / busyPerToken
 			snap.GenerationTokens += float64(steps * busyRunning)
 			at = at.Add(700 * time.Millisecond)
-			drop()
+			p.drop(at)
 			at = at.Add(300 * time.Millisecond)
-			hold()
-			scrape()
+			p.hold(at)
+			p.scrape(snap, at)
 		}
-		s := lt.lookup(busyDial).model.Service()
+		s := p.lt.lookup(busyDial).model.Service()
 		if s.BusyIntervals != 4 {
 			t.Fatalf("foreign %v: %d busy intervals, want 4", foreign, s.BusyIntervals)
 		}
@@ -659,6 +642,32 @@ func TestBusyIntervalsSkipIdleTime(t *testing.T) {
 			t.Errorf("foreign %v: learned %.0f tokens/s, want about %.0f", foreign, 1/s.PrefillSecondsPerToken, 1/busyPerToken)
 		}
 	}
+}
+
+// busyProxy is this proxy on the busy-interval tests' upstream: busyRunning requests in flight from hold
+// to drop, and the scrapes it observes.
+type busyProxy struct {
+	lt   *loadTable
+	held []*reservation
+}
+
+func (p *busyProxy) hold(at time.Time) {
+	for range busyRunning {
+		p.held = append(p.held, p.lt.reserve(busyDial, work{uncached: 100, output: 64}, at.UnixNano()))
+	}
+}
+
+func (p *busyProxy) drop(at time.Time) {
+	for _, r := range p.held {
+		r.release(at.UnixNano(), false)
+	}
+	p.held = p.held[:0]
+}
+
+// scrape observes snap as scraped at at.
+func (p *busyProxy) scrape(snap scraper.Snapshot, at time.Time) {
+	snap.At = at
+	p.lt.observeScrape(busyDial, &snap)
 }
 
 // TestBusyIntervalsSpanIdleScrapes: a scrape that finds the backend running nothing, while this proxy had
@@ -670,36 +679,26 @@ func TestBusyIntervalsSkipIdleTime(t *testing.T) {
 // seen, the backend may have worked for them while this proxy idled: an idle scrape still ends it.
 func TestBusyIntervalsSpanIdleScrapes(t *testing.T) {
 	for _, foreign := range []bool{false, true} {
-		lt := newTestLoads()
+		p := busyProxy{lt: newTestLoads()}
 		at := time.Unix(1_700_000_000, 0)
-		var held []*reservation
-		snap := scraper.Snapshot{}
-		scrape := func(running float64) {
-			s := snap
-			s.At, s.Running = at, running
-			lt.observeScrape(busyDial, &s)
-		}
-		running := float64(busyRunning)
+		snap := scraper.Snapshot{Running: busyRunning}
 		if foreign {
-			running += 2 // another client's two requests, seen while the bursts run
+			snap.Running += 2 // another client's two requests, seen while the bursts run
 		}
 		for _, steps := range []int{40, 30, 60, 20, 50, 45} {
-			for range busyRunning {
-				held = append(held, lt.reserve(busyDial, work{uncached: 100, output: 64}, at.UnixNano()))
-			}
-			scrape(running)
+			p.hold(at)
+			p.scrape(snap, at)
 			snap.PrefixQueries += (0.5 - float64(steps)*busyStep) / busyPerToken
-			snap.GenerationTokens += float64(steps) * running
+			snap.GenerationTokens += float64(steps) * snap.Running
 			at = at.Add(500 * time.Millisecond)
-			scrape(running) // the burst's last step ends as this scrape reads it
-			for _, r := range held {
-				r.release(at.UnixNano(), false)
-			}
-			held = held[:0]
+			p.scrape(snap, at) // the burst's last step ends as this scrape reads it
+			p.drop(at)
 			at = at.Add(500 * time.Millisecond)
-			scrape(0) // idle: nothing running, nothing in flight
+			idle := snap
+			idle.Running = 0
+			p.scrape(idle, at) // idle: nothing running, nothing in flight
 		}
-		s := lt.lookup(busyDial).model.Service()
+		s := p.lt.lookup(busyDial).model.Service()
 		if foreign {
 			if s.BusyIntervals != 0 {
 				t.Errorf("with another client's requests seen: %d busy intervals, want 0 (each idle scrape ends one)", s.BusyIntervals)
