@@ -886,26 +886,30 @@ func rejudgeMatrix(paths, replace, dir, command string) error {
 	return writeMatrixOutputs(dir, mr)
 }
 
+// runKey names one run of a matrix: a cell, a seed and a load. Two files pooled, or a run and its
+// replacement, are matched by it.
+type runKey struct {
+	regime, workload string
+	seed             int64
+	load             float64
+}
+
+func runKeyOf(r MatrixRun) runKey { return runKey{r.Regime, r.Workload, r.Seed, r.Load} }
+
 // replaceRuns sets the policies of with's runs into mr's runs of the same regime, workload, seed and load,
 // in place of mr's policies of the same name (or beside them): a policy run alone (llm, A/B runs of a
 // change) judged against the stock policies of runs made on the same seeds and ports. Every run of mr
 // must have its match in with and every run of with one in mr, so a judgement never mixes replaced and
 // original figures unnoticed. A note names the policies replaced and source, the files they came from.
 func replaceRuns(mr *MatrixResults, with MatrixResults, source string) error {
-	type runKey struct {
-		regime, workload string
-		seed             int64
-		load             float64
-	}
-	keyOf := func(r MatrixRun) runKey { return runKey{r.Regime, r.Workload, r.Seed, r.Load} }
 	from := make(map[runKey]MatrixRun, len(with.Runs))
 	for _, r := range with.Runs {
-		from[keyOf(r)] = r
+		from[runKeyOf(r)] = r
 	}
 	var names []string
 	for i := range mr.Runs {
 		dst := &mr.Runs[i]
-		k := keyOf(*dst)
+		k := runKeyOf(*dst)
 		r, ok := from[k]
 		if !ok {
 			return fmt.Errorf("-replace holds no run of %s/%s seed %d load %g", k.regime, k.workload, k.seed, k.load)
@@ -937,11 +941,6 @@ func replaceRuns(mr *MatrixResults, with MatrixResults, source string) error {
 // not a seed counted twice. One file alone is judged as it stands, as before pooling.
 func readMatrices(paths []string) (MatrixResults, error) {
 	var mr MatrixResults
-	type runKey struct {
-		regime, workload string
-		seed             int64
-		load             float64
-	}
 	from := map[runKey]int{} // the file (index in paths) that holds each run
 	for i, path := range paths {
 		m, err := readMatrix(path)
@@ -949,7 +948,7 @@ func readMatrices(paths []string) (MatrixResults, error) {
 			return mr, err
 		}
 		for _, r := range m.Runs { // against the files before it: one file is judged as it stands
-			k := runKey{r.Regime, r.Workload, r.Seed, r.Load}
+			k := runKeyOf(r)
 			if other, ok := from[k]; ok && other != i {
 				return mr, fmt.Errorf("%s and %s both hold %s/%s seed %d load %g: pool runs of different seeds", paths[other], path, r.Regime, r.Workload, r.Seed, r.Load)
 			}
