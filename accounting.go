@@ -3,6 +3,7 @@ package caddyllm
 import (
 	"cmp"
 	"context"
+	"math"
 	"slices"
 	"sort"
 	"sync"
@@ -11,6 +12,7 @@ import (
 
 	"github.com/tokenrouter/caddy-llm/scraper"
 	"github.com/tokenrouter/caddy-llm/selection"
+	"github.com/tokenrouter/caddy-llm/tokenize"
 )
 
 // upstreamLoad is the work this process has in flight to one upstream, split by phase, and the service
@@ -62,11 +64,19 @@ type upstreamLoad struct {
 	// allocAt and allocCum are a ring of this proxy's recent requests there: when each was sent and the
 	// KV-cache tokens (uncached prompt + expected output) sent there up to and including it; allocNext
 	// is the next slot, allocN the slots filled, allocTotal the running sum (allocatedSince).
-	allocAt    [allocRing]int64
-	allocCum   [allocRing]int64
-	allocNext  int
-	allocN     int
-	allocTotal int64
+	allocAt  [allocRing]int64
+	allocCum [allocRing]int64
+	// allocReused and allocClaimed are, for the same requests, the prompt tokens each was predicted to
+	// find cached there and when that prefix was last sent there before it (0: no claim): a cached prefix
+	// reused moves to the back of the backend's LRU queue, past every prefix freed since (evictedSince).
+	// allocHead is the hash of each one's first message (its system prompt; 0: none), which other
+	// requests there share.
+	allocReused  [allocRing]int32
+	allocClaimed [allocRing]int64
+	allocHead    [allocRing]uint64
+	allocNext    int
+	allocN       int
+	allocTotal   int64
 	// held is how long this proxy's requests there lately took, sent to ended (seconds, EWMA): a prefix
 	// sent with a request is referenced, so not evictable, until about then (evictedSince).
 	held     float64
@@ -178,6 +188,7 @@ type work struct {
 	kv               int     // KV-cache space it takes (reservation.kv); 0: uncached + output
 	learned          int64   // reservation.learned
 	prompt, matched  int     // its prompt tokens and those predicted cached there
+	head             uint64  // the hash of its first message's boundary (headBoundary); 0: none
 	waited           float64 // predicted seconds before its prefill can start (from the decision)
 	prediction       prediction
 }
@@ -251,6 +262,10 @@ func (l *upstreamLoad) add(dial string, w work, now int64) *reservation {
 	l.kv += int64(r.kv)
 	l.allocTotal += int64(w.uncached + selection.OutputKV(r.outputs(), l.tokenScaleLocked()))
 	l.allocAt[l.allocNext], l.allocCum[l.allocNext] = now, l.allocTotal
+	l.allocReused[l.allocNext], l.allocClaimed[l.allocNext], l.allocHead[l.allocNext] = 0, 0, w.head
+	if w.matched > 0 && w.prediction.claimAge > 0 {
+		l.allocReused[l.allocNext], l.allocClaimed[l.allocNext] = int32(min(w.matched, math.MaxInt32)), now-w.prediction.claimAge
+	}
 	l.allocNext = (l.allocNext + 1) % allocRing
 	l.allocN = min(l.allocN+1, allocRing)
 	if l.meanUncached == 0 {
@@ -552,21 +567,24 @@ const allocRing = 256
 func (l *upstreamLoad) allocatedSince(at int64) int64 {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	return l.allocatedSinceLocked(at)
+	n, _ := l.sentSinceLocked(at)
+	return n
 }
 
-func (l *upstreamLoad) allocatedSinceLocked(at int64) int64 {
+// sentSinceLocked returns allocatedSince's figure and the position (in time order, from the oldest
+// remembered) of the first remembered request sent after at. The caller holds l.mu.
+func (l *upstreamLoad) sentSinceLocked(at int64) (allocated int64, first int) {
 	oldest := (l.allocNext - l.allocN + allocRing) % allocRing
 	// The last remembered request sent at or before at (times are in sending order, within the
 	// decisions' jitter): binary search over the ring in time order.
 	k := sort.Search(l.allocN, func(i int) bool { return l.allocAt[(oldest+i)%allocRing] > at })
 	switch {
 	case k > 0:
-		return l.allocTotal - l.allocCum[(oldest+k-1)%allocRing]
+		return l.allocTotal - l.allocCum[(oldest+k-1)%allocRing], k
 	case l.allocN < allocRing:
-		return l.allocTotal // nothing was sent there before at
+		return l.allocTotal, 0 // nothing was sent there before at
 	}
-	return l.allocTotal - l.allocCum[oldest]
+	return l.allocTotal - l.allocCum[oldest], 0
 }
 
 // evictedSince returns (at least) the KV-cache tokens of this proxy's requests that stand between a
@@ -574,15 +592,33 @@ func (l *upstreamLoad) allocatedSinceLocked(at int64) int64 {
 // allocated since the prefix became evictable, when the request that sent it ended (about held after
 // seen; vLLM frees a request's blocks to the tail of its least-recently-used queue when it ends, and
 // blocks in use are never evicted), plus those still held by requests that were running then and still
-// are. 0 while the prefix is still in use.
-func (l *upstreamLoad) evictedSince(seen, now int64) int64 {
+// are, plus the cached prefixes reused since that had been sent there before it: the queue is least
+// recently *used* first, so a prefix freed ahead of this one and reused since has moved behind it, and
+// what is ahead of it shrinks by as much as by an allocation. Each such prefix counts once, at its first
+// reuse since (a later one's previous send is after seen), less the first message it shares with the
+// claim (head: a system prompt both begin with is the claim's own blocks, not ahead of it). Counting
+// allocations alone, an agent's history was predicted cached at its home as long as the new tokens sent
+// there since fit beside it, while another session's turn there, a predicted hit on its own 25k-token
+// history, had pushed it out (fast-prefill agentic: a quarter of the decisions, the slowest first
+// tokens). 0 while the prefix is still in use.
+func (l *upstreamLoad) evictedSince(seen, now int64, head tokenize.Boundary) int64 {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	freed := l.freedLocked(seen)
 	if freed >= now {
 		return 0 // still in use
 	}
-	n := l.allocatedSinceLocked(freed)
+	n, first := l.sentSinceLocked(freed)
+	oldest := l.allocNext - l.allocN + allocRing
+	for i := first; i < l.allocN; i++ {
+		if k := (oldest + i) % allocRing; l.allocClaimed[k] > 0 && l.allocClaimed[k] < seen {
+			reused := int64(l.allocReused[k])
+			if head.Hash != 0 && l.allocHead[k] == head.Hash {
+				reused = max(reused-int64(head.Tokens), 0)
+			}
+			n += reused
+		}
+	}
 	// Requests already running when it was freed and running still hold their blocks: what is free
 	// ahead of the prefix in the queue is that much less.
 	scale := l.tokenScaleLocked()

@@ -69,6 +69,9 @@ type query struct {
 	// peerClaim is the longest cache claim's length in tokens when it is known only from peers (routes
 	// shared by other instances, affinity.Table.MatchPeers); 0 otherwise.
 	peerClaim int
+	// head is the boundary at the end of the request's first message (firstMessage; zero: none), set by
+	// the cache signal.
+	head tokenize.Boundary
 	// adapter is set by the LoRA signal when the request's model is a LoRA adapter on some candidate.
 	adapter bool
 }
@@ -198,6 +201,7 @@ func (d *decider) commit(q *query, dial string, dec selection.Decision) *reserva
 	return d.loads.reserve(dial, work{
 		prompt:     q.req.PromptTokens,
 		matched:    matched,
+		head:       q.head.Hash,
 		uncached:   q.req.PromptTokens - matched,
 		kv:         dec.KVTokens,
 		learned:    learned,
@@ -365,6 +369,10 @@ func (s cacheSignal) fill(q *query, keys []string, cands []selection.Candidate) 
 		q.peerClaim = longest
 	}
 	bs := s.routes.BlockSize()
+	q.head = tokenize.Boundary{}
+	if k, ok := q.firstMessage(); ok {
+		q.head = q.bounds[k]
+	}
 	clear(q.cut)
 	for i := range cands {
 		cached[i] = answeredThere(q.req.Messages, cached[i], bs)
@@ -392,7 +400,7 @@ func (s cacheSignal) fill(q *query, keys []string, cands []selection.Candidate) 
 			// history in a cache not much larger loses its last turns, not its system prompt and first
 			// ones. Not a cut claim: that is one older than the horizon, and a report confirming it would
 			// lengthen (or, with none, start) the horizon.
-			if over := float64(l.evictedSince(q.seen[i], q.now)) - room; over > 0 {
+			if over := float64(l.evictedSince(q.seen[i], q.now, q.head)) - room; over > 0 {
 				left := (cached[i] - int(math.Ceil(over))) / max(bs, 1) * max(bs, 1)
 				if left <= 0 {
 					cached[i], cands[i].CachedTokens = 0, 0
@@ -443,11 +451,11 @@ func (s cacheSignal) held(q *query, keys []string, cands []selection.Candidate) 
 	if len(q.req.Messages) < 2 {
 		return
 	}
-	first := q.req.Messages[0].End
-	k, found := slices.BinarySearchFunc(q.bounds, first, func(b tokenize.Boundary, t int) int { return cmp.Compare(b.Tokens, t) })
+	k, found := q.firstMessage()
 	if !found {
 		return
 	}
+	first := q.bounds[k].Tokens
 	// Only the candidates whose free claim covers the first message: HeldTokens counts nowhere else (a
 	// claim in use takes no free space already), and each of these holds the message's route.
 	q.heldIdx, q.heldKeys = q.heldIdx[:0], q.heldKeys[:0]
@@ -475,6 +483,15 @@ func (s cacheSignal) held(q *query, keys []string, cands []selection.Candidate) 
 			cands[i].HeldTokens = held[j]
 		}
 	}
+}
+
+// firstMessage returns the index in q.bounds of the boundary at the end of the request's first message (a
+// system prompt, which conversations share), if the request has messages and that boundary is matched.
+func (q *query) firstMessage() (int, bool) {
+	if len(q.req.Messages) == 0 {
+		return 0, false
+	}
+	return slices.BinarySearchFunc(q.bounds, q.req.Messages[0].End, func(b tokenize.Boundary, t int) int { return cmp.Compare(b.Tokens, t) })
 }
 
 // answeredThere extends a match that ends where a message ends (in the same block of blockSize tokens:

@@ -462,12 +462,91 @@ func TestEvictedSinceCountsFromRelease(t *testing.T) {
 				r.release(t0+7*sec, false) // cancels: they teach nothing about how long requests take
 			}
 		}
-		if got := l.evictedSince(t0, tt.now); got != tt.want {
+		if got := l.evictedSince(t0, tt.now, tokenize.Boundary{}); got != tt.want {
 			t.Errorf("%s: evictedSince(claim) = %d, want %d", tt.name, got, tt.want)
 		}
 	}
 	if got := l.allocatedSince(t0); got != 10_000 {
 		t.Errorf("allocatedSince(claim) = %d, want 10000", got)
+	}
+}
+
+// TestEvictedSinceCountsReuse: the backend's queue is least recently used first, so a cached prefix that
+// was sent there before the claim's and is reused after it has moved behind the claim: it counts against
+// the claim like an allocation of its size, once (its later reuses were last sent after the claim), less
+// the first message it shares with the claim (the claim's own blocks); a prefix last sent after the
+// claim, or the claim's own prefix, does not count.
+func TestEvictedSinceCountsReuse(t *testing.T) {
+	lt := newTestLoads()
+	sec := int64(time.Second)
+	t0 := time.Unix(1_700_000_000, 0).UnixNano()
+	system := tokenize.Boundary{Tokens: 500, Hash: 77} // the system prompt every conversation starts with
+	hit := func(at, lastSent int64, cached int, head uint64) work {
+		return work{prompt: cached + 100, matched: cached, uncached: 100, output: 50, head: head, prediction: prediction{claimAge: at - lastSent}}
+	}
+	// Group A's prefix, sent at t0-10 s and t0-5 s; conversation B (behind the system prompt) at t0-4 s;
+	// the claim: conversation C's history, behind the same system prompt, sent at t0.
+	for _, at := range []int64{t0 - 10*sec, t0 - 5*sec} {
+		lt.reserve("a:1", work{prompt: 1500, uncached: 1500, output: 50}, at).release(at, true)
+	}
+	lt.reserve("a:1", work{prompt: 3000, uncached: 3000, output: 50, head: system.Hash}, t0-4*sec).release(t0-4*sec, true)
+	lt.reserve("a:1", work{prompt: 1500, uncached: 1500, output: 50, head: system.Hash}, t0).release(t0, true)
+	l := lt.lookup("a:1")
+	if got := l.evictedSince(t0, t0+sec, system); got != 0 {
+		t.Fatalf("evictedSince with nothing sent since = %d", got)
+	}
+	lt.reserve("a:1", hit(t0+2*sec, t0-5*sec, 1400, 0), t0+2*sec).release(t0+2*sec, true)           // A reused: moves past C
+	lt.reserve("a:1", hit(t0+3*sec, t0+2*sec, 1400, 0), t0+3*sec).release(t0+3*sec, true)           // A again: already behind
+	lt.reserve("a:1", hit(t0+4*sec, t0, 1400, system.Hash), t0+4*sec).release(t0+4*sec, true)       // C itself (a shorter part)
+	lt.reserve("a:1", hit(t0+5*sec, t0-4*sec, 3000, system.Hash), t0+5*sec).release(t0+5*sec, true) // B: its history past the system prompt
+	lt.reserve("a:1", work{prompt: 800, uncached: 800, output: 50}, t0+6*sec).release(t0+6*sec, true)
+	got := l.evictedSince(t0, t0+7*sec, system)
+	want := int64(4*150 + 850 + 1400 + 2500) // four hits' new tokens, one miss, A's prefix once, B's history past the system prompt
+	if got != want {
+		t.Errorf("evictedSince(claim) = %d, want %d: allocations plus the prefixes reused since, once each, without the shared system prompt", got, want)
+	}
+	if got, want := l.evictedSince(t0, t0+7*sec, tokenize.Boundary{}), want+500; got != want {
+		t.Errorf("evictedSince(claim without a first message) = %d, want %d: B's whole prefix", got, want)
+	}
+	if got := l.allocatedSince(t0); got != 4*150+850 {
+		t.Errorf("allocatedSince(claim) = %d, want %d: reuse is not an allocation", got, 4*150+850)
+	}
+}
+
+// TestReusedHistoryEvictsClaim: two agents behind one system prompt take turns on an upstream whose cache
+// holds about one history. The other agent's turn since this one's, a predicted hit on its own history
+// (few new tokens), moved that history behind this one's in the backend's LRU queue: the decision credits
+// only the part of this one's history the cache still holds beside it.
+func TestReusedHistoryEvictsClaim(t *testing.T) {
+	now := time.Unix(1_700_000_000, 0)
+	clock := now
+	routes := affinity.New(affinity.Config{Now: func() time.Time { return clock }})
+	system := tokenize.Boundary{Tokens: 1024, Hash: 1}
+	mine := []tokenize.Boundary{system, {Tokens: 4096, Hash: 2}}
+	other := []tokenize.Boundary{system, {Tokens: 6024, Hash: 3}}
+	lt := newTestLoads()
+	send := func(bounds []tokenize.Boundary, w work) {
+		routes.Learn("m", bounds, "a:1")
+		lt.reserve("a:1", w, clock.UnixNano()).release(clock.UnixNano(), true)
+	}
+	// The other agent's turn, then this one's, then the other's next turn: a hit on its history.
+	send(other, work{prompt: 6024, uncached: 6024, output: 100, head: system.Hash})
+	clock = now.Add(time.Second)
+	send(mine, work{prompt: 4096, uncached: 3072, matched: 1024, output: 100, head: system.Hash, prediction: prediction{claimAge: int64(time.Second)}})
+	clock = now.Add(2 * time.Second)
+	send(other, work{prompt: 6124, uncached: 100, matched: 6024, output: 100, head: system.Hash, prediction: prediction{claimAge: 2 * int64(time.Second)}})
+	clock = now.Add(3 * time.Second)
+	req := &tokenize.Request{Model: "m", PromptTokens: 4200, Boundaries: mine, Messages: []tokenize.Message{{Tokens: 1024, End: 1024}, {Tokens: 3072, End: 4096}, {Tokens: 104, End: 4200}}}
+	q := &query{req: req, bounds: mine, now: clock.UnixNano()}
+	cands := []selection.Candidate{{KVCapacity: 8192}}
+	cacheSignal{routes: routes, loads: lt}.fill(q, []string{"a:1"}, cands)
+	// 8,192 - 4,096 beside the claim; since: the other's 200 new tokens and its history past the system
+	// prompt (5,000), 1,104 over: what is left is 2,992 tokens in whole blocks of 16.
+	if got, want := cands[0].CachedTokens, 2992; got != want {
+		t.Errorf("credited %d cached tokens, want %d: the other agent's reused history stands ahead of this one's", got, want)
+	}
+	if q.head != system {
+		t.Errorf("query head %+v, want the system prompt's boundary %+v", q.head, system)
 	}
 }
 
@@ -491,7 +570,7 @@ func TestEvictedSinceConcurrent(t *testing.T) {
 			defer wg.Done()
 			for i := range each {
 				if l := lt.lookup("a:1"); l != nil {
-					if got := l.evictedSince(t0, t0+int64(i)*int64(time.Second)); got < 0 {
+					if got := l.evictedSince(t0, t0+int64(i)*int64(time.Second), tokenize.Boundary{}); got < 0 {
 						t.Errorf("evictedSince = %d", got)
 					}
 				}
