@@ -188,7 +188,7 @@ type work struct {
 	kv               int     // KV-cache space it takes (reservation.kv); 0: uncached + output
 	learned          int64   // reservation.learned
 	prompt, matched  int     // its prompt tokens and those predicted cached there
-	head             uint64  // the hash of its first message's boundary (headBoundary); 0: none
+	head             uint64  // the hash of its first message's boundary (query.head); 0: none
 	waited           float64 // predicted seconds before its prefill can start (from the decision)
 	prediction       prediction
 }
@@ -599,8 +599,8 @@ func (l *upstreamLoad) sentSinceLocked(at int64) (allocated int64, first int) {
 // claim (head: a system prompt both begin with is the claim's own blocks, not ahead of it). Counting
 // allocations alone, an agent's history was predicted cached at its home as long as the new tokens sent
 // there since fit beside it, while another session's turn there, a predicted hit on its own 25k-token
-// history, had pushed it out (fast-prefill agentic: a quarter of the decisions, the slowest first
-// tokens). 0 while the prefix is still in use.
+// history, had pushed it out (fast-prefill agentic's slowest first tokens, docs/bench/reuse-2a5a2d2).
+// 0 while the prefix is still in use.
 func (l *upstreamLoad) evictedSince(seen, now int64, head tokenize.Boundary) int64 {
 	l.mu.Lock()
 	defer l.mu.Unlock()
