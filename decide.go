@@ -69,9 +69,9 @@ type query struct {
 	// peerClaim is the longest cache claim's length in tokens when it is known only from peers (routes
 	// shared by other instances, affinity.Table.MatchPeers); 0 otherwise.
 	peerClaim int
-	// head is the boundary at the end of the request's first message (firstMessage; zero: none), set by
-	// the cache signal.
-	head tokenize.Boundary
+	// headAt is how many of bounds end at or before the end of the request's first message when the last
+	// of them ends exactly there (0: no such boundary), set by the cache signal; head is that boundary.
+	headAt int
 	// adapter is set by the LoRA signal when the request's model is a LoRA adapter on some candidate.
 	adapter bool
 }
@@ -201,7 +201,7 @@ func (d *decider) commit(q *query, dial string, dec selection.Decision) *reserva
 	return d.loads.reserve(dial, work{
 		prompt:     q.req.PromptTokens,
 		matched:    matched,
-		head:       q.head.Hash,
+		head:       q.head().Hash,
 		uncached:   q.req.PromptTokens - matched,
 		kv:         dec.KVTokens,
 		learned:    learned,
@@ -369,9 +369,11 @@ func (s cacheSignal) fill(q *query, keys []string, cands []selection.Candidate) 
 		q.peerClaim = longest
 	}
 	bs := s.routes.BlockSize()
-	q.head = tokenize.Boundary{}
-	if k, ok := q.firstMessage(); ok {
-		q.head = q.bounds[k]
+	q.headAt = 0
+	if len(q.req.Messages) > 0 {
+		if k, ok := slices.BinarySearchFunc(q.bounds, q.req.Messages[0].End, func(b tokenize.Boundary, t int) int { return cmp.Compare(b.Tokens, t) }); ok {
+			q.headAt = k + 1
+		}
 	}
 	clear(q.cut)
 	for i := range cands {
@@ -400,7 +402,7 @@ func (s cacheSignal) fill(q *query, keys []string, cands []selection.Candidate) 
 			// history in a cache not much larger loses its last turns, not its system prompt and first
 			// ones. Not a cut claim: that is one older than the horizon, and a report confirming it would
 			// lengthen (or, with none, start) the horizon.
-			if over := float64(l.evictedSince(q.seen[i], q.now, q.head)) - room; over > 0 {
+			if over := float64(l.evictedSince(q.seen[i], q.now, q.head())) - room; over > 0 {
 				left := (cached[i] - int(math.Ceil(over))) / max(bs, 1) * max(bs, 1)
 				if left <= 0 {
 					cached[i], cands[i].CachedTokens = 0, 0
@@ -448,14 +450,10 @@ func (s cacheSignal) pin(q *query, cands []selection.Candidate) {
 // histories elsewhere, while the backends answered those homes' turns in 8-9 ms under header hashing).
 // One route lookup more, and only when some candidate's claim is free and longer than that message.
 func (s cacheSignal) held(q *query, keys []string, cands []selection.Candidate) {
-	if len(q.req.Messages) < 2 {
+	if len(q.req.Messages) < 2 || q.headAt == 0 {
 		return
 	}
-	k, found := q.firstMessage()
-	if !found {
-		return
-	}
-	first := q.bounds[k].Tokens
+	first := q.head().Tokens
 	// Only the candidates whose free claim covers the first message: HeldTokens counts nowhere else (a
 	// claim in use takes no free space already), and each of these holds the message's route.
 	q.heldIdx, q.heldKeys = q.heldIdx[:0], q.heldKeys[:0]
@@ -472,7 +470,7 @@ func (s cacheSignal) held(q *query, keys []string, cands []selection.Candidate) 
 		q.held, q.heldSeen = make([]int, n), make([]int64, n)
 	}
 	held, seen := q.held[:n], q.heldSeen[:n]
-	s.routes.MatchSeen(q.req.Model, q.bounds[:k+1], q.heldKeys, held, seen)
+	s.routes.MatchSeen(q.req.Model, q.bounds[:q.headAt], q.heldKeys, held, seen)
 	for j, i := range q.heldIdx {
 		// Matches are whole blocks: what is held is the first message's full blocks. Learned by the same
 		// request as the whole claim (the same time), it ended with it.
@@ -485,13 +483,13 @@ func (s cacheSignal) held(q *query, keys []string, cands []selection.Candidate) 
 	}
 }
 
-// firstMessage returns the index in q.bounds of the boundary at the end of the request's first message (a
-// system prompt, which conversations share), if the request has messages and that boundary is matched.
-func (q *query) firstMessage() (int, bool) {
-	if len(q.req.Messages) == 0 {
-		return 0, false
+// head is the boundary at the end of the request's first message (a system prompt, which conversations
+// share) when the cache signal found one among q.bounds; zero otherwise.
+func (q *query) head() tokenize.Boundary {
+	if q.headAt == 0 {
+		return tokenize.Boundary{}
 	}
-	return slices.BinarySearchFunc(q.bounds, q.req.Messages[0].End, func(b tokenize.Boundary, t int) int { return cmp.Compare(b.Tokens, t) })
+	return q.bounds[q.headAt-1]
 }
 
 // answeredThere extends a match that ends where a message ends (in the same block of blockSize tokens:

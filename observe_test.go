@@ -545,8 +545,8 @@ func TestReusedHistoryEvictsClaim(t *testing.T) {
 	if got, want := cands[0].CachedTokens, 2992; got != want {
 		t.Errorf("credited %d cached tokens, want %d: the other agent's reused history stands ahead of this one's", got, want)
 	}
-	if q.head != system {
-		t.Errorf("query head %+v, want the system prompt's boundary %+v", q.head, system)
+	if q.head() != system {
+		t.Errorf("query head %+v, want the system prompt's boundary %+v", q.head(), system)
 	}
 }
 
