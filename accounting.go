@@ -889,13 +889,19 @@ func (l *upstreamLoad) observeBusyLocked(snap *scraper.Snapshot) {
 	}
 	// The steps the engine ran: counted by vLLM's per-step histogram, else estimated as the tokens
 	// generated over the batch size (which undercounts when part of the batch is prefilling); a scrape
-	// that found nothing running says nothing of the batch size while it ran.
+	// that found nothing running says nothing of the batch size while it ran. The histogram's count is 0
+	// at an interval's start on a backend that had not stepped yet (just started), and counts from there:
+	// taken for a backend without it, every upstream's first interval was estimated as the tokens
+	// generated over the running count at its end, the most it had run, and a batch that grew from 0 to 5
+	// through it counted 109 of its 400 steps; the time left over went to the prefill, and one interval so
+	// put four identical backends at 9-170k tokens/s, for 20-24k fitted without that interval and 25k
+	// true (small-batch multi-turn-think, docs/bench/first-steps).
 	batch := (snap.Running + from.Running) / 2
 	if idleEdge {
 		batch = max(snap.Running, from.Running)
 	}
 	steps := (snap.GenerationTokens - from.GenerationTokens) / max(batch, 1)
-	if snap.Steps > 0 && from.Steps > 0 {
+	if snap.Steps > 0 {
 		steps = snap.Steps - from.Steps
 	}
 	if steps < minBusySteps {

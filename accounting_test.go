@@ -670,6 +670,43 @@ func (p *busyProxy) scrape(snap scraper.Snapshot, at time.Time) {
 	p.lt.observeScrape(busyDial, &snap)
 }
 
+// TestBusyIntervalsCountStepsFromZero: a backend that counts its steps (vLLM's per-step histogram) and
+// had run none when the first interval began, the counter at 0, is taught by that interval as one whose
+// counter began anywhere else: its steps are the counter's, not the tokens generated over the running
+// count at the interval's end. Here the batch grows through each interval (half of busyRunning on
+// average, all of it at the scrape), so that estimate would count half the steps and give their time to
+// the prefill.
+func TestBusyIntervalsCountStepsFromZero(t *testing.T) {
+	learned := map[float64]selection.Service{}
+	for _, start := range []float64{0, 1000} {
+		p := busyProxy{lt: newTestLoads()}
+		at := time.Unix(1_700_000_000, 0)
+		snap := scraper.Snapshot{Steps: start, GenerationTokens: start * busyRunning / 2}
+		p.scrape(snap, at) // nothing running yet
+		p.hold(at)
+		snap.Running = busyRunning
+		for _, steps := range []int{80, 120, 100, 90} {
+			snap.Steps += float64(steps)
+			snap.GenerationTokens += float64(steps * busyRunning / 2)
+			snap.PrefixQueries += (1 - float64(steps)*busyStep) / busyPerToken
+			at = at.Add(time.Second)
+			p.scrape(snap, at)
+		}
+		s := p.lt.lookup(busyDial).model.Service()
+		if s.BusyIntervals != 4 {
+			t.Fatalf("step counter from %v: %d busy intervals, want 4", start, s.BusyIntervals)
+		}
+		learned[start] = s
+	}
+	zero, other := learned[0].PrefillSecondsPerToken, learned[1000].PrefillSecondsPerToken
+	if math.Abs(zero-other) > 1e-9*other {
+		t.Errorf("learned %.0f tokens/s from a step counter that started at 0, %.0f from one at 1000: want the same", 1/zero, 1/other)
+	}
+	if math.Abs(zero-busyPerToken) > 0.15*busyPerToken {
+		t.Errorf("learned %.0f tokens/s, want about %.0f", 1/zero, 1/busyPerToken)
+	}
+}
+
 // TestBusyIntervalsSpanIdleScrapes: a scrape that finds the backend running nothing, while this proxy had
 // nothing in flight there and no scrape showed other clients' requests, does not end the busy interval:
 // the idle time is taken out of it anyway (TestBusyIntervalsSkipIdleTime), and ended there, an interval
