@@ -893,7 +893,7 @@ func (l *upstreamLoad) observeBusyLocked(snap *scraper.Snapshot) {
 	// at an interval's start on a backend that had not stepped yet (just started), and counts from there:
 	// taken for a backend without it, every upstream's first interval was estimated as the tokens
 	// generated over the running count at its end, the most it had run, and a batch that grew from 0 to 5
-	// through it counted 109 of its 400 steps; the time left over went to the prefill, and that one
+	// through it counted 109 of its ~350 steps; the time left over went to the prefill, and that one
 	// interval left four identical backends priced 2.5x apart at the end of a run (9-23k tokens/s, for
 	// 20-24k fitted without it and 25k true; small-batch multi-turn-think, docs/bench/first-steps).
 	batch := (snap.Running + from.Running) / 2
