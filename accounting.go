@@ -117,6 +117,10 @@ type upstreamLoad struct {
 	busyFrom    scraper.Snapshot
 	busyIdle    int64
 	busyForeign bool
+	// stepFrom is the last snapshot observed and stepIdle idleAtLocked at its time: the start of the
+	// next scrape-to-scrape interval (ObserveSteps).
+	stepFrom scraper.Snapshot
+	stepIdle int64
 	// idleTotal is how long (nanoseconds) this proxy has had nothing in flight on the upstream, up to
 	// idleSince, when it last had nothing in flight again (0 while something is): see idleAtLocked.
 	idleTotal, idleSince int64
@@ -868,6 +872,7 @@ func backendMeanUncached(snap *scraper.Snapshot) float64 {
 func (l *upstreamLoad) observeBusyLocked(snap *scraper.Snapshot) {
 	from := &l.busyFrom
 	idle := l.idleAtLocked(snap.At.UnixNano())
+	l.observeStepsLocked(snap, idle)
 	restart := func() {
 		l.busyFrom, l.busyIdle, l.busyForeign = *snap, idle, l.foreign >= 1
 	}
@@ -919,6 +924,30 @@ func (l *upstreamLoad) observeBusyLocked(snap *scraper.Snapshot) {
 		l.model.ObserveBusy(busy, uncached/l.tokenScaleLocked(), steps)
 	}
 	restart()
+}
+
+// observeStepsLocked gives the service model the backend's work since the last snapshot (ObserveSteps:
+// its time against the other upstreams', before their responses or busy intervals tell more), where both
+// snapshots found it running, this proxy had requests in flight there throughout (idle is idleAtLocked at
+// snap's time: nothing running between is not excluded otherwise), and the backend counts its steps
+// (vLLM's per-step histogram): the time between the two, the steps run and the prompt tokens prefilled
+// (prefix-cache queries not hit, or the prompt tokens it says it computed). The caller holds l.mu.
+func (l *upstreamLoad) observeStepsLocked(snap *scraper.Snapshot, idle int64) {
+	from, fromIdle := l.stepFrom, l.stepIdle
+	l.stepFrom, l.stepIdle = *snap, idle
+	if from.At.IsZero() || !snap.At.After(from.At) || from.Running < 1 || snap.Running < 1 ||
+		idle != fromIdle || !(snap.Steps > from.Steps) ||
+		snap.PrefixQueries < from.PrefixQueries || snap.PrefixHits < from.PrefixHits {
+		return
+	}
+	uncached := (snap.PrefixQueries - from.PrefixQueries) - (snap.PrefixHits - from.PrefixHits)
+	if snap.PrefixQueries == 0 && snap.PrefilledTokens >= from.PrefilledTokens {
+		uncached = snap.PrefilledTokens - from.PrefilledTokens
+	}
+	if uncached < 0 {
+		return
+	}
+	l.model.ObserveSteps(snap.At.Sub(from.At).Seconds(), uncached/l.tokenScaleLocked(), snap.Steps-from.Steps)
 }
 
 // idleAtLocked is how long this proxy has had nothing in flight on the upstream up to at (unix

@@ -993,3 +993,60 @@ func TestArrivalsUnknownUntilGaps(t *testing.T) {
 		t.Errorf("no rate known: %v, %v, want 0, 0", none[0].Arrivals, none[1].Arrivals)
 	}
 }
+
+// TestScrapePairsTimeSteps: each pair of consecutive scrapes that found the backend running, while this
+// proxy had requests in flight there throughout, says how long its engine steps took against the prior
+// (ObserveSteps: the busy-interval backend, steps 5 ms and prefill 2k tokens/s, against the prior's 30 ms
+// and 8k: the mix run here takes 0.2-0.4x the prior's time). A pair with the proxy idle between them, or
+// with nothing running at one end, or from a backend that counts no steps, says nothing: the backend may
+// have idled through part of it.
+func TestScrapePairsTimeSteps(t *testing.T) {
+	p := busyProxy{lt: newTestLoads()}
+	at := time.Unix(1_700_000_000, 0)
+	snap := scraper.Snapshot{Steps: 0}
+	p.scrape(snap, at) // nothing running
+	p.hold(at)
+	snap.Running = busyRunning
+	work := func(steps int) {
+		snap.Steps += float64(steps)
+		snap.GenerationTokens += float64(steps * busyRunning)
+		snap.PrefixQueries += (0.2 - float64(steps)*busyStep) / busyPerToken
+		at = at.Add(200 * time.Millisecond)
+	}
+	counted := func() (float64, int) { return p.lt.lookup(busyDial).model.Service().StepsVsPrior() }
+	work(20)
+	p.scrape(snap, at) // nothing was running at the last one
+	if _, n := counted(); n != 0 {
+		t.Fatalf("%d scrape pairs counted from one that began with nothing running, want 0", n)
+	}
+	for _, steps := range []int{20, 30, 10} {
+		work(steps)
+		p.scrape(snap, at)
+	}
+	ratio, n := counted()
+	if n != 3 {
+		t.Fatalf("%d scrape pairs counted, want 3", n)
+	}
+	// 0.2 s of work against the prior's time for it: 10-30 steps at 30 ms and (0.2 - steps x 5 ms) x 2k
+	// tokens at 8k tokens/s.
+	if ratio < 0.2 || ratio > 0.45 {
+		t.Errorf("steps took %.2fx the prior's time, want 0.2-0.45x", ratio)
+	}
+	p.drop(at.Add(50 * time.Millisecond)) // the proxy idles there for a while
+	p.hold(at.Add(100 * time.Millisecond))
+	work(20)
+	p.scrape(snap, at)
+	if _, n := counted(); n != 3 {
+		t.Errorf("%d scrape pairs counted after one the proxy idled in, want still 3", n)
+	}
+	noSteps := busyProxy{lt: newTestLoads()}
+	noSteps.hold(at)
+	for range 3 {
+		snap.Steps, snap.GenerationTokens = 0, snap.GenerationTokens+100
+		at = at.Add(200 * time.Millisecond)
+		noSteps.scrape(snap, at)
+	}
+	if _, n := noSteps.lt.lookup(busyDial).model.Service().StepsVsPrior(); n != 0 {
+		t.Errorf("%d scrape pairs counted from a backend that counts no steps, want 0", n)
+	}
+}

@@ -97,6 +97,12 @@ type serviceModel struct {
 	// BusyIntervals counts the intervals between two scrapes over which the backend's own counters
 	// taught it the prefill speed (when no first tokens are observed).
 	BusyIntervals int `json:"busy_intervals_observed"`
+	// StepsVsPrior is how many times the prior's time (30 ms a decode step, 8k prefill tokens/s) the
+	// backend's engine steps took between two scrapes, over the last StepScrapes pairs of them (about
+	// ten count): compared with the other upstreams', it scales what this one borrows from them while
+	// it has few observations of its own. Absent without a step counter in its metrics (vLLM's).
+	StepsVsPrior float64 `json:"steps_vs_prior,omitempty"`
+	StepScrapes  int     `json:"step_scrapes_observed,omitempty"`
 	// Overrun is how many times longer than this model predicts the requests in flight there have already
 	// run (the second longest overrun); absent below 1. The decision stretches the upstream's times by
 	// its overrun over the other upstreams' median one.
@@ -113,6 +119,7 @@ func reportService(s selection.Service, overrun, tokenScale float64) *serviceMod
 	if s.PrefillSecondsPerToken > 0 {
 		m.PrefillTokensPerSecond = 1 / s.PrefillSecondsPerToken
 	}
+	m.StepsVsPrior, m.StepScrapes = s.StepsVsPrior()
 	return m
 }
 

@@ -49,6 +49,33 @@ type Service struct {
 	// fromBusy is set when the busy intervals' fit set PrefillSecondsPerToken: it had enough intervals
 	// and its prefill is not past the fast edge of the plausible band (serviceLocked).
 	fromBusy bool
+	// steps is how long the backend's work between recent pairs of scrapes took against the prior
+	// (ObserveSteps).
+	steps stepWork
+}
+
+// stepWork is what a backend did between pairs of consecutive scrapes, over the recent pairs: the time,
+// the engine steps and the prompt tokens prefilled, summed (each pair weighing 1-scaleRate less at the
+// next: about ten of memory), and per pair the log of its time over what the fixed Prior predicts for
+// its work, as a mean and mean square (a running mean over the first ten, then each new one weighing
+// scaleRate), with how many pairs (n, up to maxStateCount).
+type stepWork struct {
+	seconds, steps, uncached float64
+	mean, meanSq             float64
+	n                        int
+}
+
+// at is the log of how many times t seconds a step and p a prefilled token w's summed work took.
+func (w stepWork) at(t, p float64) float64 {
+	return math.Log(w.seconds / (w.steps*t + w.uncached*p))
+}
+
+// se2 is the squared standard error of a mean over w's pairs: their variance (against the prior, so it
+// holds how much their mixes of decode and prefill varied as well) over as many as the mean rests on
+// (at most ten independent ones: about the running mean's memory).
+func (w stepWork) se2() float64 {
+	n := float64(w.n)
+	return max(w.meanSq-w.mean*w.mean, 0) * n / (n - 1) / min(n, 1/scaleRate)
 }
 
 // busyRatio is s's prefill speed from busy intervals over its speed-scaled prior; 0 when busy intervals
@@ -58,6 +85,15 @@ func (s Service) busyRatio() float64 {
 		return 0
 	}
 	return s.PrefillSecondsPerToken / s.scaledPrefill
+}
+
+// StepsVsPrior is how many times the prior's time the backend's engine steps took between scrapes, with
+// the scrape pairs that say so (ObserveSteps); 0, 0 when none has.
+func (s Service) StepsVsPrior() (ratio float64, scrapes int) {
+	if s.steps.n == 0 {
+		return 0, 0
+	}
+	return math.Exp(s.steps.at(Prior.TokenSeconds, Prior.PrefillSecondsPerToken)), s.steps.n
 }
 
 // TTFT is the time from the start of its prefill to the first token of a request with uncached
@@ -114,6 +150,7 @@ type ServiceModel struct {
 	busyN     int     // busy intervals observed
 	logScale  float64 // log of observed/predicted durations (EWMA)
 	durN      int
+	steps     stepWork // how long its work between recent scrapes took against the prior (ObserveSteps)
 	meanDur   float64
 	slots     float64 // the most it runs, once seen pinned at that ceiling with others waiting; 0: unknown
 	ceiling   float64 // the most it was seen running
@@ -153,6 +190,7 @@ func (m *ServiceModel) resetLocked(prior Service) {
 	m.ttft, m.ttftN, m.skippedN = newRLS2(prior.Overhead, prior.PrefillSecondsPerToken*1000), 0, 0
 	m.busy, m.busyN = newRLS2(prior.TokenSeconds, prior.PrefillSecondsPerToken*1000), 0
 	m.logScale, m.durN = 0, 0
+	m.steps = stepWork{}
 	m.forgetSlotsLocked()
 }
 
@@ -247,6 +285,31 @@ func (m *ServiceModel) ObserveBusy(seconds, uncached, steps float64) {
 	if uncached > 0 {
 		m.busyN = counted(m.busyN) // an interval without prefill teaches the step time only
 	}
+}
+
+// ObserveSteps records what the backend did between two consecutive metrics snapshots seconds apart,
+// while it was running requests at both: steps engine steps and uncached prompt tokens prefilled. The
+// log of that time over what the fixed Prior predicts for the work is kept apart from what the model
+// learns otherwise (stepWork), to compare upstreams: what one borrows from the fleet while it has few
+// observations of its own is scaled by how much longer than the others' its work took, as far as that
+// stands out of the pairs' noise (Fleet.Blend). Borrowed as it was, a backend 3x slower than the others
+// was priced as fast as they were until its own responses ended, after all their output (hetero: every
+// request of the p99 tail was on it, sent before its first response ended, a cold prefill or a hit
+// queued behind one predicted at a third of its time).
+func (m *ServiceModel) ObserveSteps(seconds, uncached, steps float64) {
+	if !(seconds > 0) || !(steps >= 1) || !(uncached >= 0) || math.IsInf(seconds+uncached+steps, 0) {
+		return
+	}
+	x := math.Log(seconds / (steps*Prior.TokenSeconds + uncached*Prior.PrefillSecondsPerToken))
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	w := &m.steps
+	keep := 1 - scaleRate
+	w.seconds, w.steps, w.uncached = keep*w.seconds+seconds, keep*w.steps+steps, keep*w.uncached+uncached
+	w.n = counted(w.n)
+	rate := max(1/float64(w.n), scaleRate)
+	w.mean += rate * (x - w.mean)
+	w.meanSq += rate * (x*x - w.meanSq)
 }
 
 // minBusy is how many busy intervals the model needs before it prefers them over the scaled prior for
@@ -365,6 +428,7 @@ func (m *ServiceModel) serviceLocked() Service {
 		FirstTokens:            m.ttftN,
 		SkippedFirstTokens:     m.skippedN,
 		Free:                   m.free,
+		steps:                  m.steps,
 	}
 	if m.atCeil >= 2 && m.belowCeil == 0 {
 		s.LikelySlots = m.ceiling
@@ -516,6 +580,63 @@ type Fleet struct {
 	ratioWeight, logRatio float64
 	// slots is the largest slot count any upstream has shown (0: none has).
 	slots float64
+	// steps holds the work between scrapes (Service.steps) of the upstreams with minStepPairs pairs or
+	// more, with their samples (the first len of them: a pool's upstreams), nSteps how many; stepT and
+	// stepP price it, stepRef is their mean and stepTau2 the variance of their true differences (see
+	// stepFactor), once stepReady.
+	steps [16]struct {
+		work    stepWork
+		samples int
+	}
+	nSteps                          int
+	stepReady                       bool
+	stepT, stepP, stepRef, stepTau2 float64
+}
+
+// minStepPairs is how many scrape pairs an upstream's work needs to be compared: its noise is measured
+// from their spread.
+const minStepPairs = 3
+
+// stepFactor is how many times the fleet's times s's own work between scrapes says its times are: the
+// log of that work's time priced at the fleet's split between step time and prefill (the prior's while
+// no upstream has measured itself), against the fleet's mean, shrunk toward none by how much of it the
+// pairs' noise explains (empirical Bayes: the upstreams' true differences have the variance their logs
+// spread by beyond their standard errors, and each is weighed against its own error). On alike backends
+// the logs spread no more than their noise and nothing is scaled: the pairs of one slow-prefill backend
+// vary 1.5-1.9x with the prompts each happened to prefill, and four alike ones looked up to 1.5x apart;
+// in hetero the slow backend stands 2.7x apart with errors of 2-3%.
+func (f *Fleet) stepFactor(s Service) float64 {
+	if s.steps.n < minStepPairs {
+		return 1
+	}
+	if !f.stepReady {
+		f.stepReady = true
+		f.stepT, f.stepP = Prior.TokenSeconds, Prior.PrefillSecondsPerToken
+		if f.weight > 0 {
+			f.stepT, f.stepP = f.token/f.weight, f.prefill/f.weight
+		}
+		k, sum, sumSq, se2 := 0.0, 0.0, 0.0, 0.0
+		refW, ref := 0.0, 0.0
+		for _, e := range f.steps[:f.nSteps] {
+			x := e.work.at(f.stepT, f.stepP)
+			k, sum, sumSq, se2 = k+1, sum+x, sumSq+x*x, se2+e.work.se2()
+			w := float64(min(e.samples, trustedSamples)) // as the borrowed estimate weighs them
+			refW, ref = refW+w, ref+w*x
+		}
+		if k >= 2 {
+			mean := sum / k
+			f.stepTau2 = max((sumSq-k*mean*mean)/(k-1)-se2/k, 0)
+			f.stepRef = mean
+			if refW > 0 {
+				f.stepRef = ref / refW
+			}
+		}
+	}
+	if !(f.stepTau2 > 0) {
+		return 1
+	}
+	own, se2 := s.steps.at(f.stepT, f.stepP), s.steps.se2()
+	return math.Exp((own - f.stepRef) * f.stepTau2 / (f.stepTau2 + se2))
 }
 
 // trustedBusy is how many busy intervals make an upstream's own prefill speed fully trusted over the
@@ -530,6 +651,11 @@ const trustedSamples = 16
 // Add counts s into the fleet's estimate, weighted by its samples.
 func (f *Fleet) Add(s Service) {
 	f.slots = max(f.slots, s.Slots)
+	if s.steps.n >= minStepPairs && f.nSteps < len(f.steps) {
+		f.steps[f.nSteps].work, f.steps[f.nSteps].samples = s.steps, s.Samples
+		f.nSteps++
+		f.stepReady = false
+	}
 	if r := s.busyRatio(); r > 0 {
 		w := float64(min(s.BusyIntervals, trustedBusy))
 		f.ratioWeight += w
@@ -560,6 +686,11 @@ func (f *Fleet) Add(s Service) {
 // upstream blends both ways: kept optimistic until 16 samples, a barely measured one drew conversations
 // off their homes (TestRoutesSurviveReload, 1 run in 16).
 //
+// What an upstream borrows is scaled by how much slower than the fleet's its work between scrapes ran,
+// as far as that stands out of their noise (stepFactor), an own measure with no congestion in it: a
+// backend 3x slower than the others, none of whose responses has ended, is priced about that much slower
+// within a few scrapes instead of at their speed.
+//
 // An upstream whose slot count is not known yet takes the largest one another upstream has shown, unless
 // it has been seen running more requests than that: a backend learns its own only after several scrapes
 // with requests waiting at the same batch size, and until then its slots were taken as unlimited. A burst
@@ -580,7 +711,15 @@ func (f *Fleet) Blend(s Service) Service {
 		pooled := s.scaledPrefill * math.Exp(f.logRatio/f.ratioWeight)
 		s.PrefillSecondsPerToken = own*s.PrefillSecondsPerToken + (1-own)*pooled
 	}
-	if f.weight == 0 || s.Samples >= trustedSamples {
+	if s.Samples >= trustedSamples {
+		return s
+	}
+	rel := f.stepFactor(s) // how much slower than the fleet its steps ran, as far as that stands out
+	if f.weight == 0 {
+		if s.Samples == 0 { // the prior, or what is pooled of busy intervals: nobody has measured more
+			s = s.Slower(rel)
+			s.MeanDuration *= rel
+		}
 		return s
 	}
 	own := float64(s.Samples) / trustedSamples
@@ -589,6 +728,7 @@ func (f *Fleet) Blend(s Service) Service {
 	if s.Samples == 0 {
 		fo, fp, ft, fm = min(fo, s.Overhead), min(fp, s.PrefillSecondsPerToken), min(ft, s.TokenSeconds), min(fm, s.MeanDuration)
 	}
+	fo, fp, ft, fm = fo*rel, fp*rel, ft*rel, fm*rel // its own measure, no congestion borrowed
 	s.Overhead = own*s.Overhead + fleet*fo
 	s.PrefillSecondsPerToken = own*s.PrefillSecondsPerToken + fleet*fp
 	s.TokenSeconds = own*s.TokenSeconds + fleet*ft

@@ -434,6 +434,71 @@ func TestServiceModelFirstBusyIntervalCounts(t *testing.T) {
 	}
 }
 
+// TestFleetBlendScalesBySteps: an upstream that has not measured itself borrows the fleet's estimate,
+// scaled by how much longer than the others' its work between scrapes took, priced at the fleet's
+// estimate. Three backends have measured themselves (responses ended, busy intervals); the fourth, none
+// of whose responses has ended, has eight scrape pairs (noisy ones: a prompt scheduled at an interval's
+// edge is counted in one, its time spent in the next). 3x slower than the others, it is priced about 3x
+// slower, where it borrowed their speed whole; alike, it is priced alike, also where prefill is 4x slower
+// than the prior's split says and it ran mostly prefill while the others ran mostly decode: its work is
+// priced at the split the others' busy intervals taught them. (Where nothing has taught the split yet, such
+// a difference of mixes looks like one of speed, 1.5-2x here: a limit, not a property.)
+func TestFleetBlendScalesBySteps(t *testing.T) {
+	m := NewServiceModel(Prior)
+	m.ObserveSteps(0, 1000, 10)  // no time
+	m.ObserveSteps(0.2, 1000, 0) // no step ended
+	if s := m.Service(); s.steps.n != 0 {
+		t.Fatalf("%d scrape pairs counted from invalid ones, want 0", s.steps.n)
+	}
+	for _, c := range []struct {
+		name           string
+		step, perToken float64 // the fleet's
+		slowest        float64 // the fourth backend's times over the others'
+		mine, theirs   float64 // the prompt tokens a second of work the fourth and the others prefill
+	}{
+		{"3x slower, 5x faster than the prior", 0.006, 1.0 / 40000, 3, 2000, 2000},
+		{"alike, slow prefill, unlike mixes", 0.030, 1.0 / 2000, 1, 1500, 100},
+	} {
+		rng := rand.New(rand.NewPCG(3, 3))
+		scrapes := func(m *ServiceModel, f, perSecond float64) {
+			carry := 0.0
+			for range 8 {
+				uncached := perSecond * 0.2 * 2 * rng.Float64()
+				shift := rng.Float64() * uncached / 2 // counted here, prefilled in the next interval
+				seconds := 0.2
+				steps := max((seconds-(uncached-shift+carry)*c.perToken*f)/(c.step*f), 1)
+				m.ObserveSteps(seconds, uncached, steps)
+				carry = shift
+			}
+		}
+		models := make([]*ServiceModel, 4)
+		for i := range models {
+			models[i] = NewServiceModel(Prior)
+			if i == 3 {
+				scrapes(models[i], c.slowest, c.mine)
+				continue
+			}
+			for range 6 {
+				models[i].ObserveEnd(500, 64, 0, 64*c.step+500*c.perToken)
+				steps, uncached := 64.0, 1000+rng.Float64()*2000
+				models[i].ObserveBusy(steps*c.step+uncached*c.perToken, uncached, steps)
+			}
+			scrapes(models[i], 1, c.theirs)
+		}
+		var fl Fleet
+		for _, m := range models {
+			fl.Add(m.Service())
+		}
+		fast, slow := fl.Blend(models[0].Service()), fl.Blend(models[3].Service())
+		if r := slow.TTFT(1000) / fast.TTFT(1000); math.Abs(r/c.slowest-1) > 0.25 {
+			t.Errorf("%s: the fourth's first token priced %.2fx the others', want about %gx", c.name, r, c.slowest)
+		}
+		if r := slow.TokenSeconds / fast.TokenSeconds; math.Abs(r/c.slowest-1) > 0.25 {
+			t.Errorf("%s: the fourth's steps priced %.2fx the others', want about %gx", c.name, r, c.slowest)
+		}
+	}
+}
+
 // isCovariance reports whether p is what boundCovariance2 keeps: symmetric, variances at least
 // minVariance, the covariance within what they allow (up to rounding).
 func isCovariance(p [2][2]float64) bool {
