@@ -293,9 +293,9 @@ func (m *ServiceModel) ObserveBusy(seconds, uncached, steps float64) {
 // learns otherwise (stepWork), to compare upstreams: what one borrows from the fleet while it has few
 // observations of its own is scaled by how much longer than the others' its work took, as far as that
 // stands out of the pairs' noise (Fleet.Blend). Borrowed as it was, a backend 3x slower than the others
-// was priced as fast as they were until its own responses ended, after all their output (hetero: every
-// request of the p99 tail was on it, sent before its first response ended, a cold prefill or a hit
-// queued behind one predicted at a third of its time).
+// was priced as fast as they were until its own responses ended, after all their output (hetero: the two
+// slowest first tokens of every run were on it, 14 of 18 sent before its first response ended, cold
+// prefills and hits queued behind them predicted at a fifth to a third of their time).
 func (m *ServiceModel) ObserveSteps(seconds, uncached, steps float64) {
 	if !(seconds > 0) || !(steps >= 1) || !(uncached >= 0) || math.IsInf(seconds+uncached+steps, 0) {
 		return
