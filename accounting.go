@@ -887,11 +887,7 @@ func (l *upstreamLoad) observeBusyLocked(snap *scraper.Snapshot) {
 		restart()
 		return
 	}
-	uncached := (snap.PrefixQueries - from.PrefixQueries) - (snap.PrefixHits - from.PrefixHits)
-	if snap.PrefixQueries == 0 && snap.PrefilledTokens > 0 {
-		// No prefix-cache counters, but a count of the prompt tokens computed (llama.cpp).
-		uncached = snap.PrefilledTokens - from.PrefilledTokens
-	}
+	uncached := prefilledBetween(from, snap)
 	// The steps the engine ran: counted by vLLM's per-step histogram, else estimated as the tokens
 	// generated over the batch size (which undercounts when part of the batch is prefilling); a scrape
 	// that found nothing running says nothing of the batch size while it ran. The histogram's count is 0
@@ -926,6 +922,15 @@ func (l *upstreamLoad) observeBusyLocked(snap *scraper.Snapshot) {
 	restart()
 }
 
+// prefilledBetween is the prompt tokens the backend prefilled between two snapshots: its prefix-cache
+// queries not hit (vLLM), or, without those counters, the prompt tokens it says it computed (llama.cpp).
+func prefilledBetween(from, snap *scraper.Snapshot) float64 {
+	if snap.PrefixQueries == 0 && snap.PrefilledTokens > 0 {
+		return snap.PrefilledTokens - from.PrefilledTokens
+	}
+	return (snap.PrefixQueries - from.PrefixQueries) - (snap.PrefixHits - from.PrefixHits)
+}
+
 // observeStepsLocked gives the service model the backend's work since the last snapshot (ObserveSteps:
 // its time against the other upstreams', before their responses or busy intervals tell more), where both
 // snapshots found it running, this proxy had requests in flight there throughout (idle is idleAtLocked at
@@ -940,11 +945,8 @@ func (l *upstreamLoad) observeStepsLocked(snap *scraper.Snapshot, idle int64) {
 		snap.PrefixQueries < from.PrefixQueries || snap.PrefixHits < from.PrefixHits {
 		return
 	}
-	uncached := (snap.PrefixQueries - from.PrefixQueries) - (snap.PrefixHits - from.PrefixHits)
-	if snap.PrefixQueries == 0 && snap.PrefilledTokens >= from.PrefilledTokens {
-		uncached = snap.PrefilledTokens - from.PrefilledTokens
-	}
-	if uncached < 0 {
+	uncached := prefilledBetween(&from, snap)
+	if uncached < 0 { // the count of prompt tokens computed went back (a restart)
 		return
 	}
 	l.model.ObserveSteps(snap.At.Sub(from.At).Seconds(), uncached/l.tokenScaleLocked(), snap.Steps-from.Steps)
