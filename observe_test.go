@@ -75,7 +75,11 @@ func TestObservedBody(t *testing.T) {
 	}{
 		{name: "stream with usage", body: sseRole + sseChunk("Hel") + sseChunk("lo") + sseChunk("!") + sseUsage + sseDone, stream: true, wantTokens: 3, wantCached: 96, wantPrompt: 200},
 		{name: "stream without usage", body: sseRole + sseChunk("a") + sseChunk("b") + sseDone, stream: true, wantTokens: 2, wantCached: -1},
-		{name: "stream with CRLF", body: strings.ReplaceAll(sseRole+sseChunk("a")+sseUsage+sseDone, "\n", "\r\n"), stream: true, wantTokens: 1, wantCached: 96, wantPrompt: 200},
+		// One content chunk, and a usage that counts 3: chunks of several tokens; the usage's count is taken.
+		{name: "stream with CRLF", body: strings.ReplaceAll(sseRole+sseChunk("a")+sseUsage+sseDone, "\n", "\r\n"), stream: true, wantTokens: 3, wantCached: 96, wantPrompt: 200},
+		{name: "stream of multi-token chunks", body: sseRole + sseChunk("Hello wor") + sseChunk("ld!") +
+			`data: {"choices":[],"usage":{"prompt_tokens":200,"completion_tokens":8,"prompt_tokens_details":{"cached_tokens":96}}}` + "\n\n" + sseDone,
+			stream: true, wantTokens: 8, wantCached: 96, wantPrompt: 200},
 		{name: "stream with continuous usage", stream: true, wantTokens: 5, wantCached: -1,
 			body: `data: {"choices":[{"index":0,"delta":{"content":"ab"}}],"usage":{"prompt_tokens":9,"completion_tokens":2}}` + "\n\n" +
 				`data: {"choices":[{"index":0,"delta":{"content":"cde"}}],"usage":{"prompt_tokens":9,"completion_tokens":5}}` + "\n\n" + sseDone},
@@ -112,6 +116,17 @@ func TestObservedBody(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// TestObservedUsageBeforeContent: a usage chunk before any content (a response of tool calls only, or
+// reordered events) counts no tokens: counted, its arrival would be taken for the first token's.
+func TestObservedUsageBeforeContent(t *testing.T) {
+	lt := newTestLoads()
+	res := lt.reserve("u:1", work{uncached: 100, prompt: 200}, time.Now().UnixNano())
+	observeAll(t, res, sseRole+sseUsage+sseDone, true, 0)
+	if got := res.outputSeen.Load(); got != 0 || res.firstToken {
+		t.Errorf("output tokens = %d, first token %v; want none from a usage chunk without content before it", got, res.firstToken)
 	}
 }
 

@@ -106,7 +106,7 @@ type observedBody struct {
 	event     [eventHeadBytes]byte
 	eventLen  int
 	lineEmpty bool
-	usageSeen int // completion tokens of the last continuous usage seen
+	counted   int // output tokens reported so far (observeTokens)
 
 	tail    [tailBytes]byte
 	tailLen int
@@ -208,30 +208,37 @@ var (
 )
 
 // endEvent handles the complete event kept in b.event: a chunk with content (a non-empty delta content or
-// text, as llm_resume counts them) is one output token, or as many as its continuous usage says.
+// text, as llm_resume counts them) is one output token, or as many as its continuous usage says. A usage
+// chunk without content (the last one, with stream_options.include_usage) adds the tokens its count has
+// beyond those counted: a chunk may carry several tokens (vLLM's --stream-interval, speculative decoding,
+// the benchmark's simulators), and counted as one each, eight-token chunks taught the model a time per
+// output token 8x too long (26-28 ms for 3.6; docs/bench/usage-count). Before any content it adds none:
+// its time would be taken for the first token's.
 func (b *observedBody) endEvent() {
 	ev := b.event[:b.eventLen]
 	b.eventLen, b.lineEmpty = 0, true
 	if b.routes != nil && !b.idSeen {
 		b.remember(responseID(ev, true))
 	}
+	var content bool
 	if bytes.Contains(ev, patResponseEvent) {
-		if !hasNonEmptyString(ev, patDelta) {
-			return
+		content = hasNonEmptyString(ev, patDelta)
+	} else {
+		content = hasNonEmptyString(ev, patContent) || hasNonEmptyString(ev, patText)
+	}
+	tokens := 0
+	if content {
+		tokens = 1
+	}
+	if bytes.Contains(ev, patUsage) && (content || b.counted > 0) {
+		if n, ok := lastInt(ev, patCompletion); ok && n > b.counted {
+			tokens = n - b.counted
 		}
-	} else if !hasNonEmptyString(ev, patContent) && !hasNonEmptyString(ev, patText) {
-		return
 	}
-	tokens := 1
-	if !bytes.Contains(ev, patUsage) {
-		b.res.observeTokens(observerTransport, 1)
-		return
+	if tokens > 0 {
+		b.counted += tokens
+		b.res.observeTokens(observerTransport, tokens)
 	}
-	if n, ok := lastInt(ev, patCompletion); ok && n > b.usageSeen {
-		tokens = max(n-b.usageSeen, 1)
-		b.usageSeen = n
-	}
-	b.res.observeTokens(observerTransport, tokens)
 }
 
 // end reports the usage at the end of the body, once: its cached tokens, and for a whole answer its
