@@ -212,7 +212,7 @@ var (
 // chunk without content (the last one, with stream_options.include_usage) adds the tokens its count has
 // beyond those counted: a chunk may carry several tokens (vLLM's --stream-interval, speculative decoding,
 // the benchmark's simulators), and counted as one each, eight-token chunks taught the model a time per
-// output token 8x too long (26-28 ms for 3.6; docs/bench/usage-count). Before any content it adds none:
+// output token 7-8x too long (24-28 ms for 3.6; docs/bench/usage-count). Before any content it adds none:
 // its time would be taken for the first token's.
 func (b *observedBody) endEvent() {
 	ev := b.event[:b.eventLen]
