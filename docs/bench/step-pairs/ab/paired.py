@@ -1,11 +1,14 @@
 import json,sys,math,statistics as st
+# Usage: [POL=policy] python3 paired.py "BASE1.json+BASE2.json" "NEW1.json+NEW2.json" (POL: llm unless set)
+import os
+POL=os.environ.get("POL","llm")
 def load(fs):
     out={}
     for f in fs.split('+'):
         d=json.load(open(f))
         for r in d['runs']:
             for p in r['policies']:
-                if p['policy']=='llm': out[(r['regime'],r['workload'],r['seed'])]=(p['ttft_p50_ms'],p['ttft_p99_ms'])
+                if p["policy"]==POL: out[(r['regime'],r['workload'],r['seed'])]=(p['ttft_p50_ms'],p['ttft_p99_ms'])
     return out
 a=load(sys.argv[1]); b=load(sys.argv[2])
 cells={}
