@@ -981,6 +981,12 @@ func (rl *relay) relayEvent(ev []byte) {
 		noteToken(rl.r, tokens) // the first also ends this attempt's prefill phase
 		rl.attemptTokens += tokens
 		rl.sentTokens += tokens
+	} else if u := chunk.Usage; len(chunk.Choices) == 0 && u != nil && rl.attemptTokens > 0 && u.CompletionTokens > rl.attemptTokens {
+		// The attempt's final usage counts more tokens than its chunks did (chunks of several tokens):
+		// the service model learns the whole output, as from transport llm (observedBody.endEvent). The
+		// count a continuation is shortened by stays the chunks' (sentTokens): it is needed as they are
+		// sent, and a stream cut before its usage chunk never shows one.
+		noteToken(rl.r, u.CompletionTokens-rl.attemptTokens)
 	}
 }
 

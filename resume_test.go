@@ -1147,3 +1147,43 @@ func BenchmarkResumeRelayChunk(b *testing.B) {
 	}
 	b.ReportMetric(float64(len(chunk)), "bytes/chunk")
 }
+
+// TestResumeCountsFinalUsage: chunks of several tokens (vLLM's --stream-interval, speculative decoding)
+// are counted one each as they are relayed; the attempt's final usage chunk, which counts them all, gives
+// the service model the rest, so that it learns the real output length and not a time per token several
+// times too long. A usage chunk that counts no more adds nothing.
+func TestResumeCountsFinalUsage(t *testing.T) {
+	for _, c := range []struct {
+		usage int
+		want  int64
+	}{{8, 8}, {2, 2}} {
+		lt := newTestLoads()
+		res := lt.reserve("u:1", work{uncached: 100, prompt: 200, output: 16}, time.Now().UnixNano())
+		ctx, cancel := context.WithCancel(context.WithValue(context.Background(), caddyhttp.VarsCtxKey, map[string]any{}))
+		lr := &llmRequest{acct: newReservationHolder(ctx, nil)}
+		lr.acct.swap(res)
+		caddyhttp.SetVar(ctx, varKey, lr)
+		rl := &relay{client: discardWriter{h: http.Header{}}, r: httptest.NewRequest(http.MethodPost, "/", nil).WithContext(ctx),
+			req: &resumeRequest{api: tokenize.APIChat, stream: true, continuable: true, includeUsage: true}, maxText: 1 << 20}
+		rl.begin()
+		rl.header.Set("Content-Type", "text/event-stream")
+		rl.WriteHeader(http.StatusOK)
+		for _, ev := range []string{
+			chatChunk("c1", `{"content":"Hello wor"}`, ""),
+			chatChunk("c1", `{"content":"ld!"}`, `"length"`),
+			fmt.Sprintf(`{"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[],"usage":{"prompt_tokens":200,"completion_tokens":%d}}`, c.usage),
+			"[DONE]",
+		} {
+			if _, err := rl.Write([]byte("data: " + ev + "\n\n")); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if got := res.outputSeen.Load(); got != c.want {
+			t.Errorf("usage %d after two content chunks: %d output tokens counted, want %d", c.usage, got, c.want)
+		}
+		if rl.sentTokens != 2 {
+			t.Errorf("usage %d: %d tokens counted as sent, want the chunks' 2", c.usage, rl.sentTokens)
+		}
+		cancel()
+	}
+}
