@@ -880,10 +880,7 @@ func (l *upstreamLoad) observeBusyLocked(snap *scraper.Snapshot) {
 	// Nothing running at a scrape ends the interval only where the backend may have worked for others
 	// while this proxy idled there: its own idle time is taken out below.
 	idleEdge := snap.Running < 1 || from.Running < 1
-	if from.At.IsZero() || !snap.At.After(from.At) || (l.busyForeign && idleEdge) ||
-		snap.PrefixQueries < from.PrefixQueries || snap.PrefixHits < from.PrefixHits ||
-		snap.GenerationTokens < from.GenerationTokens || snap.Steps < from.Steps ||
-		snap.PrefilledTokens < from.PrefilledTokens {
+	if from.At.IsZero() || !snap.At.After(from.At) || (l.busyForeign && idleEdge) || countersWentBack(from, snap) {
 		restart()
 		return
 	}
@@ -922,6 +919,13 @@ func (l *upstreamLoad) observeBusyLocked(snap *scraper.Snapshot) {
 	restart()
 }
 
+// countersWentBack reports whether a counter of snap is below from's: the backend restarted between them.
+func countersWentBack(from, snap *scraper.Snapshot) bool {
+	return snap.PrefixQueries < from.PrefixQueries || snap.PrefixHits < from.PrefixHits ||
+		snap.GenerationTokens < from.GenerationTokens || snap.Steps < from.Steps ||
+		snap.PrefilledTokens < from.PrefilledTokens
+}
+
 // prefilledBetween is the prompt tokens the backend prefilled between two snapshots: its prefix-cache
 // queries not hit (vLLM), or, without those counters, the prompt tokens it says it computed (llama.cpp).
 func prefilledBetween(from, snap *scraper.Snapshot) float64 {
@@ -934,22 +938,18 @@ func prefilledBetween(from, snap *scraper.Snapshot) float64 {
 // observeStepsLocked gives the service model the backend's work since the last snapshot (ObserveSteps:
 // its time against the other upstreams', before their responses or busy intervals tell more), where both
 // snapshots found it running, this proxy had requests in flight there throughout (idle is idleAtLocked at
-// snap's time: nothing running between is not excluded otherwise), and the backend counts its steps
-// (vLLM's per-step histogram): the time between the two, the steps run and the prompt tokens prefilled
-// (prefix-cache queries not hit, or the prompt tokens it says it computed). The caller holds l.mu.
+// snap's time: nothing running between is not excluded otherwise), the backend counts its steps (vLLM's
+// per-step histogram) and no counter went back (a restart): the time between the two, the steps run and
+// the prompt tokens prefilled (prefix-cache queries not hit, or the prompt tokens it says it computed;
+// ObserveSteps refuses a negative count). The caller holds l.mu.
 func (l *upstreamLoad) observeStepsLocked(snap *scraper.Snapshot, idle int64) {
 	from, fromIdle := l.stepFrom, l.stepIdle
 	l.stepFrom, l.stepIdle = *snap, idle
 	if from.At.IsZero() || !snap.At.After(from.At) || from.Running < 1 || snap.Running < 1 ||
-		idle != fromIdle || !(snap.Steps > from.Steps) ||
-		snap.PrefixQueries < from.PrefixQueries || snap.PrefixHits < from.PrefixHits {
+		idle != fromIdle || !(snap.Steps > from.Steps) || countersWentBack(&from, snap) {
 		return
 	}
-	uncached := prefilledBetween(&from, snap)
-	if uncached < 0 { // the count of prompt tokens computed went back (a restart)
-		return
-	}
-	l.model.ObserveSteps(snap.At.Sub(from.At).Seconds(), uncached/l.tokenScaleLocked(), snap.Steps-from.Steps)
+	l.model.ObserveSteps(snap.At.Sub(from.At).Seconds(), prefilledBetween(&from, snap)/l.tokenScaleLocked(), snap.Steps-from.Steps)
 }
 
 // idleAtLocked is how long this proxy has had nothing in flight on the upstream up to at (unix
