@@ -300,7 +300,7 @@ func (m *ServiceModel) ObserveSteps(seconds, uncached, steps float64) {
 	if !(seconds > 0) || !(steps >= 1) || !(uncached >= 0) || math.IsInf(seconds+uncached+steps, 0) {
 		return
 	}
-	x := math.Log(seconds / (steps*Prior.TokenSeconds + uncached*Prior.PrefillSecondsPerToken))
+	x := stepWork{seconds: seconds, steps: steps, uncached: uncached}.at(Prior.TokenSeconds, Prior.PrefillSecondsPerToken)
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	w := &m.steps
