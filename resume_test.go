@@ -828,6 +828,27 @@ func TestResumeHandler(t *testing.T) {
 		wantSent: 2,
 		counted:  resumeContinued,
 	}, {
+		name: "chunks of several tokens: the continuation asks for max_tokens less their text's tokens, and the usage counts them",
+		body: `{"stream":true,"stream_options":{"include_usage":true},"max_tokens":20,"messages":[{"role":"user","content":"hi"}]}`,
+		script: []func(http.ResponseWriter, string) error{
+			func(w http.ResponseWriter, _ string) error {
+				// 60 bytes in two chunks: 16 tokens by estimate, 8 times the chunks.
+				return sse(w, true, role, chatChunk("a", `{"content":"The quick brown fox jumps over"}`, ""), chatChunk("a", `{"content":" the lazy dog and keeps going"}`, ""))
+			},
+			func(w http.ResponseWriter, body string) error {
+				if !strings.Contains(body, `"max_tokens":4`) {
+					t.Errorf("continuation body %s, want max_tokens 20 - 16", body)
+				}
+				return sse(w, false, chatChunk("b", `{"role":"assistant","content":""}`, ""), chatChunk("b", `{"content":" on."}`, `"length"`),
+					`{"id":"b","object":"chat.completion.chunk","created":1,"model":"m","choices":[],"usage":{"prompt_tokens":30,"completion_tokens":4,"total_tokens":34}}`, "[DONE]")
+			},
+		},
+		want: []string{role, chatChunk("a", `{"content":"The quick brown fox jumps over"}`, ""), chatChunk("a", `{"content":" the lazy dog and keeps going"}`, ""),
+			chatChunk("a", `{"content":" on."}`, `"length"`),
+			`{"choices":[],"created":1,"id":"a","model":"m","object":"chat.completion.chunk","usage":{"completion_tokens":20,"prompt_tokens":14,"total_tokens":34}}`, "[DONE]"},
+		wantSent: 2,
+		counted:  resumeContinued,
+	}, {
 		name: "a broken stream of tool calls is not continued",
 		body: stream,
 		script: []func(http.ResponseWriter, string) error{func(w http.ResponseWriter, _ string) error {
