@@ -187,8 +187,9 @@ func (m *ServiceModel) SetPrior(prior Service) {
 // else can see the model yet).
 func (m *ServiceModel) resetLocked(prior Service) {
 	m.prior, m.meanDur = prior, prior.MeanDuration
-	m.ttft, m.ttftN, m.skippedN = newRLS2(prior.Overhead, prior.PrefillSecondsPerToken*1000), 0, 0
-	m.busy, m.busyN = newRLS2(prior.TokenSeconds, prior.PrefillSecondsPerToken*1000), 0
+	noise := priorNoise(prior)
+	m.ttft, m.ttftN, m.skippedN = newRLS2(prior.Overhead, prior.PrefillSecondsPerToken*1000, noise), 0, 0
+	m.busy, m.busyN = newRLS2(prior.TokenSeconds, prior.PrefillSecondsPerToken*1000, noise), 0
 	m.logScale, m.durN = 0, 0
 	m.steps = stepWork{}
 	m.forgetSlotsLocked()
@@ -487,21 +488,34 @@ type rls2 struct {
 }
 
 // priorVariance sets how strongly the prior holds: the prior's variance is priorVariance x the squared
-// parameter, against observations whose noise is about noiseSeconds, so a parameter can move several
-// times its prior value within a few observations.
+// parameter, against observations whose noise is about noiseSeconds for Prior, so a parameter can move
+// several times its prior value within a few observations.
 const (
 	priorVariance = 4
 	noiseSeconds  = 0.05
 )
 
-func priorP(theta float64) float64 {
-	return priorVariance * max(theta*theta, 1e-6) / (noiseSeconds * noiseSeconds)
+// priorNoise is the observations' noise a model starting from prior weighs it against: noiseSeconds for
+// Prior, and as many times less as prior's times are shorter (a capacity hint). A noise fixed in seconds
+// held a faster prior that many times more firmly, squared: behind the benchmark's simulators, hinted 10x
+// faster as their time scale, a prior 100x firmer than a real deployment's kept the first-token fit of
+// backends prefilling 4x slower than it 1.6-1.8x faster than a least-squares fit of the same 36-57 first
+// tokens (slow-prefill multi-turn-think: 28-31k tokens/s of wall time against 17-18k), and their queues
+// were predicted that much shorter (TestServiceModelScaleFree).
+func priorNoise(prior Service) float64 {
+	return noiseSeconds * prior.TTFT(1000) / Prior.TTFT(1000)
 }
 
-func newRLS2(a, b float64) rls2 {
+// priorP is the prior variance of a parameter whose prior value is theta, against observations of noise
+// seconds.
+func priorP(theta, noise float64) float64 {
+	return priorVariance * max(theta*theta, 1e-6) / (noise * noise)
+}
+
+func newRLS2(a, b, noise float64) rls2 {
 	r := rls2{theta: [2]float64{a, b}}
-	r.p[0][0] = priorP(a)
-	r.p[1][1] = priorP(b)
+	r.p[0][0] = priorP(a, noise)
+	r.p[1][1] = priorP(b, noise)
 	return r
 }
 

@@ -64,6 +64,37 @@ func TestServiceModelConvergesFromFirstTokens(t *testing.T) {
 	}
 }
 
+// TestServiceModelScaleFree: the same backend, timed in another unit (10x faster, with a prior hinted 10x
+// faster: the benchmark's time scale, a capacity hint), is learned the same, in that unit. Observations'
+// noise was fixed at 50 ms, which held a 10x faster prior 100x more firmly: from these 50 first tokens
+// (300-800 uncached tokens each, a conversation's next turn, on a backend prefilling 4x slower than the
+// prior, behind up to six steps of others' work) the overhead came out 42% short and the prefill 12% slow
+// in the faster unit, against 1983 tokens/s (for 2000) in the prior's.
+func TestServiceModelScaleFree(t *testing.T) {
+	b := backend{overhead: 0.06, perToken: 4 / 8000.0, tokenSeconds: 0.03}
+	learn := func(scale float64) Service {
+		rng := rand.New(rand.NewPCG(4, 4))
+		prior := Prior
+		prior.Overhead, prior.PrefillSecondsPerToken = prior.Overhead/scale, prior.PrefillSecondsPerToken/scale
+		prior.TokenSeconds, prior.MeanDuration = prior.TokenSeconds/scale, prior.MeanDuration/scale
+		m := NewServiceModel(prior)
+		for range 50 {
+			uncached := 300 + rng.IntN(500)
+			step := rng.Float64() * 6 * b.tokenSeconds // the rest of the step in progress, others prefilled with it
+			m.ObserveFirstToken(uncached, 0, 0, (b.ttft(uncached, rng)+step)/scale)
+		}
+		return m.Service()
+	}
+	real, fast := learn(1), learn(10)
+	if !within(fast.PrefillSecondsPerToken*10, real.PrefillSecondsPerToken, 0.05) || !within(fast.Overhead*10, real.Overhead, 0.05) {
+		t.Errorf("timed 10x faster: %.0f tokens/s and %.1f ms overhead, want 10x %.0f and a tenth of %.1f",
+			1/fast.PrefillSecondsPerToken, 1000*fast.Overhead, 1/real.PrefillSecondsPerToken, 1000*real.Overhead)
+	}
+	if !within(real.PrefillSecondsPerToken, b.perToken, 0.25) {
+		t.Errorf("learned %.0f tokens/s, want about %.0f", 1/real.PrefillSecondsPerToken, 1/b.perToken)
+	}
+}
+
 // TestServiceModelAdaptsToSlowdown: a backend that becomes 3x slower (a throttled GPU, a noisy neighbour)
 // is seen as such within a few dozen requests, and the estimate follows it back when it recovers.
 func TestServiceModelAdaptsToSlowdown(t *testing.T) {
@@ -512,7 +543,7 @@ func isCovariance(p [2][2]float64) bool {
 // of the direction they never excite stays as it was; either way it must stay a covariance matrix, and
 // the model's state one Restore accepts.
 func TestRLSWindupStaysCovariance(t *testing.T) {
-	r := newRLS2(0.03, 0.125)
+	r := newRLS2(0.03, 0.125, noiseSeconds)
 	for i := range 2000 {
 		r.update(1.5, 0.35+0.001*float64(i%3))
 		p := r.p
