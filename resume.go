@@ -422,6 +422,7 @@ type relay struct {
 	textFull    bool   // text outgrew maxText: the stream cannot be continued
 	sentTokens  int    // tokens sent to the client, one per content chunk but where vLLM's continuous usage counts them
 	sentText    int    // tokens of the content sent to the client by tokenize.Estimate (see sent)
+	usageCounts bool   // a content chunk carried vLLM's continuous usage: sentTokens is exact
 	tokensAtTry int    // sent() when the current attempt began (the continuation's starting point)
 	unjoinable  bool   // the stream holds something a continuation cannot join (tool calls, reasoning, n > 1)
 	sentOutput  bool   // the client has output (content, tool calls, ...), not only role chunks
@@ -458,9 +459,10 @@ func (rl *relay) begin() {
 // (vLLM's --stream-interval, speculative decoding) and the estimate is the count. A continuation asks for
 // the client's max_tokens less this many: counted one per chunk, a stream of 8-token chunks cut halfway
 // was continued with 7/16 of max_tokens too many. A stream of one token per chunk keeps its exact count
-// (and the usage reported for it) while its text estimates within 1.5x of it.
+// (and the usage reported for it) while its text estimates within 1.5x of it, and one counted by vLLM's
+// continuous usage keeps that count whatever its text estimates.
 func (rl *relay) sent() int {
-	if 2*rl.sentText > 3*rl.sentTokens {
+	if !rl.usageCounts && 2*rl.sentText > 3*rl.sentTokens {
 		return rl.sentText
 	}
 	return rl.sentTokens
@@ -965,6 +967,7 @@ func (rl *relay) relayEvent(ev []byte) {
 			// vLLM's continuous_usage_stats: the usage so far, in every chunk.
 			tokens = max(chunk.Usage.CompletionTokens-rl.attemptUsage, 1)
 			rl.attemptUsage = chunk.Usage.CompletionTokens
+			rl.usageCounts = true
 		}
 	}
 	out := ev

@@ -849,6 +849,28 @@ func TestResumeHandler(t *testing.T) {
 		wantSent: 2,
 		counted:  resumeContinued,
 	}, {
+		name: "chunks counted by vLLM's continuous usage keep that count, whatever their text estimates",
+		body: `{"stream":true,"stream_options":{"include_usage":true,"continuous_usage_stats":true},"max_tokens":20,"messages":[{"role":"user","content":"hi"}]}`,
+		script: []func(http.ResponseWriter, string) error{
+			func(w http.ResponseWriter, _ string) error {
+				return sse(w, true, role,
+					`{"id":"a","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"The quick brown fox jumps over"},"finish_reason":null}],"usage":{"prompt_tokens":8,"completion_tokens":1,"total_tokens":9}}`,
+					`{"id":"a","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":" the lazy dog and keeps going"},"finish_reason":null}],"usage":{"prompt_tokens":8,"completion_tokens":3,"total_tokens":11}}`)
+			},
+			func(w http.ResponseWriter, body string) error {
+				if !strings.Contains(body, `"max_tokens":17`) {
+					t.Errorf("continuation body %s, want max_tokens 20 - 3", body)
+				}
+				return sse(w, false, chatChunk("b", `{"role":"assistant","content":""}`, ""), chatChunk("b", `{"content":" on."}`, `"length"`), "[DONE]")
+			},
+		},
+		want: []string{role,
+			`{"id":"a","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"The quick brown fox jumps over"},"finish_reason":null}],"usage":{"prompt_tokens":8,"completion_tokens":1,"total_tokens":9}}`,
+			`{"id":"a","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":" the lazy dog and keeps going"},"finish_reason":null}],"usage":{"prompt_tokens":8,"completion_tokens":3,"total_tokens":11}}`,
+			chatChunk("a", `{"content":" on."}`, `"length"`), "[DONE]"},
+		wantSent: 2,
+		counted:  resumeContinued,
+	}, {
 		name: "a broken stream of tool calls is not continued",
 		body: stream,
 		script: []func(http.ResponseWriter, string) error{func(w http.ResponseWriter, _ string) error {
