@@ -960,6 +960,8 @@ func (rl *relay) relayEvent(ev []byte) {
 		}
 		content += text
 	}
+	// The attempt's final usage chunk (stream_options.include_usage): no choices, only the usage.
+	finalUsage := len(chunk.Choices) == 0 && chunk.Usage != nil
 	tokens := 0
 	if content != "" {
 		tokens = 1
@@ -978,7 +980,7 @@ func (rl *relay) relayEvent(ev []byte) {
 			return
 		}
 		out = rewriteChunk(data, dropRole)
-	case len(chunk.Choices) == 0 && chunk.Usage != nil && rl.tokensAtTry > 0:
+	case finalUsage && rl.tokensAtTry > 0:
 		// The usage of a continuation: count the whole answer.
 		before := rl.tokensAtTry
 		out = rewriteChunk(data, func(fields map[string]json.RawMessage) { addUsage(fields, before) })
@@ -988,9 +990,9 @@ func (rl *relay) relayEvent(ev []byte) {
 	}
 	rl.writeClient(out)
 	rl.finished = rl.finished || finish
-	rl.usageSent = rl.usageSent || len(chunk.Choices) == 0 && chunk.Usage != nil
-	if u := chunk.Usage; len(chunk.Choices) == 0 && u != nil && u.PromptTokensDetails != nil && u.PromptTokensDetails.CachedTokens != nil {
-		noteCached(rl.r, u.PromptTokens, *u.PromptTokensDetails.CachedTokens) // the attempt's final usage
+	rl.usageSent = rl.usageSent || finalUsage
+	if u := chunk.Usage; finalUsage && u.PromptTokensDetails != nil && u.PromptTokensDetails.CachedTokens != nil {
+		noteCached(rl.r, u.PromptTokens, *u.PromptTokensDetails.CachedTokens)
 	}
 	if content != "" || rl.unjoinable {
 		rl.sentOutput = true
@@ -1001,11 +1003,11 @@ func (rl *relay) relayEvent(ev []byte) {
 		rl.attemptTokens += tokens
 		rl.sentTokens += tokens
 		rl.sentText += tokenize.Estimate(content)
-	} else if u := chunk.Usage; len(chunk.Choices) == 0 && u != nil && rl.attemptTokens > 0 && u.CompletionTokens > rl.attemptTokens {
+	} else if finalUsage && rl.attemptTokens > 0 && chunk.Usage.CompletionTokens > rl.attemptTokens {
 		// The attempt's final usage counts more tokens than its chunks did (chunks of several tokens):
 		// the service model learns the whole output, as from transport llm (observedBody.endEvent). A
 		// continuation is shortened by sent(): a stream cut before its usage chunk never shows one.
-		noteToken(rl.r, u.CompletionTokens-rl.attemptTokens)
+		noteToken(rl.r, chunk.Usage.CompletionTokens-rl.attemptTokens)
 	}
 }
 
