@@ -237,8 +237,13 @@ func waitInflightZero(t *testing.T, dials ...string) {
 	for {
 		leaked := ""
 		for _, d := range dials {
-			if tokens, requests := loads.get(d); tokens != 0 || requests != 0 {
-				leaked += fmt.Sprintf(" %s: %d tokens, %d requests;", d, tokens, requests)
+			// The three counters are released one after another, so all three are waited for.
+			var sequences int64
+			if l := loads.lookup(d); l != nil {
+				sequences = l.sequences.Load()
+			}
+			if tokens, requests := loads.get(d); tokens != 0 || requests != 0 || sequences != 0 {
+				leaked += fmt.Sprintf(" %s: %d tokens, %d requests, %d sequences;", d, tokens, requests, sequences)
 			}
 		}
 		if leaked == "" {
