@@ -331,7 +331,8 @@ func (r *reservation) noteFirstToken(now int64) {
 	}
 	r.firstToken = true
 	// The model's lock inside l.mu, as the scrapes take them (ObserveQueue, ObserveBusy).
-	slotWait := l.model.ObserveFirstToken(r.uncached, r.ahead, r.waited, float64(now-r.start)/1e9)
+	since := now - max(r.start, l.endedAt[(l.endNext+endRing-1)%endRing]) // since it was sent, or the last end after that
+	slotWait := l.model.ObserveFirstToken(r.uncached, r.ahead, r.waited, float64(now-r.start)/1e9, float64(since)/1e9)
 	early := r.prefillDone - now // > 0: done sooner than predicted; the queue behind it moves up
 	if slotWait {
 		early = max(early, 0)

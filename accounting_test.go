@@ -79,31 +79,44 @@ func TestPhaseAccounting(t *testing.T) {
 // TestSlotWaitLeavesPrefillQueue: a first token later than predicted moves the upstream's prefill
 // queue by its lateness, unless the request may have waited for a slot the decision did not predict
 // (its slot count unknown, more of this proxy's requests ahead of it than the upstream was seen to run
-// beside a new one): a slot's wait is no prefill.
+// beside a new one): a slot's wait is no prefill. The service model learns from such a first token only
+// if no request ahead of it ended while it waited: no slot freed, so it waited for none.
 func TestSlotWaitLeavesPrefillQueue(t *testing.T) {
 	const dial = "10.0.0.1:8000"
 	now := time.Unix(1_700_000_000, 0).UnixNano()
 	for _, c := range []struct {
-		name  string
-		ahead int // requests reserved before the late one
-		moved bool
+		name   string
+		ahead  int  // requests reserved before the late one
+		ended  bool // one of them ended 50 ms before its first token
+		moved  bool
+		taught bool
 	}{
-		{"alone: its delay was prefill", 0, true},
-		{"behind two: perhaps a slot", 2, false},
+		{"alone: its delay was prefill", 0, false, true, true},
+		{"behind two, one ended: perhaps a slot", 2, true, false, false},
+		// No slot freed while it waited: late even so, its service was slow (taught); the queue
+		// stays put, as the slot wait it may also have been.
+		{"behind two, none ended", 2, false, false, true},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			lt := newTestLoads()
+			var ahead []*reservation
 			for range c.ahead {
-				lt.reserve(dial, work{uncached: 100, output: 100}, now)
+				ahead = append(ahead, lt.reserve(dial, work{uncached: 100, output: 100}, now))
 			}
 			late := lt.reserve(dial, work{uncached: 1000, output: 100}, now)
 			l := lt.lookup(dial)
 			until := l.prefillUntil.Load()
 			at := late.prefillDone + int64(time.Second)
+			if c.ended {
+				ahead[0].release(at-int64(50*time.Millisecond), false)
+			}
 			late.noteFirstToken(at)
 			if got := l.prefillUntil.Load(); (got != until) != c.moved {
 				t.Errorf("prefill queue end moved %.3f s by a first token 1 s late behind %d; want moved %v",
 					float64(got-until)/1e9, c.ahead, c.moved)
+			}
+			if s := l.model.Service(); (s.FirstTokens == 1) != c.taught || s.FirstTokens+s.SkippedFirstTokens != 1 {
+				t.Errorf("first tokens taught %d, skipped %d; want taught %v", s.FirstTokens, s.SkippedFirstTokens, c.taught)
 			}
 		})
 	}

@@ -197,10 +197,11 @@ func (m *ServiceModel) resetLocked(prior Service) {
 
 // ObserveFirstToken records a first token that came ttft seconds after the request was sent, where
 // the upstream had queued seconds of prefill ahead of it (as predicted when it was sent), the request
-// had uncached prompt tokens to prefill, and this proxy had ahead other requests in flight there. It
-// reports whether the first token probably waited for a slot the prediction did not count: while the
-// slot count is unknown, later than twice its predicted service, behind more of this proxy's requests
-// than any first token came on time behind (SlotWait).
+// had uncached prompt tokens to prefill, this proxy had ahead other requests in flight there, and the
+// last of them to end while it waited ended sinceEnd seconds before it (ttft if none did). It reports
+// whether the first token probably waited for a slot the prediction did not count: while the slot
+// count is unknown, later than twice its predicted service, behind more of this proxy's requests than
+// any first token came on time behind (SlotWait).
 //
 // Only a first token whose wait the decision predicted teaches the model: the wait is a prediction,
 // and where it dominates, its error (a queue the proxy did not see) would be learned as overhead or
@@ -209,7 +210,14 @@ func (m *ServiceModel) resetLocked(prior Service) {
 // slot, which the decision does not predict while the slot count is unknown. A first token on time
 // behind more requests than Free raises Free to them: the upstream ran that many beside a new one
 // without queueing it.
-func (m *ServiceModel) ObserveFirstToken(uncached, ahead int, queued, ttft float64) (slotWait bool) {
+//
+// A slot frees when a request ends, so a request that waited for one started no later than the last
+// end before its first token: its service took at least sinceEnd. When even that is late, no slot wait
+// explains it, and the first token teaches that least service. Before, an upstream priced faster than
+// it was had every first token late and each one skipped as a slot wait (Free grows only with first
+// tokens on time), so it learned nothing: traced behind transport llm (slow-prefill multi-turn-think),
+// one kept the prior's speed for 2.7 s of a 4.7 s run, 56 of its first 64 first tokens skipped.
+func (m *ServiceModel) ObserveFirstToken(uncached, ahead int, queued, ttft, sinceEnd float64) (slotWait bool) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	y := ttft - queued
@@ -221,17 +229,19 @@ func (m *ServiceModel) ObserveFirstToken(uncached, ahead int, queued, ttft float
 	pred := s.TTFT(uncached)
 	late := y > onTime*pred
 	slotWait = late && s.SlotWait(ahead)
-	if queued > pred || slotWait {
+	if slotWait && min(y, sinceEnd) > onTime*pred && queued <= pred {
+		y = min(y, sinceEnd) // late even after the last slot freed: taught as its least service
+	} else if queued > pred || slotWait {
 		m.skippedN = counted(m.skippedN)
 		return slotWait
 	}
 	if !late && ahead > m.free {
 		m.free = min(ahead, maxStateCount)
 	}
-	y = min(y, 10*pred+1) // clip outliers: a stalled connection must not teach a 10x slowdown at once
+	y = min(y, 10*pred+stallSeconds*priorUnit(m.prior)) // a stalled connection must not teach a 10x slowdown at once
 	m.ttft.update(float64(uncached)/1000, y)
 	m.ttftN = counted(m.ttftN)
-	return false
+	return slotWait
 }
 
 // onTime is how far past its predicted service a first token may come and still show that the
@@ -281,7 +291,9 @@ func (m *ServiceModel) ObserveBusy(seconds, uncached, steps float64) {
 	defer m.mu.Unlock()
 	phi := [2]float64{steps, uncached / 1000}
 	pred := m.busy.theta[0]*phi[0] + m.busy.theta[1]*phi[1]
-	y := min(seconds, 10*max(pred, 1e-3)+1) // a stall (a preempted batch, a paused process) must not teach a 10x slowdown
+	// A stall (a preempted batch, a paused process) must not teach a 10x slowdown.
+	u := priorUnit(m.prior)
+	y := min(seconds, 10*max(pred, 1e-3*u)+stallSeconds*u)
 	m.busy.updatePhi(phi, y)
 	if uncached > 0 {
 		m.busyN = counted(m.busyN) // an interval without prefill teaches the step time only
@@ -502,9 +514,17 @@ const (
 // backends prefilling 4x slower than it 1.6-1.8x faster than a least-squares fit of the same 36-57 first
 // tokens (slow-prefill multi-turn-think: 28-31k tokens/s of wall time against 17-18k), and their queues
 // were predicted that much shorter (TestServiceModelScaleFree).
-func priorNoise(prior Service) float64 {
-	return noiseSeconds * prior.TTFT(1000) / Prior.TTFT(1000)
-}
+func priorNoise(prior Service) float64 { return noiseSeconds * priorUnit(prior) }
+
+// stallSeconds is, for Prior, how far past ten times its prediction an observation is clipped (a stalled
+// connection, a paused process): one observation must not teach a 10x slowdown at once.
+const stallSeconds = 1
+
+// priorUnit is how many times longer prior's times are than Prior's: the unit of the seconds a model
+// starting from prior reasons in (its noise, its clips). A fixed second clipped nothing of a prior hinted
+// 30x faster, where an observation 10x its prediction is a third of a second: behind a stall, the model
+// learned a slowdown several times what the same stall taught in Prior's unit (TestServiceModelScaleFree).
+func priorUnit(prior Service) float64 { return prior.TTFT(1000) / Prior.TTFT(1000) }
 
 // priorP is the prior variance of a parameter whose prior value is theta, against observations of noise
 // seconds.

@@ -20,6 +20,11 @@ func (b backend) duration(uncached, output int, rng *rand.Rand) float64 {
 	return b.ttft(uncached, rng) + float64(output)*b.tokenSeconds*(0.95+0.1*rng.Float64())
 }
 
+// firstToken observes a first token on m while none of the proxy's requests ended (sinceEnd = ttft).
+func firstToken(m *ServiceModel, uncached, ahead int, queued, ttft float64) bool {
+	return m.ObserveFirstToken(uncached, ahead, queued, ttft, ttft)
+}
+
 func within(got, want, frac float64) bool { return math.Abs(got-want) <= frac*want }
 
 // TestServiceModelConvergesFromDurations: with only request durations (no observed first tokens), a
@@ -56,7 +61,7 @@ func TestServiceModelConvergesFromFirstTokens(t *testing.T) {
 	for range 40 {
 		uncached := 50 + rng.IntN(6000)
 		queued := rng.Float64() * 0.5
-		m.ObserveFirstToken(uncached, 0, queued, queued+b.ttft(uncached, rng))
+		firstToken(m, uncached, 0, queued, queued+b.ttft(uncached, rng))
 	}
 	s := m.Service()
 	if !within(1/s.PrefillSecondsPerToken, 20000, 0.15) || !within(s.Overhead, 0.05, 0.3) {
@@ -69,29 +74,50 @@ func TestServiceModelConvergesFromFirstTokens(t *testing.T) {
 // noise was fixed at 50 ms, which held a 10x faster prior 100x more firmly: from these 50 first tokens
 // (300-800 uncached tokens each, a conversation's next turn, on a backend prefilling 4x slower than the
 // prior, behind up to six steps of others' work) the overhead came out 42% short and the prefill 12% slow
-// in the faster unit, against 1983 tokens/s (for 2000) in the prior's.
+// in the faster unit, against 1983 tokens/s (for 2000) in the prior's. Outliers were clipped at a fixed
+// second past ten times their prediction, which clipped nothing in the faster unit: one stalled first
+// token left the prefill 8x faster than in the prior's unit, one paused busy interval 7x.
 func TestServiceModelScaleFree(t *testing.T) {
 	b := backend{overhead: 0.06, perToken: 4 / 8000.0, tokenSeconds: 0.03}
-	learn := func(scale float64) Service {
+	// learn feeds a model whose prior is hinted scale times faster 50 first tokens and 50 busy intervals of
+	// b timed in that unit, from stall on one of each stalled (a connection held 20 s, a process paused
+	// 30 s), or none if stall is past them; busyOnly drops the first tokens, so that the prefill is the
+	// busy intervals' fit.
+	learn := func(scale float64, stall int, busyOnly bool) Service {
 		rng := rand.New(rand.NewPCG(4, 4))
 		prior := Prior
 		prior.Overhead, prior.PrefillSecondsPerToken = prior.Overhead/scale, prior.PrefillSecondsPerToken/scale
 		prior.TokenSeconds, prior.MeanDuration = prior.TokenSeconds/scale, prior.MeanDuration/scale
 		m := NewServiceModel(prior)
-		for range 50 {
+		for i := range 50 {
 			uncached := 300 + rng.IntN(500)
 			step := rng.Float64() * 6 * b.tokenSeconds // the rest of the step in progress, others prefilled with it
-			m.ObserveFirstToken(uncached, 0, 0, (b.ttft(uncached, rng)+step)/scale)
+			ttft := b.ttft(uncached, rng) + step
+			steps := 20 + rng.Float64()*20
+			busy := steps*b.tokenSeconds + float64(uncached)*b.perToken
+			if i == stall {
+				ttft, busy = 20, 30
+			}
+			if !busyOnly {
+				firstToken(m, uncached, 0, 0, ttft/scale)
+			}
+			m.ObserveBusy(busy/scale, float64(uncached), steps)
 		}
 		return m.Service()
 	}
-	real, fast := learn(1), learn(10)
-	if !within(fast.PrefillSecondsPerToken*10, real.PrefillSecondsPerToken, 0.05) || !within(fast.Overhead*10, real.Overhead, 0.05) {
-		t.Errorf("timed 10x faster: %.0f tokens/s and %.1f ms overhead, want 10x %.0f and a tenth of %.1f",
-			1/fast.PrefillSecondsPerToken, 1000*fast.Overhead, 1/real.PrefillSecondsPerToken, 1000*real.Overhead)
-	}
-	if !within(real.PrefillSecondsPerToken, b.perToken, 0.25) {
+	if real := learn(1, -1, false); !within(real.PrefillSecondsPerToken, b.perToken, 0.25) {
 		t.Errorf("learned %.0f tokens/s, want about %.0f", 1/real.PrefillSecondsPerToken, 1/b.perToken)
+	}
+	for _, c := range []struct {
+		name     string
+		stall    int
+		busyOnly bool
+	}{{"first tokens", -1, false}, {"first tokens, one stalled", 40, false}, {"busy intervals, one paused", 40, true}} {
+		real, fast := learn(1, c.stall, c.busyOnly), learn(10, c.stall, c.busyOnly)
+		if !within(fast.PrefillSecondsPerToken*10, real.PrefillSecondsPerToken, 0.05) || !within(fast.Overhead*10, real.Overhead, 0.05) {
+			t.Errorf("%s, timed 10x faster: %.0f tokens/s and %.1f ms overhead, want 10x %.0f and a tenth of %.1f", c.name,
+				1/fast.PrefillSecondsPerToken, 1000*fast.Overhead, 1/real.PrefillSecondsPerToken, 1000*real.Overhead)
+		}
 	}
 }
 
@@ -352,14 +378,14 @@ func TestServiceModelSkipsQueuedFirstTokens(t *testing.T) {
 	m := NewServiceModel(Prior)
 	before := m.Service()
 	for range 20 {
-		m.ObserveFirstToken(1000, 0, 2, 2+5) // 2 s predicted queue, then 5 s: the queue was longer than thought
+		firstToken(m, 1000, 0, 2, 2+5) // 2 s predicted queue, then 5 s: the queue was longer than thought
 	}
-	m.ObserveFirstToken(1000, 0, 2, 1) // came before its predicted queue ended
+	firstToken(m, 1000, 0, 2, 1) // came before its predicted queue ended
 	if got := m.Service(); got.Overhead != before.Overhead || got.PrefillSecondsPerToken != before.PrefillSecondsPerToken {
 		t.Errorf("queued first tokens moved the model: %+v, want %+v", got, before)
 	}
 	for range 20 {
-		m.ObserveFirstToken(1000, 0, 0, 0.030+1000.0/2000) // idle, 2k tokens/s
+		firstToken(m, 1000, 0, 0, 0.030+1000.0/2000) // idle, 2k tokens/s
 	}
 	s := m.Service()
 	if got := 1 / s.PrefillSecondsPerToken; !within(got, 2000, 0.2) {
@@ -381,11 +407,12 @@ func TestServiceModelSkipsSlotWaits(t *testing.T) {
 		rng := rand.New(rand.NewPCG(12, 12))
 		for range 80 {
 			uncached, ahead := 200+rng.IntN(1800), rng.IntN(16)
-			ttft := b.ttft(uncached, rng)
+			service := b.ttft(uncached, rng)
+			ttft := service
 			if ahead >= 8 {
 				ttft += 0.5 + rng.Float64()
 			}
-			m.ObserveFirstToken(uncached, ahead, 0, ttft)
+			m.ObserveFirstToken(uncached, ahead, 0, ttft, service) // a slot freed as its service began
 		}
 	}
 	m := NewServiceModel(Prior)
@@ -415,6 +442,31 @@ func TestServiceModelSkipsSlotWaits(t *testing.T) {
 	}
 }
 
+// TestServiceModelLateWithoutSlotWait: a backend that prefills 4x slower than the prior, always behind 1-6
+// of the proxy's requests, never waiting for a slot. Every first token is late against the prior's
+// prediction, behind more requests than any came on time behind, so each looked like a wait for a slot
+// and taught nothing: the model kept the prior's 8k tokens/s. A slot frees only when a request ends, and
+// the service after the last end is at least what the first token shows; late even so, it teaches.
+func TestServiceModelLateWithoutSlotWait(t *testing.T) {
+	b := backend{overhead: 0.03, perToken: 4 / 8000.0, tokenSeconds: 0.03}
+	rng := rand.New(rand.NewPCG(13, 13))
+	m := NewServiceModel(Prior)
+	for i := range 60 {
+		uncached, ahead := 500+rng.IntN(1500), 1+rng.IntN(6)
+		ttft := b.ttft(uncached, rng)
+		sinceEnd := ttft
+		if i%2 == 1 { // one of the requests ahead ended partway through
+			sinceEnd *= 0.5 + 0.5*rng.Float64()
+		}
+		m.ObserveFirstToken(uncached, ahead, 0, ttft, sinceEnd)
+	}
+	s := m.Service()
+	if !within(s.PrefillSecondsPerToken, b.perToken, 0.25) || s.FirstTokens < 30 {
+		t.Errorf("learned %.0f tokens/s from %d first tokens (%d skipped), want about %.0f",
+			1/s.PrefillSecondsPerToken, s.FirstTokens, s.SkippedFirstTokens, 1/b.perToken)
+	}
+}
+
 // TestServiceModelBusy: busy intervals of a backend 4x slower to prefill than the prior and 1.7x faster
 // to decode pin its prefill speed within a few intervals, from the prior's 8k tokens/s; invalid
 // intervals teach nothing; observed first tokens, when there are enough, take precedence.
@@ -438,7 +490,7 @@ func TestServiceModelBusy(t *testing.T) {
 	}
 	for range 2 * minFirstTokens {
 		uncached := 200 + rng.IntN(4000)
-		m.ObserveFirstToken(uncached, 0, 0, 0.030+float64(uncached)/20000)
+		firstToken(m, uncached, 0, 0, 0.030+float64(uncached)/20000)
 	}
 	if got := m.Service().PrefillSecondsPerToken; got > 2.0/20000 {
 		t.Errorf("with %d first tokens at 20k tokens/s: %.0f tokens/s, want the first tokens' estimate", 2*minFirstTokens, 1/got)

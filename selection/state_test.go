@@ -19,7 +19,7 @@ func learned(prior Service) *ServiceModel {
 		m.ObserveEnd(uncached, output, 0, b.duration(uncached, output, rng))
 		m.ObserveBusy(64*b.tokenSeconds+float64(uncached)*b.perToken, float64(uncached), 64)
 		if i%3 == 0 {
-			m.ObserveFirstToken(uncached, i/3, 0, b.ttft(uncached, rng))
+			firstToken(m, uncached, i/3, 0, b.ttft(uncached, rng))
 		}
 		m.ObserveQueue(12, 3, 0.4)
 	}
@@ -30,7 +30,7 @@ func learned(prior Service) *ServiceModel {
 // it) predicts what the saved one predicts, and goes on learning exactly as it does.
 func TestServiceModelStateRoundTrip(t *testing.T) {
 	saved := learned(Prior)
-	saved.ObserveFirstToken(1000, 0, 5, 1) // came before its predicted wait ended: skipped
+	firstToken(saved, 1000, 0, 5, 1) // came before its predicted wait ended: skipped
 	js, err := json.Marshal(saved.State())
 	if err != nil {
 		t.Fatal(err)
@@ -52,7 +52,7 @@ func TestServiceModelStateRoundTrip(t *testing.T) {
 	}
 	for _, m := range []*ServiceModel{saved, restored} {
 		m.ObserveEnd(2000, 100, 0.1, 12)
-		m.ObserveFirstToken(500, 0, 0, 0.3)
+		firstToken(m, 500, 0, 0, 0.3)
 		m.ObserveBusy(3, 9000, 70)
 		m.ObserveQueue(13, 1, 0.2)
 	}
@@ -106,7 +106,7 @@ func TestServiceModelCountsStayRestorable(t *testing.T) {
 		t.Fatalf("Restore at the largest counts: %v", err)
 	}
 	m.ObserveEnd(2000, 100, 0.1, 12)
-	m.ObserveFirstToken(500, 0, 0, 0.3)
+	firstToken(m, 500, 0, 0, 0.3)
 	m.ObserveBusy(3, 9000, 70)
 	if err := NewServiceModel(Prior).Restore(m.State()); err != nil {
 		t.Errorf("the state saved after more observations is refused: %v", err)
@@ -175,7 +175,7 @@ func FuzzRestore(f *testing.F) {
 		}
 		check("restored")
 		m.ObserveEnd(2000, 100, 0.1, 3)
-		m.ObserveFirstToken(500, 0, 0, 0.2)
+		firstToken(m, 500, 0, 0, 0.2)
 		m.ObserveBusy(2, 4000, 70)
 		m.ObserveQueue(8, 2, 0.3)
 		check("after observations")
