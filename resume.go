@@ -410,8 +410,7 @@ type relay struct {
 	pending        []byte // bytes of an event not yet complete
 	scanned        int    // pending[:scanned] holds no event end
 	attemptDone    bool   // the stream's [DONE] went to the client
-	attemptTokens  int    // content chunks (tokens) relayed in this attempt
-	attemptUsage   int    // completion tokens of the last usage seen in this attempt (continuous usage stats)
+	attemptTokens  int    // tokens relayed in this attempt: one per content chunk, or what its continuous usage adds
 	attemptID      string // the attempt's response id
 	upstreamFailed bool   // the upstream sent an error event
 	failStatus     int    // the status the failure is reported with
@@ -447,7 +446,7 @@ func (rl *relay) begin() {
 	rl.status, rl.mode = 0, modeNone
 	rl.errBody, rl.errTruncated = rl.errBody[:0], false
 	rl.pending, rl.scanned = rl.pending[:0], 0
-	rl.attemptDone, rl.attemptTokens, rl.attemptUsage, rl.attemptID = false, 0, 0, ""
+	rl.attemptDone, rl.attemptTokens, rl.attemptID = false, 0, ""
 	rl.upstreamFailed, rl.lastError = false, nil
 	rl.tokensAtTry = rl.sent()
 	rl.continuing = rl.committed
@@ -966,9 +965,9 @@ func (rl *relay) relayEvent(ev []byte) {
 	if content != "" {
 		tokens = 1
 		if chunk.Usage != nil && len(chunk.Choices) > 0 {
-			// vLLM's continuous_usage_stats: the usage so far, in every chunk.
-			tokens = max(chunk.Usage.CompletionTokens-rl.attemptUsage, 1)
-			rl.attemptUsage = chunk.Usage.CompletionTokens
+			// vLLM's continuous_usage_stats: the usage so far, in every chunk; what it counts beyond the
+			// tokens counted, and a chunk with content one at least (as observedBody.endEvent counts).
+			tokens = max(chunk.Usage.CompletionTokens-rl.attemptTokens, 1)
 			rl.usageCounts = true
 		}
 	}

@@ -871,6 +871,32 @@ func TestResumeHandler(t *testing.T) {
 		wantSent: 2,
 		counted:  resumeContinued,
 	}, {
+		// A usage that repeats its count beside new content: that chunk is one token, and the next count
+		// is measured from the tokens counted (3 in all), as transport llm counts (observedBody.endEvent).
+		name: "continuous usage that repeats a count is counted as transport llm counts it",
+		body: `{"stream":true,"stream_options":{"include_usage":true,"continuous_usage_stats":true},"max_tokens":20,"messages":[{"role":"user","content":"hi"}]}`,
+		script: []func(http.ResponseWriter, string) error{
+			func(w http.ResponseWriter, _ string) error {
+				return sse(w, true, role,
+					`{"id":"a","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"The quick"},"finish_reason":null}],"usage":{"prompt_tokens":8,"completion_tokens":1,"total_tokens":9}}`,
+					`{"id":"a","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":" brown fox"},"finish_reason":null}],"usage":{"prompt_tokens":8,"completion_tokens":1,"total_tokens":9}}`,
+					`{"id":"a","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":" jumps over"},"finish_reason":null}],"usage":{"prompt_tokens":8,"completion_tokens":3,"total_tokens":11}}`)
+			},
+			func(w http.ResponseWriter, body string) error {
+				if !strings.Contains(body, `"max_tokens":17`) {
+					t.Errorf("continuation body %s, want max_tokens 20 - 3", body)
+				}
+				return sse(w, false, chatChunk("b", `{"role":"assistant","content":""}`, ""), chatChunk("b", `{"content":" it."}`, `"length"`), "[DONE]")
+			},
+		},
+		want: []string{role,
+			`{"id":"a","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"The quick"},"finish_reason":null}],"usage":{"prompt_tokens":8,"completion_tokens":1,"total_tokens":9}}`,
+			`{"id":"a","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":" brown fox"},"finish_reason":null}],"usage":{"prompt_tokens":8,"completion_tokens":1,"total_tokens":9}}`,
+			`{"id":"a","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":" jumps over"},"finish_reason":null}],"usage":{"prompt_tokens":8,"completion_tokens":3,"total_tokens":11}}`,
+			chatChunk("a", `{"content":" it."}`, `"length"`), "[DONE]"},
+		wantSent: 2,
+		counted:  resumeContinued,
+	}, {
 		name: "a broken stream of tool calls is not continued",
 		body: stream,
 		script: []func(http.ResponseWriter, string) error{func(w http.ResponseWriter, _ string) error {
