@@ -213,7 +213,8 @@ func (m *ServiceModel) resetLocked(prior Service) {
 //
 // A slot frees when a request ends, so a request that waited for one started no later than the last
 // end before its first token: its service took at least sinceEnd. When even that is late, no slot wait
-// explains it, and the first token teaches that least service. Before, an upstream priced faster than
+// explains it, and the first token teaches that least service (and is still reported as a probable
+// slot wait: its lateness does not move the predicted prefill queue). Before, an upstream priced faster than
 // it was had every first token late and each one skipped as a slot wait (Free grows only with first
 // tokens on time), so it learned nothing: traced behind transport llm (slow-prefill multi-turn-think),
 // one kept the prior's speed for 2.7 s of a 4.7 s run, 56 of its first 64 first tokens skipped.
