@@ -80,7 +80,8 @@ func TestPhaseAccounting(t *testing.T) {
 // queue by its lateness, unless the request may have waited for a slot the decision did not predict
 // (its slot count unknown, more of this proxy's requests ahead of it than the upstream was seen to run
 // beside a new one): a slot's wait is no prefill. The service model learns from such a first token only
-// if no request ahead of it ended while it waited: no slot freed, so it waited for none.
+// if it is late even against the time since the last end there (none ended: since it was sent), after
+// which it cannot have waited for a slot.
 func TestSlotWaitLeavesPrefillQueue(t *testing.T) {
 	const dial = "10.0.0.1:8000"
 	now := time.Unix(1_700_000_000, 0).UnixNano()
