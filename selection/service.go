@@ -239,7 +239,7 @@ func (m *ServiceModel) ObserveFirstToken(uncached, ahead int, queued, ttft, sinc
 	if !late && ahead > m.free {
 		m.free = min(ahead, maxStateCount)
 	}
-	y = min(y, 10*pred+stallSeconds*priorUnit(m.prior)) // a stalled connection must not teach a 10x slowdown at once
+	y = m.clipStallLocked(y, pred) // a stalled connection must not teach a 10x slowdown at once
 	m.ttft.update(float64(uncached)/1000, y)
 	m.ttftN = counted(m.ttftN)
 	return slotWait
@@ -293,8 +293,7 @@ func (m *ServiceModel) ObserveBusy(seconds, uncached, steps float64) {
 	phi := [2]float64{steps, uncached / 1000}
 	pred := m.busy.theta[0]*phi[0] + m.busy.theta[1]*phi[1]
 	// A stall (a preempted batch, a paused process) must not teach a 10x slowdown.
-	u := priorUnit(m.prior)
-	y := min(seconds, 10*max(pred, 1e-3*u)+stallSeconds*u)
+	y := m.clipStallLocked(seconds, max(pred, 1e-3*priorUnit(m.prior)))
 	m.busy.updatePhi(phi, y)
 	if uncached > 0 {
 		m.busyN = counted(m.busyN) // an interval without prefill teaches the step time only
@@ -520,6 +519,12 @@ func priorNoise(prior Service) float64 { return noiseSeconds * priorUnit(prior) 
 // stallSeconds is, for Prior, how far past ten times its prediction an observation is clipped (a stalled
 // connection, a paused process): one observation must not teach a 10x slowdown at once.
 const stallSeconds = 1
+
+// clipStallLocked returns the observation y, predicted at pred, clipped at ten times pred plus
+// stallSeconds in the prior's unit. The caller holds m.mu.
+func (m *ServiceModel) clipStallLocked(y, pred float64) float64 {
+	return min(y, 10*pred+stallSeconds*priorUnit(m.prior))
+}
 
 // priorUnit is how many times longer prior's times are than Prior's: the unit of the seconds a model
 // starting from prior reasons in (its noise, its clips). A fixed second clipped nothing of a prior hinted
