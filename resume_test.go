@@ -771,6 +771,16 @@ func sse(w http.ResponseWriter, abort bool, data ...string) error {
 	return nil
 }
 
+// continuousBody asks for a stream with vLLM's continuous usage stats (the usage so far in every chunk).
+const continuousBody = `{"stream":true,"stream_options":{"include_usage":true,"continuous_usage_stats":true},"max_tokens":20,"messages":[{"role":"user","content":"hi"}]}`
+
+// continuousChunk is a content chunk of stream "a" carrying vLLM's continuous usage: completion tokens so
+// far, of a prompt of 8.
+func continuousChunk(content string, completion int) string {
+	return fmt.Sprintf(`{"id":"a","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":%q},"finish_reason":null}],"usage":{"prompt_tokens":8,"completion_tokens":%d,"total_tokens":%d}}`,
+		content, completion, 8+completion)
+}
+
 func chatChunk(id, delta, finish string) string {
 	if finish == "" {
 		finish = "null"
@@ -850,12 +860,12 @@ func TestResumeHandler(t *testing.T) {
 		counted:  resumeContinued,
 	}, {
 		name: "chunks counted by vLLM's continuous usage keep that count, whatever their text estimates",
-		body: `{"stream":true,"stream_options":{"include_usage":true,"continuous_usage_stats":true},"max_tokens":20,"messages":[{"role":"user","content":"hi"}]}`,
+		body: continuousBody,
 		script: []func(http.ResponseWriter, string) error{
 			func(w http.ResponseWriter, _ string) error {
 				return sse(w, true, role,
-					`{"id":"a","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"The quick brown fox jumps over"},"finish_reason":null}],"usage":{"prompt_tokens":8,"completion_tokens":1,"total_tokens":9}}`,
-					`{"id":"a","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":" the lazy dog and keeps going"},"finish_reason":null}],"usage":{"prompt_tokens":8,"completion_tokens":3,"total_tokens":11}}`)
+					continuousChunk("The quick brown fox jumps over", 1),
+					continuousChunk(" the lazy dog and keeps going", 3))
 			},
 			func(w http.ResponseWriter, body string) error {
 				if !strings.Contains(body, `"max_tokens":17`) {
@@ -865,8 +875,8 @@ func TestResumeHandler(t *testing.T) {
 			},
 		},
 		want: []string{role,
-			`{"id":"a","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"The quick brown fox jumps over"},"finish_reason":null}],"usage":{"prompt_tokens":8,"completion_tokens":1,"total_tokens":9}}`,
-			`{"id":"a","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":" the lazy dog and keeps going"},"finish_reason":null}],"usage":{"prompt_tokens":8,"completion_tokens":3,"total_tokens":11}}`,
+			continuousChunk("The quick brown fox jumps over", 1),
+			continuousChunk(" the lazy dog and keeps going", 3),
 			chatChunk("a", `{"content":" on."}`, `"length"`), "[DONE]"},
 		wantSent: 2,
 		counted:  resumeContinued,
@@ -874,13 +884,13 @@ func TestResumeHandler(t *testing.T) {
 		// A usage that repeats its count beside new content: that chunk is one token, and the next count
 		// is measured from the tokens counted (3 in all), as transport llm counts (observedBody.endEvent).
 		name: "continuous usage that repeats a count is counted as transport llm counts it",
-		body: `{"stream":true,"stream_options":{"include_usage":true,"continuous_usage_stats":true},"max_tokens":20,"messages":[{"role":"user","content":"hi"}]}`,
+		body: continuousBody,
 		script: []func(http.ResponseWriter, string) error{
 			func(w http.ResponseWriter, _ string) error {
 				return sse(w, true, role,
-					`{"id":"a","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"The quick"},"finish_reason":null}],"usage":{"prompt_tokens":8,"completion_tokens":1,"total_tokens":9}}`,
-					`{"id":"a","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":" brown fox"},"finish_reason":null}],"usage":{"prompt_tokens":8,"completion_tokens":1,"total_tokens":9}}`,
-					`{"id":"a","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":" jumps over"},"finish_reason":null}],"usage":{"prompt_tokens":8,"completion_tokens":3,"total_tokens":11}}`)
+					continuousChunk("The quick", 1),
+					continuousChunk(" brown fox", 1),
+					continuousChunk(" jumps over", 3))
 			},
 			func(w http.ResponseWriter, body string) error {
 				if !strings.Contains(body, `"max_tokens":17`) {
@@ -890,9 +900,9 @@ func TestResumeHandler(t *testing.T) {
 			},
 		},
 		want: []string{role,
-			`{"id":"a","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"The quick"},"finish_reason":null}],"usage":{"prompt_tokens":8,"completion_tokens":1,"total_tokens":9}}`,
-			`{"id":"a","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":" brown fox"},"finish_reason":null}],"usage":{"prompt_tokens":8,"completion_tokens":1,"total_tokens":9}}`,
-			`{"id":"a","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":" jumps over"},"finish_reason":null}],"usage":{"prompt_tokens":8,"completion_tokens":3,"total_tokens":11}}`,
+			continuousChunk("The quick", 1),
+			continuousChunk(" brown fox", 1),
+			continuousChunk(" jumps over", 3),
 			chatChunk("a", `{"content":" it."}`, `"length"`), "[DONE]"},
 		wantSent: 2,
 		counted:  resumeContinued,
