@@ -38,9 +38,9 @@ func TestFaultsEndToEnd(t *testing.T) {
 	}
 	// The faulty backend's share is the policy's choice: least_conn spreads by count and always sends
 	// it some, while llm may learn it slow (or, under the race detector on a busy machine, anything),
-	// and prefix affinity moves whole groups at a time; CI once saw one llm row give it none. So the
-	// share is asserted per row only for the stock row and for the sum, and the faults are asserted
-	// exercised over the llm_resume rows together.
+	// and prefix affinity moves whole groups at a time; CI once saw one llm row give it none. So every
+	// row must account each request to a backend, the stock row must send the faulty one some, and the
+	// llm_resume rows together must have met the fault.
 	resumedFaulty := 0
 	for _, s := range fr.Rows {
 		sent := 0
