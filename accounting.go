@@ -915,7 +915,7 @@ func (l *upstreamLoad) observeBusyLocked(snap *scraper.Snapshot) {
 			busy -= float64(idle-l.busyIdle) / 1e9
 		}
 		// In this proxy's tokens, the ones the decision multiplies the prefill speed by.
-		l.model.ObserveBusy(busy, uncached/l.tokenScaleLocked(), steps)
+		l.model.ObserveBusy(busy, uncached/l.tokenScaleLocked(), steps, max(snap.GenerationTokens-from.GenerationTokens, 0))
 	}
 	restart()
 }

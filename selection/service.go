@@ -15,6 +15,10 @@ type Service struct {
 	PrefillSecondsPerToken float64
 	// TokenSeconds is the time one sequence takes per output token at the batch sizes seen recently.
 	TokenSeconds float64
+	// SequenceSeconds is how much longer each engine step runs for one more sequence in the batch, from
+	// the busy intervals (the generated tokens beside the steps); 0 while they have not taught it. The
+	// decision does not use it (docs/bench/busy-batch): it is reported.
+	SequenceSeconds float64
 	// Slots is the number of sequences the backend runs at once before new requests queue (vLLM's
 	// max_num_seqs, or fewer when its KV cache is the limit); 0 when not known.
 	Slots float64
@@ -146,7 +150,7 @@ type ServiceModel struct {
 	ttft      rls2    // first-token delay = overhead + prefill seconds per 1000 tokens x uncached/1000
 	ttftN     int     // first tokens observed that taught it
 	skippedN  int     // first tokens observed that taught nothing (ObserveFirstToken)
-	busy      rls2    // a busy interval's seconds = step time x steps + prefill seconds per 1000 tokens x uncached/1000
+	busy      rls3    // a busy interval's seconds = step time x steps + seconds per 1000 sequence-steps x generated/1000 + prefill seconds per 1000 tokens x uncached/1000
 	busyN     int     // busy intervals observed
 	logScale  float64 // log of observed/predicted durations (EWMA)
 	durN      int
@@ -189,7 +193,7 @@ func (m *ServiceModel) resetLocked(prior Service) {
 	m.prior, m.meanDur = prior, prior.MeanDuration
 	noise := priorNoise(prior)
 	m.ttft, m.ttftN, m.skippedN = newRLS2(prior.Overhead, prior.PrefillSecondsPerToken*1000, noise), 0, 0
-	m.busy, m.busyN = newRLS2(prior.TokenSeconds, prior.PrefillSecondsPerToken*1000, noise), 0
+	m.busy, m.busyN = newRLS3([3]float64{prior.TokenSeconds, prior.TokenSeconds * seqShare * 1000, prior.PrefillSecondsPerToken * 1000}, noise), 0
 	m.logScale, m.durN = 0, 0
 	m.steps = stepWork{}
 	m.forgetSlotsLocked()
@@ -284,14 +288,14 @@ func (m *ServiceModel) ObserveEnd(uncached, output int, waited, duration float64
 // first tokens (a bare lb_policy llm sees only when responses end, and a request's duration is mostly
 // decoding: one speed scale fitted to durations took a backend that prefills at 2k tokens/s and decodes
 // at 30 ms a step for the 8k-tokens/s prior, and priced its cache misses at a quarter of their cost).
-func (m *ServiceModel) ObserveBusy(seconds, uncached, steps float64) {
-	if !(seconds > 0) || !(steps >= 1) || !(uncached >= 0) || math.IsInf(seconds+uncached+steps, 0) {
+func (m *ServiceModel) ObserveBusy(seconds, uncached, steps, generated float64) {
+	if !(seconds > 0) || !(steps >= 1) || !(uncached >= 0) || !(generated >= 0) || math.IsInf(seconds+uncached+steps+generated, 0) {
 		return
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	phi := [2]float64{steps, uncached / 1000}
-	pred := m.busy.theta[0]*phi[0] + m.busy.theta[1]*phi[1]
+	phi := [3]float64{steps, generated / 1000, uncached / 1000}
+	pred := m.busy.predict(phi)
 	// A stall (a preempted batch, a paused process) must not teach a 10x slowdown.
 	y := m.clipStallLocked(seconds, max(pred, 1e-3*priorUnit(m.prior)))
 	m.busy.updatePhi(phi, y)
@@ -450,6 +454,9 @@ func (m *ServiceModel) serviceLocked() Service {
 		s.Slots, s.LikelySlots = m.reported, 0
 	}
 	// Keep estimates within a plausible band: no GPU is 50x faster or slower than the prior.
+	if seq := m.busy.theta[1] / 1000; m.busyN >= minBusy && seq > 0 {
+		s.SequenceSeconds = min(seq, s.TokenSeconds)
+	}
 	if m.ttftN >= minFirstTokens {
 		s.Overhead = clamp(m.ttft.theta[0], 0, max(p.Overhead, 1e-3)*maxScale)
 		s.PrefillSecondsPerToken = clamp(m.ttft.theta[1]/1000, p.PrefillSecondsPerToken/maxScale, p.PrefillSecondsPerToken*maxScale)
@@ -468,7 +475,7 @@ func (m *ServiceModel) serviceLocked() Service {
 	// fit past the slow edge still counts, clamped there: it says the backend prefills far slower than
 	// expected, the cautious reading (taken for no estimate as well, hetero mixed's p99 went 1.22x over
 	// twelve seeds, ten worse; docs/bench/busy-band).
-	if v := m.busy.theta[1] / 1000; m.busyN >= minBusy && v > p.PrefillSecondsPerToken/maxScale {
+	if v := m.busy.theta[2] / 1000; m.busyN >= minBusy && v > p.PrefillSecondsPerToken/maxScale {
 		s.PrefillSecondsPerToken, s.fromBusy = min(v, p.PrefillSecondsPerToken*maxScale), true
 	}
 	return s
@@ -575,6 +582,106 @@ func (r *rls2) updatePhi(phi [2]float64, y float64) {
 	for i := range 2 {
 		r.theta[i] += k[i] * err
 	}
+}
+
+// seqShare is the prior's share of a decode step that one more sequence in the batch adds (vLLM's
+// decode steps grow about 0.25 ms a sequence on a 30 ms step).
+const seqShare = 1.0 / 120
+
+// rls3 is rls2 for three slopes (the busy intervals' step time, time per sequence-step and prefill).
+type rls3 struct {
+	theta [3]float64
+	p     [3][3]float64
+}
+
+func newRLS3(theta [3]float64, noise float64) rls3 {
+	r := rls3{theta: theta}
+	for i := range 3 {
+		r.p[i][i] = priorP(theta[i], noise)
+	}
+	return r
+}
+
+func (r *rls3) predict(phi [3]float64) float64 {
+	return r.theta[0]*phi[0] + r.theta[1]*phi[1] + r.theta[2]*phi[2]
+}
+
+// updatePhi fits y = theta . phi as rls2.updatePhi does.
+func (r *rls3) updatePhi(phi [3]float64, y float64) {
+	var pphi [3]float64
+	for i := range 3 {
+		pphi[i] = r.p[i][0]*phi[0] + r.p[i][1]*phi[1] + r.p[i][2]*phi[2]
+	}
+	rr := phi[0]*pphi[0] + phi[1]*pphi[1] + phi[2]*pphi[2]
+	w := 1.0
+	if rr > 1e-12 {
+		w = 1 - (1-forgetting)/rr
+	}
+	err := y - r.predict(phi)
+	for i := range 3 {
+		for j := range 3 {
+			r.p[i][j] -= w * pphi[i] * pphi[j] / (1 + w*rr)
+		}
+	}
+	r.p = boundCovariance3(r.p)
+	for i := range 3 {
+		r.theta[i] += (r.p[i][0]*phi[0] + r.p[i][1]*phi[1] + r.p[i][2]*phi[2]) * err
+	}
+}
+
+// boundCovariance3 keeps p a bounded covariance matrix as boundCovariance2 does, and positive
+// semi-definite: bounding each covariance by its variances does not ensure it for three, so a matrix
+// whose Cholesky factorisation fails keeps only its variances.
+func boundCovariance3(p [3][3]float64) [3][3]float64 {
+	for i := range 3 {
+		if math.IsNaN(p[i][i]) {
+			p[i][i] = maxCovariance
+		}
+		p[i][i] = clamp(p[i][i], minVariance, maxCovariance)
+	}
+	for i := range 3 {
+		for j := i + 1; j < 3; j++ {
+			c := (p[i][j] + p[j][i]) / 2
+			if math.IsNaN(c) {
+				c = 0
+			}
+			lim := math.Sqrt(p[i][i]) * math.Sqrt(p[j][j])
+			c = clamp(c, -lim, lim)
+			p[i][j], p[j][i] = c, c
+		}
+	}
+	if !positiveDefinite3(p) {
+		for i := range 3 {
+			for j := range 3 {
+				if i != j {
+					p[i][j] = 0
+				}
+			}
+		}
+	}
+	return p
+}
+
+// positiveDefinite3 reports whether the symmetric p has a Cholesky factorisation.
+func positiveDefinite3(p [3][3]float64) bool {
+	var l [3][3]float64
+	for i := range 3 {
+		for j := 0; j <= i; j++ {
+			sum := p[i][j]
+			for k := range j {
+				sum -= l[i][k] * l[j][k]
+			}
+			if i == j {
+				if !(sum > 0) {
+					return false
+				}
+				l[i][i] = math.Sqrt(sum)
+			} else {
+				l[i][j] = sum / l[j][j]
+			}
+		}
+	}
+	return true
 }
 
 // maxCovariance bounds the estimator's variances (it winds up to it in a direction the data do not

@@ -101,7 +101,7 @@ func TestServiceModelScaleFree(t *testing.T) {
 			if !busyOnly {
 				firstToken(m, uncached, 0, 0, ttft/scale)
 			}
-			m.ObserveBusy(busy/scale, float64(uncached), steps)
+			m.ObserveBusy(busy/scale, float64(uncached), steps, 0)
 		}
 		return m.Service()
 	}
@@ -324,7 +324,7 @@ func TestFleetPoolsBusyPrefill(t *testing.T) {
 		for i := range n {
 			steps := 20 + float64(i%5)*10
 			uncached := 1000 + float64(i%3)*1500
-			m.ObserveBusy(steps*0.03+uncached*perToken, uncached, steps)
+			m.ObserveBusy(steps*0.03+uncached*perToken, uncached, steps, 0)
 		}
 	}
 	measured := NewServiceModel(Prior)
@@ -474,8 +474,8 @@ func TestServiceModelBusy(t *testing.T) {
 	const step, perToken = 0.018, 1.0 / 2000
 	rng := rand.New(rand.NewPCG(9, 9))
 	m := NewServiceModel(Prior)
-	m.ObserveBusy(1, 1000, 0)   // no step ended
-	m.ObserveBusy(-1, 1000, 10) // no time
+	m.ObserveBusy(1, 1000, 0, 0)   // no step ended
+	m.ObserveBusy(-1, 1000, 10, 0) // no time
 	if n := m.Service().BusyIntervals; n != 0 {
 		t.Fatalf("%d busy intervals from invalid ones, want 0", n)
 	}
@@ -483,7 +483,7 @@ func TestServiceModelBusy(t *testing.T) {
 		steps := 5 + rng.Float64()*40
 		uncached := rng.Float64() * 3000
 		noise := 1 + 0.05*(rng.Float64()-0.5)
-		m.ObserveBusy((steps*step+uncached*perToken)*noise, uncached, steps)
+		m.ObserveBusy((steps*step+uncached*perToken)*noise, uncached, steps, 0)
 		if got := m.Service().PrefillSecondsPerToken; i >= 3 && math.Abs(got-perToken) > 0.2*perToken {
 			t.Errorf("after %d busy intervals: %.0f prefill tokens/s, want about %.0f", i+1, 1/got, 1/perToken)
 		}
@@ -504,7 +504,7 @@ func TestServiceModelBusy(t *testing.T) {
 func TestServiceModelFirstBusyIntervalCounts(t *testing.T) {
 	const steps, uncached = 64.0, 4000.0
 	m := NewServiceModel(Prior)
-	m.ObserveBusy(steps*Prior.TokenSeconds+uncached*4*Prior.PrefillSecondsPerToken, uncached, steps)
+	m.ObserveBusy(steps*Prior.TokenSeconds+uncached*4*Prior.PrefillSecondsPerToken, uncached, steps, 0)
 	s := m.Service()
 	if s.BusyIntervals != 1 || s.PrefillSecondsPerToken < 1.1*Prior.PrefillSecondsPerToken {
 		t.Errorf("after one busy interval at a quarter of the prior's prefill speed: %d intervals, %.0f tokens/s, want slower than the prior's %.0f",
@@ -564,7 +564,7 @@ func TestFleetBlendScalesBySteps(t *testing.T) {
 			for range 6 {
 				models[i].ObserveEnd(500, 64, 0, 64*c.step+500*c.perToken)
 				steps, uncached := 64.0, 1000+rng.Float64()*2000
-				models[i].ObserveBusy(steps*c.step+uncached*c.perToken, uncached, steps)
+				models[i].ObserveBusy(steps*c.step+uncached*c.perToken, uncached, steps, 0)
 			}
 			scrapes(models[i], 1, c.theirs)
 		}
@@ -622,7 +622,7 @@ func TestServiceModelSteadyMix(t *testing.T) {
 				r := rand.New(rand.NewPCG(uint64(seed), 0x5eed))
 				m := NewServiceModel(Prior)
 				busy := func(steps, uncached float64) {
-					m.ObserveBusy((steps*b.step+uncached*b.prefill)*(1+0.05*r.NormFloat64()), uncached, steps)
+					m.ObserveBusy((steps*b.step+uncached*b.prefill)*(1+0.05*r.NormFloat64()), uncached, steps, 0)
 				}
 				for range 20 {
 					busy(20+40*r.Float64(), 20000*r.Float64())
@@ -652,11 +652,11 @@ func TestServiceModelSteadyMix(t *testing.T) {
 // the slow edge is still used, clamped.
 func TestServiceModelBusyFitOutsideBand(t *testing.T) {
 	bad := NewServiceModel(Prior)
-	bad.ObserveBusy(0.8, 1000, 270) // 3 ms a step where the backend steps in 2
+	bad.ObserveBusy(0.8, 1000, 270, 0) // 3 ms a step where the backend steps in 2
 	for range 6 {
-		bad.ObserveBusy(0.40, 2500, 140) // 2,500 tokens prefilled and 140 steps in less than 140 such steps
+		bad.ObserveBusy(0.40, 2500, 140, 0) // 2,500 tokens prefilled and 140 steps in less than 140 such steps
 	}
-	if th := bad.busy.theta[1]; th >= Prior.PrefillSecondsPerToken*1000/maxScale {
+	if th := bad.busy.theta[2]; th >= Prior.PrefillSecondsPerToken*1000/maxScale {
 		t.Fatalf("the fit's prefill is %v s per 1k tokens: the intervals did not take it out of the band", th)
 	}
 	s := bad.Service()
@@ -674,7 +674,7 @@ func TestServiceModelBusyFitOutsideBand(t *testing.T) {
 	slow := NewServiceModel(Prior)
 	for i := range 30 {
 		uncached := float64(500 + 1500*(i%3))
-		slow.ObserveBusy(40*0.030+uncached*100*Prior.PrefillSecondsPerToken, uncached, 40)
+		slow.ObserveBusy(40*0.030+uncached*100*Prior.PrefillSecondsPerToken, uncached, 40, 0)
 	}
 	if s := slow.Service(); s.PrefillSecondsPerToken != Prior.PrefillSecondsPerToken*maxScale || s.busyRatio() <= 0 {
 		t.Errorf("a fit 100x slower than the prior: prefill %v s/token (ratio %v), want the edge %v, pooled",
@@ -685,8 +685,8 @@ func TestServiceModelBusyFitOutsideBand(t *testing.T) {
 	// the latter's ratio is pooled, and the bad one borrows it.
 	good := NewServiceModel(Prior)
 	for range 16 {
-		good.ObserveBusy(40*0.030+2000*2*Prior.PrefillSecondsPerToken, 2000, 40)
-		good.ObserveBusy(60*0.030+500*2*Prior.PrefillSecondsPerToken, 500, 60)
+		good.ObserveBusy(40*0.030+2000*2*Prior.PrefillSecondsPerToken, 2000, 40, 0)
+		good.ObserveBusy(60*0.030+500*2*Prior.PrefillSecondsPerToken, 500, 60, 0)
 	}
 	var f Fleet
 	f.Add(s)
@@ -722,5 +722,40 @@ func TestServiceModelReportedSlots(t *testing.T) {
 	m.ForgetSlots()
 	if s := m.Service().Slots; s != 0 {
 		t.Errorf("slots %v after ForgetSlots, want 0 until reported again", s)
+	}
+}
+
+// TestServiceModelBusyBatch: a backend whose decode steps grow with the batch (30 ms and 0.25 ms a
+// sequence, as vLLM's) and whose prefill per interval grows with it too (more requests running, more
+// arriving) prefills at 20k tokens/s. Fitted on steps and prefilled tokens alone, the step time that the
+// batch adds is taken for prefill, and the speed comes out several times too slow (the matrix's
+// fast-prefill backends were priced at 61k wall tokens/s for 200k); with the generated tokens (a
+// sequence-step each) beside the steps, it is within a fifth of the truth, and the time per sequence is
+// learned.
+func TestServiceModelBusyBatch(t *testing.T) {
+	const step, perSeq, perToken = 0.030, 0.00025, 1.0 / 20000
+	fit := func(withGenerated bool) Service {
+		rng := rand.New(rand.NewPCG(3, 3))
+		m := NewServiceModel(Prior)
+		for range 30 {
+			steps := 64 + rng.Float64()*136
+			batch := 4 + rng.Float64()*36
+			uncached := steps * batch * 2 * (0.5 + rng.Float64())
+			seconds := (steps*(step+perSeq*batch) + uncached*perToken) * (1 + 0.02*rng.NormFloat64())
+			generated := 0.0
+			if withGenerated {
+				generated = steps * batch
+			}
+			m.ObserveBusy(seconds, uncached, steps, generated)
+		}
+		return m.Service()
+	}
+	without, with := fit(false), fit(true)
+	if got := without.PrefillSecondsPerToken / perToken; got < 1.5 {
+		t.Errorf("without the generated tokens: prefill %.0f tokens/s, want the batch's time taken for prefill (slower than %.0f)",
+			1/without.PrefillSecondsPerToken, 1/perToken/1.5)
+	}
+	if got := with.PrefillSecondsPerToken / perToken; got < 0.8 || got > 1.25 {
+		t.Errorf("with the generated tokens: prefill %.0f tokens/s, want %.0f within a fifth", 1/with.PrefillSecondsPerToken, 1/perToken)
 	}
 }

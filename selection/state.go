@@ -18,16 +18,19 @@ type ModelState struct {
 	TTFT      RLSState `json:"ttft"`
 	FirstToks int      `json:"first_tokens"`
 	Skipped   int      `json:"skipped_first_tokens,omitempty"` // Service.SkippedFirstTokens; absent from states saved before it
-	Busy      RLSState `json:"busy"`
-	BusyN     int      `json:"busy_intervals"`
-	LogScale  float64  `json:"log_scale"`
-	Durations int      `json:"durations"`
-	MeanDur   float64  `json:"mean_duration"`
-	Slots     float64  `json:"slots"`
-	Ceiling   float64  `json:"ceiling"`
-	AtCeil    int      `json:"at_ceiling"`
-	BelowCeil int      `json:"below_ceiling"`
-	Free      int      `json:"free,omitempty"` // Service.Free; absent from states saved before it (0: unknown)
+	Busy      RLSState `json:"busy"`                           // BusyBatch's step time and prefill, for versions before it
+	// BusyBatch is the busy intervals' whole fit, with the time a sequence adds to a step; absent from
+	// states saved before it (Restore then takes Busy, and the prior's time per sequence).
+	BusyBatch *RLS3State `json:"busy_batch,omitempty"`
+	BusyN     int        `json:"busy_intervals"`
+	LogScale  float64    `json:"log_scale"`
+	Durations int        `json:"durations"`
+	MeanDur   float64    `json:"mean_duration"`
+	Slots     float64    `json:"slots"`
+	Ceiling   float64    `json:"ceiling"`
+	AtCeil    int        `json:"at_ceiling"`
+	BelowCeil int        `json:"below_ceiling"`
+	Free      int        `json:"free,omitempty"` // Service.Free; absent from states saved before it (0: unknown)
 }
 
 // StatePrior is the part of a Service a prior sets.
@@ -47,6 +50,15 @@ type RLSState struct {
 	Theta [2]float64    `json:"theta"`
 	P     [2][2]float64 `json:"p"`
 }
+
+// RLS3State is a recursive least-squares fit of three slopes: its parameters and their covariance.
+type RLS3State struct {
+	Theta [3]float64    `json:"theta"`
+	P     [3][3]float64 `json:"p"`
+}
+
+// busyIndex maps Busy's two parameters to BusyBatch's: the step time and the prefill.
+var busyIndex = [2]int{0, 2}
 
 // ErrOtherPrior is Restore's answer to a state learned from another prior than the model's.
 var ErrOtherPrior = errors.New("learned from another prior (a capacity hint changed)")
@@ -69,7 +81,8 @@ func (m *ServiceModel) State() ModelState {
 		TTFT:      RLSState{m.ttft.theta, m.ttft.p},
 		FirstToks: m.ttftN,
 		Skipped:   m.skippedN,
-		Busy:      RLSState{m.busy.theta, m.busy.p},
+		Busy:      m.busy.project(),
+		BusyBatch: &RLS3State{m.busy.theta, m.busy.p},
 		BusyN:     m.busyN,
 		LogScale:  m.logScale,
 		Durations: m.durN,
@@ -106,7 +119,12 @@ func (m *ServiceModel) Restore(st ModelState) error {
 	// refused: versions before the bound saved such matrices when their estimator wound up, and an
 	// indefinite one turns a variance negative within a few updates.
 	m.ttft, m.ttftN, m.skippedN = rls2{theta: st.TTFT.Theta, p: boundCovariance2(st.TTFT.P)}, st.FirstToks, st.Skipped
-	m.busy, m.busyN = rls2{theta: st.Busy.Theta, p: boundCovariance2(st.Busy.P)}, st.BusyN
+	if b := st.BusyBatch; b != nil {
+		m.busy = rls3{theta: b.Theta, p: boundCovariance3(b.P)}
+	} else {
+		m.busy = m.busyFrom2(st.Busy)
+	}
+	m.busyN = st.BusyN
 	m.logScale, m.durN, m.meanDur = st.LogScale, st.Durations, st.MeanDur
 	m.slots, m.ceiling, m.atCeil, m.belowCeil, m.free = st.Slots, st.Ceiling, st.AtCeil, st.BelowCeil, st.Free
 	return nil
@@ -115,7 +133,7 @@ func (m *ServiceModel) Restore(st ModelState) error {
 func (st ModelState) check() error {
 	finite := []float64{st.Prior.Overhead, st.Prior.PrefillSecondsPerToken, st.Prior.TokenSeconds, st.Prior.MeanDuration,
 		st.LogScale, st.MeanDur, st.Slots, st.Ceiling}
-	for _, r := range []RLSState{st.TTFT, st.Busy} {
+	for _, r := range st.fits() {
 		finite = append(finite, r.Theta[0], r.Theta[1], r.P[0][0], r.P[0][1], r.P[1][0], r.P[1][1])
 	}
 	for _, v := range finite {
@@ -128,7 +146,7 @@ func (st ModelState) check() error {
 			return fmt.Errorf("count %d out of range", n)
 		}
 	}
-	for _, r := range []RLSState{st.TTFT, st.Busy} {
+	for _, r := range st.fits() {
 		for i := range 2 {
 			if math.Abs(r.Theta[i]) > maxTheta {
 				return fmt.Errorf("parameter %v out of range", r.Theta[i])
@@ -150,4 +168,45 @@ func (st ModelState) check() error {
 		return fmt.Errorf("durations or slots out of range (mean duration %v, slots %v, ceiling %v)", st.MeanDur, st.Slots, st.Ceiling)
 	}
 	return nil
+}
+
+// fits returns the state's fits as two-parameter ones: TTFT, Busy, and BusyBatch's parameters pairwise
+// (what check verifies of each holds for every pair: finite, in range, variances not negative).
+func (st ModelState) fits() []RLSState {
+	fits := []RLSState{st.TTFT, st.Busy}
+	if b := st.BusyBatch; b != nil {
+		for _, ij := range [3][2]int{{0, 1}, {0, 2}, {1, 2}} {
+			i, j := ij[0], ij[1]
+			fits = append(fits, RLSState{Theta: [2]float64{b.Theta[i], b.Theta[j]},
+				P: [2][2]float64{{b.P[i][i], b.P[i][j]}, {b.P[j][i], b.P[j][j]}}})
+		}
+	}
+	return fits
+}
+
+// project returns r's step time and prefill with their covariance: the two-parameter fit a version
+// before the time per sequence reads.
+func (r rls3) project() RLSState {
+	var st RLSState
+	for a, i := range busyIndex {
+		st.Theta[a] = r.theta[i]
+		for b, j := range busyIndex {
+			st.P[a][b] = r.p[i][j]
+		}
+	}
+	return st
+}
+
+// busyFrom2 is the busy fit restored from a state saved before the time per sequence: its step time
+// and prefill as saved, and the prior's time per sequence. The caller holds m.mu.
+func (m *ServiceModel) busyFrom2(st RLSState) rls3 {
+	p2 := boundCovariance2(st.P)
+	r := newRLS3([3]float64{st.Theta[0], m.prior.TokenSeconds * seqShare * 1000, st.Theta[1]}, priorNoise(m.prior))
+	for a, i := range busyIndex {
+		r.theta[i] = st.Theta[a]
+		for b, j := range busyIndex {
+			r.p[i][j] = p2[a][b]
+		}
+	}
+	return r
 }

@@ -17,7 +17,8 @@ func learned(prior Service) *ServiceModel {
 	for i := range 30 {
 		uncached, output := 100+rng.IntN(4000), 32+rng.IntN(200)
 		m.ObserveEnd(uncached, output, 0, b.duration(uncached, output, rng))
-		m.ObserveBusy(64*b.tokenSeconds+float64(uncached)*b.perToken, float64(uncached), 64)
+		batch := float64(4 + i%8)
+		m.ObserveBusy(64*(b.tokenSeconds+batch*b.tokenSeconds/100)+float64(uncached)*b.perToken, float64(uncached), 64, 64*batch)
 		if i%3 == 0 {
 			firstToken(m, uncached, i/3, 0, b.ttft(uncached, rng))
 		}
@@ -53,11 +54,39 @@ func TestServiceModelStateRoundTrip(t *testing.T) {
 	for _, m := range []*ServiceModel{saved, restored} {
 		m.ObserveEnd(2000, 100, 0.1, 12)
 		firstToken(m, 500, 0, 0, 0.3)
-		m.ObserveBusy(3, 9000, 70)
+		m.ObserveBusy(3, 9000, 70, 0)
 		m.ObserveQueue(13, 1, 0.2)
 	}
 	if got, want := restored.Service(), saved.Service(); got != want {
 		t.Errorf("after the same observations: restored %+v, saved %+v", got, want)
+	}
+}
+
+// TestServiceModelRestoresBusyWithoutBatch: a state saved before the busy intervals' fit had a time per
+// sequence (no busy_batch) restores the step time and prefill it saved, with the prior's time per
+// sequence, and is saved again with both.
+func TestServiceModelRestoresBusyWithoutBatch(t *testing.T) {
+	saved := learned(Prior)
+	st := saved.State()
+	st.BusyBatch = nil
+	js, err := json.Marshal(st)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var old ModelState
+	if err := json.Unmarshal(js, &old); err != nil {
+		t.Fatal(err)
+	}
+	m := NewServiceModel(Prior)
+	if err := m.Restore(old); err != nil {
+		t.Fatalf("Restore: %v", err)
+	}
+	got := m.State()
+	if got.Busy != st.Busy || got.BusyBatch == nil || got.BusyBatch.Theta[1] != Prior.TokenSeconds*seqShare*1000 {
+		t.Errorf("restored busy fit %+v / %+v, want %+v and the prior's time per sequence", got.Busy, got.BusyBatch, st.Busy)
+	}
+	if a, b := m.Service().PrefillSecondsPerToken, saved.Service().PrefillSecondsPerToken; a != b {
+		t.Errorf("restored prefill %v, want the saved %v", a, b)
 	}
 }
 
@@ -83,9 +112,15 @@ func TestServiceModelRestoreRefuses(t *testing.T) {
 		"slots above ceil":   func(s *ModelState) { s.Slots, s.Ceiling = 64, 8 },
 		"negative duration":  func(s *ModelState) { s.MeanDur = -2 },
 		"NaN prior":          func(s *ModelState) { s.Prior.Overhead = math.NaN() },
+		"NaN batch fit":      func(s *ModelState) { s.BusyBatch.Theta[1] = math.NaN() },
+		"huge batch fit":     func(s *ModelState) { s.BusyBatch.Theta[2] = 1e300 },
+		"batch variance":     func(s *ModelState) { s.BusyBatch.P[1][1] = -1 },
+		"batch covariance":   func(s *ModelState) { s.BusyBatch.P[2][1] = math.Inf(-1) },
 	}
 	for name, damage := range bad {
 		st := good
+		batch := *good.BusyBatch
+		st.BusyBatch = &batch
 		damage(&st)
 		if err := m.Restore(st); err == nil || errors.Is(err, ErrOtherPrior) {
 			t.Errorf("%s: err %v, want a refusal", name, err)
@@ -107,7 +142,7 @@ func TestServiceModelCountsStayRestorable(t *testing.T) {
 	}
 	m.ObserveEnd(2000, 100, 0.1, 12)
 	firstToken(m, 500, 0, 0, 0.3)
-	m.ObserveBusy(3, 9000, 70)
+	m.ObserveBusy(3, 9000, 70, 0)
 	if err := NewServiceModel(Prior).Restore(m.State()); err != nil {
 		t.Errorf("the state saved after more observations is refused: %v", err)
 	}
@@ -153,6 +188,7 @@ func FuzzRestore(f *testing.F) {
 	f.Add(good)
 	f.Add([]byte(`{"prior":{"overhead":0.03,"prefill_seconds_per_token":0.000125,"token_seconds":0.03,"mean_duration":2},"busy":{"theta":[1.7e308,0],"p":[[0,0],[0,0]]},"busy_intervals":5}`))
 	f.Add([]byte(`{"prior":{"overhead":0.03,"prefill_seconds_per_token":0.000125,"token_seconds":0.03,"mean_duration":2},"busy":{"theta":[1e300,-1e300],"p":[[1e6,-1e6],[-1e6,1e6]]},"busy_intervals":5}`))
+	f.Add([]byte(`{"prior":{"overhead":0.03,"prefill_seconds_per_token":0.000125,"token_seconds":0.03,"mean_duration":2},"busy_batch":{"theta":[0.03,0.25,0.125],"p":[[1e6,1e6,-1e6],[1e6,1e6,1e6],[-1e6,1e6,1e6]]},"busy_intervals":5}`))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		var st ModelState
 		if json.Unmarshal(data, &st) != nil {
@@ -176,7 +212,7 @@ func FuzzRestore(f *testing.F) {
 		check("restored")
 		m.ObserveEnd(2000, 100, 0.1, 3)
 		firstToken(m, 500, 0, 0, 0.2)
-		m.ObserveBusy(2, 4000, 70)
+		m.ObserveBusy(2, 4000, 70, 700)
 		m.ObserveQueue(8, 2, 0.3)
 		check("after observations")
 	})
