@@ -914,7 +914,9 @@ func (l *upstreamLoad) observeBusyLocked(snap *scraper.Snapshot) {
 		if !l.busyForeign {
 			busy -= float64(idle-l.busyIdle) / 1e9
 		}
-		// In this proxy's tokens, the ones the decision multiplies the prefill speed by.
+		// In this proxy's tokens, the ones the decision multiplies the prefill speed by. The generated
+		// tokens are the sequence-steps the batch ran (each step longer for each of them), a count of
+		// its own: no token scale.
 		l.model.ObserveBusy(busy, uncached/l.tokenScaleLocked(), steps, max(snap.GenerationTokens-from.GenerationTokens, 0))
 	}
 	restart()

@@ -576,6 +576,38 @@ func testBusyIntervalsTeachPrefill(t *testing.T, evaluated bool) {
 	}
 }
 
+// TestBusyIntervalsTeachTimePerSequence: the generated tokens between two scrapes (a sequence-step each)
+// reach the busy-interval fit beside the steps, so a backend whose steps run 0.1 ms longer for each
+// sequence in the batch (5 ms at none), at batches of 4-40, is learned as such, its prefill speed with
+// it, and /llm/upstreams reports the time per sequence.
+func TestBusyIntervalsTeachTimePerSequence(t *testing.T) {
+	const perSeq = 0.0001
+	lt := newTestLoads()
+	at := time.Unix(1_700_000_000, 0)
+	snap := scraper.Snapshot{Running: 4}
+	lt.view(busyDial, at.UnixNano(), &snap)
+	for i := range 24 {
+		running := float64(4 + (i*7)%37)
+		steps := float64(50 + (i*13)%70)
+		snap.Running = running
+		snap.Steps += steps
+		snap.GenerationTokens += steps * running
+		snap.PrefixQueries += (1 - steps*(busyStep+perSeq*running)) / busyPerToken
+		at = at.Add(time.Second)
+		snap.At = at
+		s := snap
+		lt.view(busyDial, at.UnixNano(), &s)
+	}
+	s := lt.lookup(busyDial).model.Service()
+	if math.Abs(s.SequenceSeconds-perSeq) > 0.25*perSeq || math.Abs(s.PrefillSecondsPerToken-busyPerToken) > 0.15*busyPerToken {
+		t.Errorf("after %d busy intervals: %.3f ms a sequence, %.0f tokens/s, want about %.3f and %.0f",
+			s.BusyIntervals, 1000*s.SequenceSeconds, 1/s.PrefillSecondsPerToken, 1000*perSeq, 1/busyPerToken)
+	}
+	if got := reportService(s, 0, 1).SequenceMS; got != 1000*s.SequenceSeconds {
+		t.Errorf("reported %v ms a sequence, want the model's %v", got, 1000*s.SequenceSeconds)
+	}
+}
+
 // TestBusyIntervalsNeedFinishedRequests: where the backend counts finished requests, a busy interval
 // ends only once it holds minBusyRequests of them, however many steps it spans: a long prompt is counted
 // when scheduled and prefilled after, and an interval of a few prompts is mostly its edges. Scrapes are

@@ -144,6 +144,7 @@ var (
 	descQueuedPrefill    = prometheus.NewDesc("caddy_llm_upstream_queued_prefill_seconds", "Predicted seconds of prefill this process has queued on the upstream.", []string{"upstream"}, nil)
 	descPrefillRate      = prometheus.NewDesc("caddy_llm_upstream_prefill_tokens_per_second", "Learned prefill rate of the upstream.", []string{"upstream"}, nil)
 	descTokenSeconds     = prometheus.NewDesc("caddy_llm_upstream_output_token_seconds", "Learned time per output token of one sequence on the upstream.", []string{"upstream"}, nil)
+	descSequenceSeconds  = prometheus.NewDesc("caddy_llm_upstream_step_seconds_per_sequence", "Learned time each sequence in the batch adds to an engine step of the upstream (absent until busy intervals between scrapes have taught it).", []string{"upstream"}, nil)
 	descOverhead         = prometheus.NewDesc("caddy_llm_upstream_first_token_overhead_seconds", "Learned time to first token beyond prefill on the upstream.", []string{"upstream"}, nil)
 	descSlots            = prometheus.NewDesc("caddy_llm_upstream_slots", "Learned number of sequences the upstream runs before it queues (absent while unknown).", []string{"upstream"}, nil)
 	descOverrun          = prometheus.NewDesc("caddy_llm_upstream_overrun", "How many times longer than predicted the requests in flight to the upstream have already run (the second longest; 0 below 1). The decision applies it only while no scrape shows other clients' requests there.", []string{"upstream"}, nil)
@@ -161,7 +162,7 @@ var (
 func (stateCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descInflightTokens, descInflightRequests, descSaturated, descQueue, descRunning, descKV,
 		descScrapeAge, descScrapeErrors, descScrapesForward, descRoutes, descRouteEvictions, descRoutesExpired, descPins,
-		descPhase, descQueuedPrefill, descPrefillRate, descTokenSeconds, descOverhead, descSlots, descOverrun, descAvailability,
+		descPhase, descQueuedPrefill, descPrefillRate, descTokenSeconds, descSequenceSeconds, descOverhead, descSlots, descOverrun, descAvailability,
 		descObservedPrompt, descPredictedCached, descObservedCached, descConfirmedCached, descCorrections, descEvictedClaims, descRestarts, descTokenScale} {
 		ch <- d
 	}
@@ -191,6 +192,9 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 			ch <- prometheus.MustNewConstMetric(descPrefillRate, prometheus.GaugeValue, m.PrefillTokensPerSecond, u.Upstream)
 			ch <- prometheus.MustNewConstMetric(descTokenSeconds, prometheus.GaugeValue, m.TokenMS/1000, u.Upstream)
 			ch <- prometheus.MustNewConstMetric(descOverhead, prometheus.GaugeValue, m.OverheadMS/1000, u.Upstream)
+			if m.SequenceMS > 0 {
+				ch <- prometheus.MustNewConstMetric(descSequenceSeconds, prometheus.GaugeValue, m.SequenceMS/1000, u.Upstream)
+			}
 			if m.Slots > 0 {
 				ch <- prometheus.MustNewConstMetric(descSlots, prometheus.GaugeValue, m.Slots, u.Upstream)
 			}

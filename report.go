@@ -81,8 +81,11 @@ type serviceModel struct {
 	PrefillTokensPerSecond float64 `json:"prefill_tokens_per_sec"`
 	OverheadMS             float64 `json:"overhead_ms"`
 	TokenMS                float64 `json:"ms_per_output_token"`
-	Slots                  float64 `json:"slots,omitempty"` // 0: not known (no metrics, or never queued)
-	MeanDurationSeconds    float64 `json:"mean_request_seconds"`
+	// SequenceMS is how much longer each engine step runs for one more sequence in the batch, learned
+	// from the busy intervals (the generated tokens beside the steps); absent until they have.
+	SequenceMS          float64 `json:"step_ms_per_sequence,omitempty"`
+	Slots               float64 `json:"slots,omitempty"` // 0: not known (no metrics, or never queued)
+	MeanDurationSeconds float64 `json:"mean_request_seconds"`
 	// FirstTokens counts the first tokens observed (by the llm transport or llm_resume) that taught it.
 	FirstTokens int `json:"first_tokens_observed"`
 	// SkippedFirstTokens counts the first tokens observed that taught it nothing: predicted to wait
@@ -115,7 +118,7 @@ type serviceModel struct {
 }
 
 func reportService(s selection.Service, overrun, tokenScale float64) *serviceModel {
-	m := &serviceModel{OverheadMS: 1000 * s.Overhead, TokenMS: 1000 * s.TokenSeconds, Slots: s.Slots, MeanDurationSeconds: s.MeanDuration, FirstTokens: s.FirstTokens, SkippedFirstTokens: s.SkippedFirstTokens, UnqueuedConcurrency: s.Free, BusyIntervals: s.BusyIntervals, Overrun: overrun, TokenScale: tokenScale}
+	m := &serviceModel{OverheadMS: 1000 * s.Overhead, TokenMS: 1000 * s.TokenSeconds, SequenceMS: 1000 * s.SequenceSeconds, Slots: s.Slots, MeanDurationSeconds: s.MeanDuration, FirstTokens: s.FirstTokens, SkippedFirstTokens: s.SkippedFirstTokens, UnqueuedConcurrency: s.Free, BusyIntervals: s.BusyIntervals, Overrun: overrun, TokenScale: tokenScale}
 	if s.PrefillSecondsPerToken > 0 {
 		m.PrefillTokensPerSecond = 1 / s.PrefillSecondsPerToken
 	}

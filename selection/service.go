@@ -152,6 +152,7 @@ type ServiceModel struct {
 	skippedN  int     // first tokens observed that taught nothing (ObserveFirstToken)
 	busy      rls3    // a busy interval's seconds = step time x steps + seconds per 1000 sequence-steps x generated/1000 + prefill seconds per 1000 tokens x uncached/1000
 	busyN     int     // busy intervals observed
+	busyGenN  int     // of them, those that counted generated tokens (taught the time per sequence)
 	logScale  float64 // log of observed/predicted durations (EWMA)
 	durN      int
 	steps     stepWork // how long its work between recent scrapes took against the prior (ObserveSteps)
@@ -193,7 +194,7 @@ func (m *ServiceModel) resetLocked(prior Service) {
 	m.prior, m.meanDur = prior, prior.MeanDuration
 	noise := priorNoise(prior)
 	m.ttft, m.ttftN, m.skippedN = newRLS2(prior.Overhead, prior.PrefillSecondsPerToken*1000, noise), 0, 0
-	m.busy, m.busyN = newRLS3([3]float64{prior.TokenSeconds, prior.TokenSeconds * seqShare * 1000, prior.PrefillSecondsPerToken * 1000}, noise), 0
+	m.busy, m.busyN, m.busyGenN = newRLS3([3]float64{prior.TokenSeconds, prior.TokenSeconds * seqShare * 1000, prior.PrefillSecondsPerToken * 1000}, noise), 0, 0
 	m.logScale, m.durN = 0, 0
 	m.steps = stepWork{}
 	m.forgetSlotsLocked()
@@ -277,17 +278,22 @@ func (m *ServiceModel) ObserveEnd(uncached, output int, waited, duration float64
 }
 
 // ObserveBusy records what the backend did between two of its metrics snapshots seconds apart, during
-// which it was running requests throughout: it ran steps engine steps and prefilled uncached prompt
-// tokens. An engine that has requests runs steps back to back, each a decode step for the batch plus the
-// prefill it carries, so
+// which it was running requests throughout: it ran steps engine steps, generated tokens (one a sequence
+// a step; 0: not known) and prefilled uncached prompt tokens. An engine that has requests runs steps
+// back to back, each a decode step for the batch, longer for every sequence in it, plus the prefill it
+// carries, so
 //
-//	seconds = steps x step time + uncached x prefill seconds per token,
+//	seconds = steps x step time + generated x seconds a sequence adds to a step + uncached x prefill seconds per token,
 //
-// fitted by recursive least squares on the two slopes: the prefill speed comes from the backend's own
+// fitted by recursive least squares on the three slopes: the prefill speed comes from the backend's own
 // counters and clock, no proxy-side guess in it. It pins the prefill speed for a proxy that sees no
 // first tokens (a bare lb_policy llm sees only when responses end, and a request's duration is mostly
 // decoding: one speed scale fitted to durations took a backend that prefills at 2k tokens/s and decodes
 // at 30 ms a step for the 8k-tokens/s prior, and priced its cache misses at a quarter of their cost).
+// Without the generated tokens, the time a growing batch added to the steps was taken for prefill (more
+// requests running, more arriving to prefill): backends prefilling 20k tokens/s with 30 ms steps and
+// 0.25 ms a sequence were fitted at 6k (the matrix's fast-prefill, docs/bench/busy-batch; 8.7k in
+// TestServiceModelBusyBatch).
 func (m *ServiceModel) ObserveBusy(seconds, uncached, steps, generated float64) {
 	if !(seconds > 0) || !(steps >= 1) || !(uncached >= 0) || !(generated >= 0) || math.IsInf(seconds+uncached+steps+generated, 0) {
 		return
@@ -299,6 +305,9 @@ func (m *ServiceModel) ObserveBusy(seconds, uncached, steps, generated float64) 
 	// A stall (a preempted batch, a paused process) must not teach a 10x slowdown.
 	y := m.clipStallLocked(seconds, max(pred, 1e-3*priorUnit(m.prior)))
 	m.busy.updatePhi(phi, y)
+	if generated > 0 {
+		m.busyGenN = counted(m.busyGenN)
+	}
 	if uncached > 0 {
 		m.busyN = counted(m.busyN) // an interval without prefill teaches the step time only
 	}
@@ -454,7 +463,7 @@ func (m *ServiceModel) serviceLocked() Service {
 		s.Slots, s.LikelySlots = m.reported, 0
 	}
 	// Keep estimates within a plausible band: no GPU is 50x faster or slower than the prior.
-	if seq := m.busy.theta[1] / 1000; m.busyN >= minBusy && seq > 0 {
+	if seq := m.busy.theta[1] / 1000; m.busyGenN >= minBusy && seq > 0 {
 		s.SequenceSeconds = min(seq, s.TokenSeconds)
 	}
 	if m.ttftN >= minFirstTokens {

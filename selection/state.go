@@ -22,15 +22,18 @@ type ModelState struct {
 	// BusyBatch is the busy intervals' whole fit, with the time a sequence adds to a step; absent from
 	// states saved before it (Restore then takes Busy, and the prior's time per sequence).
 	BusyBatch *RLS3State `json:"busy_batch,omitempty"`
-	BusyN     int        `json:"busy_intervals"`
-	LogScale  float64    `json:"log_scale"`
-	Durations int        `json:"durations"`
-	MeanDur   float64    `json:"mean_duration"`
-	Slots     float64    `json:"slots"`
-	Ceiling   float64    `json:"ceiling"`
-	AtCeil    int        `json:"at_ceiling"`
-	BelowCeil int        `json:"below_ceiling"`
-	Free      int        `json:"free,omitempty"` // Service.Free; absent from states saved before it (0: unknown)
+	// BusyBatchN is how many busy intervals counted generated tokens (Service.SequenceSeconds is reported
+	// from one on).
+	BusyBatchN int     `json:"busy_batch_intervals,omitempty"`
+	BusyN      int     `json:"busy_intervals"`
+	LogScale   float64 `json:"log_scale"`
+	Durations  int     `json:"durations"`
+	MeanDur    float64 `json:"mean_duration"`
+	Slots      float64 `json:"slots"`
+	Ceiling    float64 `json:"ceiling"`
+	AtCeil     int     `json:"at_ceiling"`
+	BelowCeil  int     `json:"below_ceiling"`
+	Free       int     `json:"free,omitempty"` // Service.Free; absent from states saved before it (0: unknown)
 }
 
 // StatePrior is the part of a Service a prior sets.
@@ -77,21 +80,22 @@ func (m *ServiceModel) State() ModelState {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	return ModelState{
-		Prior:     priorOf(m.prior),
-		TTFT:      RLSState{m.ttft.theta, m.ttft.p},
-		FirstToks: m.ttftN,
-		Skipped:   m.skippedN,
-		Busy:      m.busy.project(),
-		BusyBatch: &RLS3State{m.busy.theta, m.busy.p},
-		BusyN:     m.busyN,
-		LogScale:  m.logScale,
-		Durations: m.durN,
-		MeanDur:   m.meanDur,
-		Slots:     m.slots,
-		Ceiling:   m.ceiling,
-		AtCeil:    m.atCeil,
-		BelowCeil: m.belowCeil,
-		Free:      m.free,
+		Prior:      priorOf(m.prior),
+		TTFT:       RLSState{m.ttft.theta, m.ttft.p},
+		FirstToks:  m.ttftN,
+		Skipped:    m.skippedN,
+		Busy:       m.busy.project(),
+		BusyBatch:  &RLS3State{m.busy.theta, m.busy.p},
+		BusyBatchN: m.busyGenN,
+		BusyN:      m.busyN,
+		LogScale:   m.logScale,
+		Durations:  m.durN,
+		MeanDur:    m.meanDur,
+		Slots:      m.slots,
+		Ceiling:    m.ceiling,
+		AtCeil:     m.atCeil,
+		BelowCeil:  m.belowCeil,
+		Free:       m.free,
 	}
 }
 
@@ -124,7 +128,7 @@ func (m *ServiceModel) Restore(st ModelState) error {
 	} else {
 		m.busy = m.busyFrom2(st.Busy)
 	}
-	m.busyN = st.BusyN
+	m.busyN, m.busyGenN = st.BusyN, st.BusyBatchN
 	m.logScale, m.durN, m.meanDur = st.LogScale, st.Durations, st.MeanDur
 	m.slots, m.ceiling, m.atCeil, m.belowCeil, m.free = st.Slots, st.Ceiling, st.AtCeil, st.BelowCeil, st.Free
 	return nil
@@ -141,7 +145,7 @@ func (st ModelState) check() error {
 			return fmt.Errorf("a figure is not finite: %v", v)
 		}
 	}
-	for _, n := range []int{st.FirstToks, st.Skipped, st.BusyN, st.Durations, st.AtCeil, st.BelowCeil, st.Free} {
+	for _, n := range []int{st.FirstToks, st.Skipped, st.BusyN, st.BusyBatchN, st.Durations, st.AtCeil, st.BelowCeil, st.Free} {
 		if n < 0 || n > maxStateCount {
 			return fmt.Errorf("count %d out of range", n)
 		}

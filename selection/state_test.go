@@ -116,6 +116,7 @@ func TestServiceModelRestoreRefuses(t *testing.T) {
 		"huge batch fit":     func(s *ModelState) { s.BusyBatch.Theta[2] = 1e300 },
 		"batch variance":     func(s *ModelState) { s.BusyBatch.P[1][1] = -1 },
 		"batch covariance":   func(s *ModelState) { s.BusyBatch.P[2][1] = math.Inf(-1) },
+		"batch count":        func(s *ModelState) { s.BusyBatchN = -1 },
 	}
 	for name, damage := range bad {
 		st := good
