@@ -27,19 +27,26 @@ func learned(prior Service) *ServiceModel {
 	return m
 }
 
+// throughJSON returns st as persist stores and reads it back.
+func throughJSON(t *testing.T, st ModelState) ModelState {
+	t.Helper()
+	js, err := json.Marshal(st)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var back ModelState
+	if err := json.Unmarshal(js, &back); err != nil {
+		t.Fatal(err)
+	}
+	return back
+}
+
 // TestServiceModelStateRoundTrip: a model restored from a saved state (through JSON, as persist stores
 // it) predicts what the saved one predicts, and goes on learning exactly as it does.
 func TestServiceModelStateRoundTrip(t *testing.T) {
 	saved := learned(Prior)
 	firstToken(saved, 1000, 0, 5, 1) // came before its predicted wait ended: skipped
-	js, err := json.Marshal(saved.State())
-	if err != nil {
-		t.Fatal(err)
-	}
-	var st ModelState
-	if err := json.Unmarshal(js, &st); err != nil {
-		t.Fatal(err)
-	}
+	st := throughJSON(t, saved.State())
 	restored := NewServiceModel(Prior)
 	fresh := restored.Service()
 	if err := restored.Restore(st); err != nil {
@@ -54,7 +61,7 @@ func TestServiceModelStateRoundTrip(t *testing.T) {
 	for _, m := range []*ServiceModel{saved, restored} {
 		m.ObserveEnd(2000, 100, 0.1, 12)
 		firstToken(m, 500, 0, 0, 0.3)
-		m.ObserveBusy(3, 9000, 70, 0)
+		m.ObserveBusy(3, 9000, 70, 700)
 		m.ObserveQueue(13, 1, 0.2)
 	}
 	if got, want := restored.Service(), saved.Service(); got != want {
@@ -69,14 +76,7 @@ func TestServiceModelRestoresBusyWithoutBatch(t *testing.T) {
 	saved := learned(Prior)
 	st := saved.State()
 	st.BusyBatch = nil
-	js, err := json.Marshal(st)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var old ModelState
-	if err := json.Unmarshal(js, &old); err != nil {
-		t.Fatal(err)
-	}
+	old := throughJSON(t, st)
 	m := NewServiceModel(Prior)
 	if err := m.Restore(old); err != nil {
 		t.Fatalf("Restore: %v", err)
