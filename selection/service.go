@@ -462,10 +462,10 @@ func (m *ServiceModel) serviceLocked() Service {
 	if m.reported > 0 {
 		s.Slots, s.LikelySlots = m.reported, 0
 	}
-	// Keep estimates within a plausible band: no GPU is 50x faster or slower than the prior.
 	if seq := m.busy.theta[1] / 1000; m.busyGenN >= minBusy && seq > 0 {
 		s.SequenceSeconds = min(seq, s.TokenSeconds)
 	}
+	// Keep estimates within a plausible band: no GPU is 50x faster or slower than the prior.
 	if m.ttftN >= minFirstTokens {
 		s.Overhead = clamp(m.ttft.theta[0], 0, max(p.Overhead, 1e-3)*maxScale)
 		s.PrefillSecondsPerToken = clamp(m.ttft.theta[1]/1000, p.PrefillSecondsPerToken/maxScale, p.PrefillSecondsPerToken*maxScale)

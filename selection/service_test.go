@@ -759,3 +759,21 @@ func TestServiceModelBusyBatch(t *testing.T) {
 		t.Errorf("with the generated tokens: prefill %.0f tokens/s, want %.0f within a fifth", 1/with.PrefillSecondsPerToken, 1/perToken)
 	}
 }
+
+// TestBoundCovariance3: three covariances each within what their variances allow can still make an
+// indefinite matrix (all -0.9 on unit variances: an eigenvalue of -0.8), on which recursive least squares
+// turns a variance negative; such a matrix keeps only its variances. A positive definite one is kept.
+func TestBoundCovariance3(t *testing.T) {
+	bad := [3][3]float64{{1, -0.9, -0.9}, {-0.9, 1, -0.9}, {-0.9, -0.9, 1}}
+	if positiveDefinite3(bad) {
+		t.Fatal("the test matrix is positive definite")
+	}
+	got := boundCovariance3(bad)
+	if !positiveDefinite3(got) || got[0][0] != 1 || got[1][1] != 1 || got[2][2] != 1 {
+		t.Errorf("bounded %v: want positive definite, the variances kept", got)
+	}
+	good := [3][3]float64{{2, 0.5, -0.3}, {0.5, 1, 0.2}, {-0.3, 0.2, 3}}
+	if got := boundCovariance3(good); got != good {
+		t.Errorf("a positive definite matrix became %v", got)
+	}
+}
