@@ -916,8 +916,8 @@ func (l *upstreamLoad) observeBusyLocked(snap *scraper.Snapshot) {
 		}
 		// In this proxy's tokens, the ones the decision multiplies the prefill speed by. The generated
 		// tokens are the sequence-steps the batch ran (each step longer for each of them), a count of
-		// its own: no token scale.
-		l.model.ObserveBusy(busy, uncached/l.tokenScaleLocked(), steps, max(snap.GenerationTokens-from.GenerationTokens, 0))
+		// its own: no token scale (none of the counters went back: countersWentBack, above).
+		l.model.ObserveBusy(busy, uncached/l.tokenScaleLocked(), steps, snap.GenerationTokens-from.GenerationTokens)
 	}
 	restart()
 }

@@ -192,9 +192,8 @@ func (m *ServiceModel) SetPrior(prior Service) {
 // else can see the model yet).
 func (m *ServiceModel) resetLocked(prior Service) {
 	m.prior, m.meanDur = prior, prior.MeanDuration
-	noise := priorNoise(prior)
-	m.ttft, m.ttftN, m.skippedN = newRLS2(prior.Overhead, prior.PrefillSecondsPerToken*1000, noise), 0, 0
-	m.busy, m.busyN, m.busyGenN = newRLS3([3]float64{prior.TokenSeconds, prior.TokenSeconds * seqShare * 1000, prior.PrefillSecondsPerToken * 1000}, noise), 0, 0
+	m.ttft, m.ttftN, m.skippedN = newRLS2(prior.Overhead, prior.PrefillSecondsPerToken*1000, priorNoise(prior)), 0, 0
+	m.busy, m.busyN, m.busyGenN = newBusyFit(prior), 0, 0
 	m.logScale, m.durN = 0, 0
 	m.steps = stepWork{}
 	m.forgetSlotsLocked()
@@ -601,6 +600,12 @@ const seqShare = 1.0 / 120
 type rls3 struct {
 	theta [3]float64
 	p     [3][3]float64
+}
+
+// newBusyFit is the busy-interval fit of a model starting from prior: its step time, the prior's share of
+// it for each sequence, and its prefill, held against prior's noise.
+func newBusyFit(prior Service) rls3 {
+	return newRLS3([3]float64{prior.TokenSeconds, prior.TokenSeconds * seqShare * 1000, prior.PrefillSecondsPerToken * 1000}, priorNoise(prior))
 }
 
 func newRLS3(theta [3]float64, noise float64) rls3 {

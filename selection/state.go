@@ -205,7 +205,7 @@ func (r rls3) project() RLSState {
 // and prefill as saved, and the prior's time per sequence. The caller holds m.mu.
 func (m *ServiceModel) busyFrom2(st RLSState) rls3 {
 	p2 := boundCovariance2(st.P)
-	r := newRLS3([3]float64{st.Theta[0], m.prior.TokenSeconds * seqShare * 1000, st.Theta[1]}, priorNoise(m.prior))
+	r := newBusyFit(m.prior)
 	for a, i := range busyIndex {
 		r.theta[i] = st.Theta[a]
 		for b, j := range busyIndex {
