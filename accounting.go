@@ -211,11 +211,39 @@ func (t *loadTable) entry(dial string, now int64) *upstreamLoad {
 		if len(t.m) >= sweepAbove {
 			t.sweepLocked(now)
 		}
-		l = &upstreamLoad{model: selection.NewServiceModel(selection.Prior), trust: 1, idleSince: now}
-		l.lastUsed.Store(now)
+		l = newUpstreamLoad(selection.Prior, now)
 		t.m[dial] = l
 	}
 	return l
+}
+
+// newUpstreamLoad returns an upstream's load with nothing in flight and nothing learned, its service
+// model starting from prior.
+func newUpstreamLoad(prior selection.Service, now int64) *upstreamLoad {
+	l := &upstreamLoad{model: selection.NewServiceModel(prior), trust: 1, idleSince: now}
+	l.lastUsed.Store(now)
+	return l
+}
+
+// forget replaces the load of every upstream with nothing in flight by one that has learned nothing
+// (DELETE /llm/upstreams): its service model back at its prior (a configured capacity's is kept), slot
+// count, token scale, cache trust and horizon, and scrape baselines all start again; a saturation
+// still running is kept. An upstream with requests in flight keeps everything, so each of them is
+// released exactly once where it was counted. It returns how many upstreams it forgot and kept.
+func (t *loadTable) forget(now int64) (forgotten, kept int) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for dial, l := range t.m {
+		if l.requests.Load() > 0 {
+			kept++
+			continue
+		}
+		fresh := newUpstreamLoad(l.model.Prior(), now)
+		fresh.saturatedUntil.Store(l.saturatedUntil.Load())
+		t.m[dial] = fresh
+		forgotten++
+	}
+	return forgotten, kept
 }
 
 // lookup returns dial's load, or nil for an upstream never used.
@@ -1127,10 +1155,13 @@ type upstreamInflight struct {
 	Cache                cacheFigures
 }
 
-// sweepLocked deletes idle entries. The caller holds the write lock.
+// sweepLocked deletes idle entries, but not those of upstreams with a configured capacity: their prior
+// is configuration (LLMSelection.Capacities, set at Provision), and an entry made again on the next use
+// would start from the default one. The caller holds the write lock.
 func (t *loadTable) sweepLocked(now int64) {
 	for dial, l := range t.m {
-		if l.requests.Load() == 0 && now-l.lastUsed.Load() > int64(idleAfter) && l.saturatedUntil.Load() < now {
+		if l.requests.Load() == 0 && now-l.lastUsed.Load() > int64(idleAfter) && l.saturatedUntil.Load() < now &&
+			l.model.Prior() == selection.Prior {
 			delete(t.m, dial)
 		}
 	}

@@ -1096,3 +1096,63 @@ func TestScrapePairsTimeSteps(t *testing.T) {
 		t.Errorf("%d scrape pairs counted from a backend that counts no steps, want 0", n)
 	}
 }
+
+// TestForgetStartsAgain: DELETE /llm/upstreams (loadTable.forget) gives every upstream with nothing in
+// flight a load that has learned nothing, from its own prior (a configured capacity's too), keeps a
+// saturation that is still running, and leaves an upstream with a request in flight as it is, so that
+// request is released once where it was counted. A sweep of idle entries keeps those with a configured
+// capacity, whose prior would otherwise be lost.
+func TestForgetStartsAgain(t *testing.T) {
+	lt := newTestLoads()
+	now := time.Unix(1_700_000_000, 0).UnixNano()
+	const plain, sized, busy = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+	for _, dial := range []string{plain, sized, busy} {
+		lt.entry(dial, now)
+	}
+	lt.lookup(sized).model.SetPrior(scaledPrior(4))
+	for _, dial := range []string{plain, sized} {
+		l := lt.lookup(dial)
+		l.model.ReportSlots(8)
+		for range 20 {
+			l.model.ObserveBusy(2, 4000, 64, 640)
+		}
+		l.trust = 0.5
+	}
+	lt.saturate(plain, time.Unix(0, now).Add(time.Minute))
+	held := lt.reserve(busy, work{uncached: 1000, output: 10}, now)
+	before := lt.lookup(busy)
+
+	forgotten, kept := lt.forget(now)
+	if forgotten != 2 || kept != 1 {
+		t.Fatalf("forget = %d forgotten, %d kept; want 2 and 1", forgotten, kept)
+	}
+	for dial, prior := range map[string]selection.Service{plain: selection.Prior, sized: scaledPrior(4)} {
+		l := lt.lookup(dial)
+		if got, want := l.model.Service(), selection.NewServiceModel(prior).Service(); got != want {
+			t.Errorf("%s after forget: %+v, want the prior's %+v", dial, got, want)
+		}
+		if l.trust != 1 {
+			t.Errorf("%s after forget: trust %v, want 1", dial, l.trust)
+		}
+	}
+	if !lt.saturated(plain, now) {
+		t.Error("a running saturation was forgotten")
+	}
+	if lt.lookup(busy) != before {
+		t.Error("an upstream with a request in flight was forgotten")
+	}
+	held.release(now+1, true)
+	if tokens, requests := lt.get(busy); tokens != 0 || requests != 0 {
+		t.Errorf("after its one release: %d tokens, %d requests", tokens, requests)
+	}
+
+	lt.mu.Lock()
+	lt.sweepLocked(now + int64(2*idleAfter))
+	lt.mu.Unlock()
+	if lt.lookup(plain) != nil || lt.lookup(busy) != nil {
+		t.Error("the sweep kept idle upstreams without a configured capacity")
+	}
+	if l := lt.lookup(sized); l == nil || l.model.Prior() != scaledPrior(4) {
+		t.Error("the sweep lost an upstream's configured capacity")
+	}
+}

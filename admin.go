@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 )
@@ -16,6 +17,9 @@ func init() {
 //
 //	GET    /llm/upstreams  every upstream's in-flight tokens and requests, saturation, last scraped
 //	                       metrics and their age, and learned route count
+//	DELETE /llm/upstreams  forget what was learned of every upstream with nothing in flight (its
+//	                       service model, slot count, token scale, cache trust), as after replacing the
+//	                       hardware behind an address; routes are kept (DELETE /llm/routes)
 //	GET    /llm/routes     learned route and conversation pin counts
 //	DELETE /llm/routes     forget every learned route and pin (after redeploying a model, say)
 type adminAPI struct{}
@@ -60,14 +64,28 @@ func currentRoutesReport() routesReport {
 	return rep
 }
 
+// forgetReport is what DELETE /llm/upstreams did: how many upstreams it forgot, and how many it kept
+// because they had requests in flight (ask again once they have ended).
+type forgetReport struct {
+	Forgotten int `json:"forgotten"`
+	InFlight  int `json:"kept_in_flight"`
+}
+
 func (adminAPI) upstreams(w http.ResponseWriter, r *http.Request) error {
-	if r.Method != http.MethodGet {
+	var forgot *forgetReport
+	switch r.Method {
+	case http.MethodGet:
+	case http.MethodDelete:
+		forgot = new(forgetReport)
+		forgot.Forgotten, forgot.InFlight = loads.forget(time.Now().UnixNano())
+	default:
 		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed", r.Method)}
 	}
 	return writeJSON(w, struct {
+		Forget    *forgetReport    `json:"forget,omitempty"`
 		Upstreams []upstreamStatus `json:"upstreams"`
 		Routes    routesReport     `json:"routes"`
-	}{Upstreams: upstreamReport(true), Routes: currentRoutesReport()})
+	}{Forget: forgot, Upstreams: upstreamReport(true), Routes: currentRoutesReport()})
 }
 
 func (adminAPI) routes(w http.ResponseWriter, r *http.Request) error {

@@ -25,6 +25,7 @@ import (
 
 	"github.com/tokenrouter/caddy-llm/bench/vllmsim"
 	"github.com/tokenrouter/caddy-llm/scraper"
+	"github.com/tokenrouter/caddy-llm/selection"
 )
 
 // simBackend serves a simulated vLLM engine on 127.0.0.1.
@@ -280,7 +281,8 @@ func TestScrapesTeachWhileIdle(t *testing.T) {
 }
 
 // TestAdminEndpointAndMetrics: GET /llm/upstreams shows in-flight work and learned routes, DELETE
-// /llm/routes clears them, and the Prometheus metrics are on Caddy's /metrics.
+// /llm/upstreams forgets what was learned of upstreams with nothing in flight, DELETE /llm/routes
+// clears the routes, and the Prometheus metrics are on Caddy's /metrics.
 func TestAdminEndpointAndMetrics(t *testing.T) {
 	a, b := newBackend(t), newBackend(t)
 	hold := make(chan struct{})
@@ -307,9 +309,26 @@ func TestAdminEndpointAndMetrics(t *testing.T) {
 	if heldInFlight < float64(body) {
 		t.Errorf("caddy_llm_request_body_bytes_held = %v while a %d-byte body is in flight", heldInFlight, body)
 	}
+	// DELETE /llm/upstreams forgets nothing of an upstream with a request in flight: its reservation is
+	// released where it was counted.
+	if res, got := doRequest(t, http.MethodDelete, adminURL+"/llm/upstreams"); res.StatusCode != http.StatusOK || !strings.Contains(got, `"kept_in_flight": `) || strings.Contains(got, `"kept_in_flight": 0`) {
+		t.Errorf("DELETE /llm/upstreams with a request in flight = %d %s, want 200 keeping it", res.StatusCode, got)
+	}
+	if got := adminUpstreams(t)[dial]; got.InflightRequests != 1 {
+		t.Errorf("after DELETE /llm/upstreams: %+v, want its request still in flight", got)
+	}
 	close(hold)
 	<-done
 	waitInflightZero(t, a.dial, b.dial)
+	// The request's end taught its mean duration; forgotten, the upstream is back at its prior's.
+	learned := *adminUpstreams(t)[dial].Model
+	if res, got := doRequest(t, http.MethodDelete, adminURL+"/llm/upstreams"); res.StatusCode != http.StatusOK || !strings.Contains(got, `"forget": {`) {
+		t.Errorf("DELETE /llm/upstreams = %d %s, want 200 with what it forgot", res.StatusCode, got)
+	}
+	prior := reportService(selection.Prior, 1, 0).MeanDurationSeconds
+	if got := adminUpstreams(t)[dial].Model; got == nil || learned.MeanDurationSeconds == prior || got.MeanDurationSeconds != prior {
+		t.Errorf("mean request seconds %v learned, %+v after DELETE /llm/upstreams; want the prior's %v again", learned.MeanDurationSeconds, got, prior)
+	}
 	deadline := time.Now().Add(5 * time.Second)
 	for metricValue(t, "caddy_llm_request_body_bytes_held") > heldInFlight-float64(body) && time.Now().Before(deadline) {
 		time.Sleep(10 * time.Millisecond)

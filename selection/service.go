@@ -188,6 +188,13 @@ func (m *ServiceModel) SetPrior(prior Service) {
 	}
 }
 
+// Prior returns the prior the model starts from (SetPrior's, else NewServiceModel's).
+func (m *ServiceModel) Prior() Service {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.prior
+}
+
 // resetLocked starts the model afresh from prior, keeping its lock (the caller holds it, or nobody
 // else can see the model yet).
 func (m *ServiceModel) resetLocked(prior Service) {
