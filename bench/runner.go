@@ -306,8 +306,10 @@ func saveUpstreams(client *http.Client, addr string, dials []string, path string
 // keeps each upstream's learned service model, slot count and scrape baselines process-wide, by dial
 // address, across configs, as it would across a reload; every policy of a run sees the same ports
 // (startCluster), so without this the second llm policy of a run started from the first one's
-// estimates at fresh simulators: in the matrix's multi-turn-think runs on eecd874, llm-observed after
-// llm left a backend of four without a request in 13 of 21 (seeds 1-3), and run first in 2 of 42.
+// estimates at fresh simulators (in the matrix's multi-turn-think runs on eecd874, llm-observed after
+// llm left a backend of four without a request in 13 of 21, and run first in 2 of 42), and a run whose
+// seeded ports met an earlier cell's (one run in ten) started that backend at the other cell's speed
+// (docs/bench/cold-start).
 func forgetUpstreams(client *http.Client, addr string) error {
 	deadline := time.Now().Add(5 * time.Second)
 	for {
@@ -392,7 +394,10 @@ func runPolicyResults(ctx context.Context, o options, sims []simSettings, w Work
 	}
 	stopped := false
 	defer func() {
-		if !stopped {
+		if !stopped { // a run that failed: what it taught is forgotten all the same
+			if extras.Admin != "" {
+				_ = forgetUpstreams(newClient(), extras.Admin)
+			}
 			_ = stopCaddy()
 		}
 	}()
