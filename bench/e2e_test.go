@@ -187,9 +187,10 @@ func TestMatrixEndToEnd(t *testing.T) {
 	t.Setenv("XDG_CONFIG_HOME", t.TempDir())
 	o := options{matrix: true, backends: 2, load: 0.5, seed: 3, seeds: 1, out: t.TempDir(), sim: defaultSim, timeScaleSet: true, dump: t.TempDir()}
 	o.sim.TimeScale = 20
-	o.policies = policiesNamed([]string{"least_conn", "llm"})
+	// Two llm policies: the second meets the first one's addresses (the ports follow the seed).
+	o.policies = policiesNamed([]string{"least_conn", "llm", "llm-observed"})
 	w := sharedPrefix(rand.New(rand.NewPCG(3, 3)), 4, 5, 1500, 100, 16)
-	prog := newProgress(os.Stderr, 2*w.NumRequests())
+	prog := newProgress(os.Stderr, 3*w.NumRequests())
 	run := runMatrixJob(context.Background(), o, matrixJob{regime: mustRegime("small-batch"), workload: w, seed: 3, load: o.load}, prog)
 	prog.finish()
 	mr := MatrixResults{runHeader: runHeader{Command: "test", Seeds: []int64{3}, Backends: 2, Load: o.load}, TimeScale: 20, Runs: []MatrixRun{run}}
@@ -215,8 +216,8 @@ func TestMatrixEndToEnd(t *testing.T) {
 	if err := json.Unmarshal(js, &doc); err != nil {
 		t.Fatalf("decoding results.json: %v", err)
 	}
-	if len(doc.Runs) != 1 || len(doc.Runs[0].Policies) != 2 || len(doc.Cells) != 1 || len(doc.Runs[0].BackendRPS) != 2 {
-		t.Fatalf("results.json has %d runs, %d cells; want 1 run of 2 policies on 2 backends and 1 cell", len(doc.Runs), len(doc.Cells))
+	if len(doc.Runs) != 1 || len(doc.Runs[0].Policies) != 3 || len(doc.Cells) != 1 || len(doc.Runs[0].BackendRPS) != 2 {
+		t.Fatalf("results.json has %d runs, %d cells; want 1 run of 3 policies on 2 backends and 1 cell", len(doc.Runs), len(doc.Cells))
 	}
 	for _, s := range doc.Runs[0].Policies {
 		if s.Skipped != "" || s.Failed != 0 || s.TTFTP50 <= 0 {
@@ -240,7 +241,7 @@ func TestMatrixEndToEnd(t *testing.T) {
 		// and, for llm, what it had learned of each upstream at the end (its /llm/upstreams).
 		name := upstreamsDumpName(run.Regime+"/"+run.Workload+"/seed 3/load 0.50", s.Policy)
 		b, err := os.ReadFile(filepath.Join(o.dump, name))
-		if s.Policy != "llm" {
+		if !isLLMPolicy(policiesNamed([]string{s.Policy})[0]) {
 			if err == nil {
 				t.Errorf("%s: %s written for a stock policy", s.Policy, name)
 			}
@@ -250,10 +251,20 @@ func TestMatrixEndToEnd(t *testing.T) {
 			Upstreams []struct {
 				Upstream string          `json:"upstream"`
 				Model    json.RawMessage `json:"model"`
+				Cache    struct {
+					Restarts int `json:"restarts"`
+				} `json:"cache"`
 			} `json:"upstreams"`
 		}
 		if err != nil || json.Unmarshal(b, &rep) != nil || len(rep.Upstreams) != 2 || rep.Upstreams[0].Upstream == "" || len(rep.Upstreams[0].Model) == 0 {
-			t.Errorf("llm: %s = %.300s (%v); want both upstreams with their learned model", name, b, err)
+			t.Errorf("%s: %s = %.300s (%v); want both upstreams with their learned model", s.Policy, name, b, err)
+		}
+		// Each llm policy starts cold: what the one before it learned at these addresses was forgotten
+		// (forgetUpstreams), so none sees the fresh simulators as the same backends restarted.
+		for _, u := range rep.Upstreams {
+			if u.Cache.Restarts != 0 {
+				t.Errorf("%s: %s seen restarted %d times: it started from an earlier policy's state", s.Policy, u.Upstream, u.Cache.Restarts)
+			}
 		}
 	}
 }
