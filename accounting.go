@@ -225,22 +225,26 @@ func newUpstreamLoad(prior selection.Service, now int64) *upstreamLoad {
 	return l
 }
 
-// forget replaces the load of every upstream with nothing in flight by one that has learned nothing
-// (DELETE /llm/upstreams): its service model back at its prior (a configured capacity's is kept), slot
-// count, token scale, cache trust and horizon, and scrape baselines all start again; a saturation
-// still running is kept. An upstream with requests in flight keeps everything, so each of them is
-// released exactly once where it was counted. It returns how many upstreams it forgot and kept.
-func (t *loadTable) forget(now int64) (forgotten, kept int) {
+// forget replaces the load of every upstream with nothing in flight (only (dial), when dial is not
+// empty) by one that has learned nothing (DELETE /llm/upstreams): its service model back at its prior (a
+// configured capacity's is kept), slot count, token scale, cache trust and horizon, and scrape baselines
+// all start again; a saturation still running is kept. An upstream with requests in flight keeps
+// everything, so each of them is released exactly once where it was counted. It returns how many
+// upstreams it forgot and kept.
+func (t *loadTable) forget(dial string, now int64) (forgotten, kept int) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	for dial, l := range t.m {
+	for d, l := range t.m {
+		if dial != "" && d != dial {
+			continue
+		}
 		if l.requests.Load() > 0 {
 			kept++
 			continue
 		}
 		fresh := newUpstreamLoad(l.model.Prior(), now)
 		fresh.saturatedUntil.Store(l.saturatedUntil.Load())
-		t.m[dial] = fresh
+		t.m[d] = fresh
 		forgotten++
 	}
 	return forgotten, kept

@@ -1122,7 +1122,12 @@ func TestForgetStartsAgain(t *testing.T) {
 	held := lt.reserve(busy, work{uncached: 1000, output: 10}, now)
 	before := lt.lookup(busy)
 
-	forgotten, kept := lt.forget(now)
+	// One upstream by its address: only that one.
+	learned := lt.lookup(sized)
+	if forgotten, kept := lt.forget(busy, now); forgotten != 0 || kept != 1 || lt.lookup(sized) != learned {
+		t.Fatalf("forget(%s) = %d forgotten, %d kept; want that one kept (in flight) and no other touched", busy, forgotten, kept)
+	}
+	forgotten, kept := lt.forget("", now)
 	if forgotten != 2 || kept != 1 {
 		t.Fatalf("forget = %d forgotten, %d kept; want 2 and 1", forgotten, kept)
 	}

@@ -19,7 +19,8 @@ func init() {
 //	                       metrics and their age, and learned route count
 //	DELETE /llm/upstreams  forget what was learned of every upstream with nothing in flight (its
 //	                       service model, slot count, token scale, cache trust), as after replacing the
-//	                       hardware behind an address; routes are kept (DELETE /llm/routes)
+//	                       hardware behind an address; ?upstream=host:port only that one's; routes are
+//	                       kept (DELETE /llm/routes)
 //	GET    /llm/routes     learned route and conversation pin counts
 //	DELETE /llm/routes     forget every learned route and pin (after redeploying a model, say)
 type adminAPI struct{}
@@ -77,7 +78,7 @@ func (adminAPI) upstreams(w http.ResponseWriter, r *http.Request) error {
 	case http.MethodGet:
 	case http.MethodDelete:
 		forgot = new(forgetReport)
-		forgot.Forgotten, forgot.InFlight = loads.forget(time.Now().UnixNano())
+		forgot.Forgotten, forgot.InFlight = loads.forget(r.URL.Query().Get("upstream"), time.Now().UnixNano())
 	default:
 		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed", r.Method)}
 	}

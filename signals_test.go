@@ -322,8 +322,19 @@ func TestAdminEndpointAndMetrics(t *testing.T) {
 	waitInflightZero(t, a.dial, b.dial)
 	// The request's end taught its mean duration; forgotten, the upstream is back at its prior's.
 	learned := *adminUpstreams(t)[dial].Model
-	if res, got := doRequest(t, http.MethodDelete, adminURL+"/llm/upstreams"); res.StatusCode != http.StatusOK || !strings.Contains(got, `"forget": {`) {
-		t.Errorf("DELETE /llm/upstreams = %d %s, want 200 with what it forgot", res.StatusCode, got)
+	other := a.dial
+	if other == dial {
+		other = b.dial
+	}
+	// ?upstream= forgets that upstream only.
+	if res, got := doRequest(t, http.MethodDelete, adminURL+"/llm/upstreams?upstream="+other); res.StatusCode != http.StatusOK {
+		t.Errorf("DELETE /llm/upstreams?upstream=%s = %d %s", other, res.StatusCode, got)
+	}
+	if got := adminUpstreams(t)[dial].Model; got == nil || got.MeanDurationSeconds != learned.MeanDurationSeconds {
+		t.Errorf("forgetting %s changed %s's model: %+v, was %+v", other, dial, got, learned)
+	}
+	if res, got := doRequest(t, http.MethodDelete, adminURL+"/llm/upstreams?upstream="+dial); res.StatusCode != http.StatusOK || !strings.Contains(got, `"forgotten": 1,`) {
+		t.Errorf("DELETE /llm/upstreams?upstream=%s = %d %s, want 200 with it forgotten", dial, res.StatusCode, got)
 	}
 	prior := reportService(selection.Prior, 1, 0).MeanDurationSeconds
 	if got := adminUpstreams(t)[dial].Model; got == nil || learned.MeanDurationSeconds == prior || got.MeanDurationSeconds != prior {
