@@ -19,8 +19,8 @@ func init() {
 //	                       metrics and their age, and learned route count
 //	DELETE /llm/upstreams  forget what was learned of every upstream with nothing in flight (its
 //	                       service model, slot count, token scale, cache trust), as after replacing the
-//	                       hardware behind an address; ?upstream=host:port only that one's; routes are
-//	                       kept (DELETE /llm/routes)
+//	                       hardware behind an address; ?upstream=host:port only that one's (404 for an
+//	                       address it keeps nothing of); routes are kept (DELETE /llm/routes)
 //	GET    /llm/routes     learned route and conversation pin counts
 //	DELETE /llm/routes     forget every learned route and pin (after redeploying a model, say)
 type adminAPI struct{}
@@ -77,8 +77,14 @@ func (adminAPI) upstreams(w http.ResponseWriter, r *http.Request) error {
 	switch r.Method {
 	case http.MethodGet:
 	case http.MethodDelete:
+		dial := r.URL.Query().Get("upstream")
 		forgot = new(forgetReport)
-		forgot.Forgotten, forgot.InFlight = loads.forget(r.URL.Query().Get("upstream"), time.Now().UnixNano())
+		forgot.Forgotten, forgot.InFlight = loads.forget(dial, time.Now().UnixNano())
+		if dial != "" && forgot.Forgotten+forgot.InFlight == 0 {
+			// A typo must not read as success: nothing was forgotten because nothing is known there.
+			return caddy.APIError{HTTPStatus: http.StatusNotFound,
+				Err: fmt.Errorf("upstream %q: no state kept for that address (GET /llm/upstreams lists the known ones, by their dial address host:port)", dial)}
+		}
 	default:
 		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed", r.Method)}
 	}

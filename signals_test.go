@@ -326,8 +326,9 @@ func TestAdminEndpointAndMetrics(t *testing.T) {
 	if other == dial {
 		other = b.dial
 	}
-	// ?upstream= forgets that upstream only.
-	if res, got := doRequest(t, http.MethodDelete, adminURL+"/llm/upstreams?upstream="+other); res.StatusCode != http.StatusOK {
+	// ?upstream= forgets that upstream only. The other one took no request: it has state only if a
+	// scrape of it arrived (404 otherwise); either way dial keeps what it learned.
+	if res, got := doRequest(t, http.MethodDelete, adminURL+"/llm/upstreams?upstream="+other); res.StatusCode != http.StatusOK && res.StatusCode != http.StatusNotFound {
 		t.Errorf("DELETE /llm/upstreams?upstream=%s = %d %s", other, res.StatusCode, got)
 	}
 	if got := adminUpstreams(t)[dial].Model; got == nil || got.MeanDurationSeconds != learned.MeanDurationSeconds {
@@ -335,6 +336,10 @@ func TestAdminEndpointAndMetrics(t *testing.T) {
 	}
 	if res, got := doRequest(t, http.MethodDelete, adminURL+"/llm/upstreams?upstream="+dial); res.StatusCode != http.StatusOK || !strings.Contains(got, `"forgotten": 1,`) {
 		t.Errorf("DELETE /llm/upstreams?upstream=%s = %d %s, want 200 with it forgotten", dial, res.StatusCode, got)
+	}
+	// An address the plugin keeps nothing of is a 404 naming it, not a 200 that forgot nothing.
+	if res, got := doRequest(t, http.MethodDelete, adminURL+"/llm/upstreams?upstream=127.0.0.1:1"); res.StatusCode != http.StatusNotFound || !strings.Contains(got, "127.0.0.1:1") {
+		t.Errorf("DELETE /llm/upstreams?upstream=127.0.0.1:1 (never used) = %d %s, want 404 naming it", res.StatusCode, got)
 	}
 	prior := reportService(selection.Prior, 1, 0).MeanDurationSeconds
 	if got := adminUpstreams(t)[dial].Model; got == nil || learned.MeanDurationSeconds == prior || got.MeanDurationSeconds != prior {
