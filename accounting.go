@@ -555,6 +555,24 @@ func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstrea
 	return v
 }
 
+// holding appends dial's requests in flight from this proxy to dst, as the wait for a slot reads them
+// (selection.Hold); none when there are more than selection.MaxHolding.
+func (t *loadTable) holding(dial string, now int64, dst []selection.Hold) []selection.Hold {
+	l := t.lookup(dial)
+	if l == nil {
+		return dst
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if len(l.inflight) > selection.MaxHolding {
+		return dst
+	}
+	for _, r := range l.inflight {
+		dst = append(dst, selection.Hold{Age: float64(now-r.start) / 1e9, Uncached: r.uncached, Output: max(r.output, r.seenPerSequence())})
+	}
+	return dst
+}
+
 // openCeiling reports whether snap, the upstream's latest scrape, shows requests waiting at the most it
 // has been seen running while its slot count is not even likely yet (selection.Service.LikelySlots: two
 // such scrapes): the next scrape, brought forward, confirms or refutes it. At the interval, the second

@@ -1,8 +1,10 @@
 package caddyllm
 
 import (
+	"cmp"
 	"context"
 	"math"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -1159,5 +1161,40 @@ func TestForgetStartsAgain(t *testing.T) {
 	}
 	if l := lt.lookup(sized); l == nil || l.model.Prior() != scaledPrior(4) {
 		t.Error("the sweep lost an upstream's configured capacity")
+	}
+}
+
+// TestHolding: the requests in flight the wait for a slot reads are this proxy's own on that upstream,
+// each with its age and work; released, they are gone; beyond 128 in flight, none are listed (the
+// decision falls back to one interval a request ahead).
+func TestHolding(t *testing.T) {
+	lt := newTestLoads()
+	const dial = "10.0.0.1:8000"
+	now := time.Unix(1_700_000_000, 0).UnixNano()
+	a := lt.reserve(dial, work{uncached: 800, output: 100}, now)
+	b := lt.reserve(dial, work{uncached: 40, output: 7}, now+int64(time.Second))
+	lt.reserve("10.0.0.2:8000", work{uncached: 1, output: 1}, now).release(now, true)
+	got := lt.holding(dial, now+2*int64(time.Second), nil)
+	slices.SortFunc(got, func(x, y selection.Hold) int { return cmp.Compare(y.Age, x.Age) })
+	if want := []selection.Hold{{Age: 2, Uncached: 800, Output: 100}, {Age: 1, Uncached: 40, Output: 7}}; !slices.Equal(got, want) {
+		t.Fatalf("holding = %+v, want %+v", got, want)
+	}
+	a.release(now, true)
+	if got := lt.holding(dial, now, nil); len(got) != 1 || got[0].Uncached != 40 {
+		t.Errorf("holding after a release = %+v, want the other request only", got)
+	}
+	b.release(now, true)
+	many := make([]*reservation, selection.MaxHolding+1)
+	for i := range many {
+		many[i] = lt.reserve(dial, work{uncached: 1, output: 1}, now)
+	}
+	if got := lt.holding(dial, now, nil); len(got) != 0 {
+		t.Errorf("holding with %d in flight lists %d, want none (more than selection.MaxHolding)", len(many), len(got))
+	}
+	for _, r := range many {
+		r.release(now, true)
+	}
+	if got := lt.holding("10.0.0.9:8000", now, nil); len(got) != 0 {
+		t.Errorf("holding of an upstream never used = %+v", got)
 	}
 }

@@ -54,6 +54,8 @@ type query struct {
 	heldKeys []string
 	held     []int
 	heldSeen []int64
+	// holds is scratch for each candidate's requests in flight (selection.Candidate.Holding).
+	holds []selection.Hold
 	// overdue is each candidate's overrun of its predicted durations (upstreamView.overdue).
 	overdue []float64
 	// full is each candidate's running count at which its scrape shows it full (upstreamView.full).
@@ -80,7 +82,7 @@ type query struct {
 func (q *query) reset(req *tokenize.Request, now int64) {
 	*q = query{req: req, now: now, cached: q.cached[:0], seen: q.seen[:0], cut: q.cut[:0], avail: q.avail[:0],
 		overdue: q.overdue[:0], full: q.full[:0], settled: q.settled[:0], open: q.open[:0], heldIdx: q.heldIdx[:0], heldKeys: q.heldKeys[:0], held: q.held[:0],
-		heldSeen: q.heldSeen[:0]}
+		heldSeen: q.heldSeen[:0], holds: q.holds[:0]}
 }
 
 // signal fills its part of each candidate; cands[i] is the upstream keys[i].
@@ -251,6 +253,9 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 		cands[i].Service, cands[i].Requests, cands[i].Queued = v.service, v.requests, v.queued
 		cands[i].KVCapacity, cands[i].KVUsed, cands[i].TokenScale = v.kvCapacity, v.kvUsed, v.tokenScale
 		cands[i].Arrivals = v.arrivals // -1 (unknown) filled by knownArrivals below
+		from := len(q.holds)
+		q.holds = s.loads.holding(key, q.now, q.holds)
+		cands[i].Holding = q.holds[from:len(q.holds):len(q.holds)]
 		// Blind: no metrics to come (off, unusable, gone stale). First tokens observed (transport llm)
 		// show its speed, not its slot count, and do not end it: ended by them, the bound left
 		// transport llm's runs without metrics 1.26x (p50) and 1.34x (p99) slower on nine cells

@@ -3,6 +3,7 @@ package caddyllm
 import (
 	"encoding/json"
 	"fmt"
+	"reflect"
 	"slices"
 	"strings"
 	"sync"
@@ -154,7 +155,7 @@ func TestLoRAAbsentChangesNothing(t *testing.T) {
 		model := []string{"base", "fin", "legal", ""}[n%4]
 		a, ca := with.route(model)
 		b, cb := without.route(model)
-		if a != b || !slices.Equal(ca, cb) {
+		if a != b || !reflect.DeepEqual(ca, cb) {
 			t.Fatalf("request %d (%s): with the signal %d %+v, without %d %+v", n, model, a, ca, b, cb)
 		}
 	}

@@ -455,3 +455,51 @@ func TestSequencesTakeSlotsAndCache(t *testing.T) {
 		t.Errorf("KV tokens of 8 sequences: %d, want the prompt once and 8 outputs (1700)", got)
 	}
 }
+
+// TestSlotFreedFromHolders: the wait for a slot is at least when the slot it needs frees, from what the
+// requests holding the slots still have to run. Each holder here runs 0.2 s (a 100-token prefill at
+// 0.1 ms a token after 10 ms, 90 output tokens at 2 ms); one interval per request ahead would be
+// MeanDuration/slots, 12.5 ms.
+func TestSlotFreedFromHolders(t *testing.T) {
+	svc := Service{Overhead: 0.01, PrefillSecondsPerToken: 1e-4, TokenSeconds: 0.002, MeanDuration: 0.1, Slots: 8}
+	holders := func(ages ...float64) []Hold {
+		h := make([]Hold, len(ages))
+		for i, a := range ages {
+			h[i] = Hold{Age: a, Uncached: 100, Output: 90}
+		}
+		return h
+	}
+	for _, tc := range []struct {
+		name     string
+		requests float64 // in flight there; more than the holders: others' requests too
+		slots    float64
+		holding  []Hold
+		want     float64
+	}{
+		// A burst filled the 8 slots within 70 ms: the first to free is the oldest, 130 ms from now.
+		{"burst", 8, 8, holders(0.07, 0.06, 0.05, 0.04, 0.03, 0.02, 0.01, 0), 0.13},
+		// In no order: the oldest 8 of 10 run; the new request is the third to need a slot.
+		{"third", 10, 8, holders(0.005, 0.15, 0.01, 0.195, 0.02, 0.12, 0.1, 0.08, 0.06, 0.04), 0.08},
+		// Holders past their predicted end free their slots any moment: one interval a request ahead.
+		{"overdue", 8, 8, holders(0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5), 0.0125},
+		// Another client's request is there too, its age unknown: one interval a request ahead.
+		{"others", 9, 8, holders(0.07, 0.06, 0.05, 0.04, 0.03, 0.02, 0.01, 0), 0.025},
+		// More slots to free than are running: one interval a request ahead.
+		{"beyond", 8, 4, holders(0.07, 0.06, 0.05, 0.04, 0.03, 0.02, 0.01, 0), 0.125},
+		// Free slots: no wait.
+		{"free", 7, 8, holders(0.06, 0.05, 0.04, 0.03, 0.02, 0.01, 0), 0},
+		{"unknown holders", 8, 8, nil, 0.0125},
+	} {
+		s := svc
+		s.Slots = tc.slots
+		c := Candidate{Service: s, Requests: tc.requests, Holding: tc.holding}
+		if got := Wait(&c, 0, 1); math.Abs(got-tc.want) > 1e-9 {
+			t.Errorf("%s: wait %v s, want %v", tc.name, got, tc.want)
+		}
+	}
+	// One request runs 0.2 s where it is three times slower: its slot frees three times later.
+	c := Candidate{Service: svc.Slower(3), Requests: 8, Holding: holders(0.07, 0.06, 0.05, 0.04, 0.03, 0.02, 0.01, 0)}
+	if got, want := Wait(&c, 0, 1), 0.6-0.07; math.Abs(got-want) > 1e-9 {
+		t.Errorf("3x slower: wait %v s, want %v", got, want)
+	}
+}
