@@ -595,7 +595,7 @@ func (r *rls2) updatePhi(phi [2]float64, y float64) {
 		k[i] = r.p[i][0]*phi[0] + r.p[i][1]*phi[1]
 	}
 	for i := range 2 {
-		r.theta[i] += k[i] * err
+		r.theta[i] = clamp(r.theta[i]+k[i]*err, -maxTheta, maxTheta)
 	}
 }
 
@@ -646,7 +646,7 @@ func (r *rls3) updatePhi(phi [3]float64, y float64) {
 	}
 	r.p = boundCovariance3(r.p)
 	for i := range 3 {
-		r.theta[i] += (r.p[i][0]*phi[0] + r.p[i][1]*phi[1] + r.p[i][2]*phi[2]) * err
+		r.theta[i] = clamp(r.theta[i]+(r.p[i][0]*phi[0]+r.p[i][1]*phi[1]+r.p[i][2]*phi[2])*err, -maxTheta, maxTheta)
 	}
 }
 

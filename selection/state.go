@@ -70,9 +70,12 @@ var ErrOtherPrior = errors.New("learned from another prior (a capacity hint chan
 // the counts stop mattering (every threshold that reads them is below 100).
 const maxStateCount = 1 << 30
 
-// maxTheta bounds the fitted parameters Restore accepts: seconds (an overhead or an engine step) and
-// seconds per 1000 tokens, none of which is near 10,000 on any backend; one far larger would overflow the
-// next update's arithmetic and leave the fit not a number for good.
+// maxTheta bounds the fitted parameters Restore accepts, and every update holds them to it: seconds (an
+// overhead or an engine step) and seconds per 1000 tokens, none of which is near 10,000 on any backend;
+// one far larger would overflow the next update's arithmetic and leave the fit not a number for good. An
+// accepted state can still be far from any backend's (FuzzRestore: a step time of 7 s with a prefill
+// variance 1000 times its own), and one update against it moved a parameter to -21,010, a state the
+// model's next Restore would refuse.
 const maxTheta = 1e4
 
 // State returns what the model has learned.
