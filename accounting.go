@@ -234,18 +234,24 @@ func newUpstreamLoad(prior selection.Service, now int64) *upstreamLoad {
 func (t *loadTable) forget(dial string, now int64) (forgotten, kept int) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	for d, l := range t.m {
-		if dial != "" && d != dial {
-			continue
-		}
+	one := func(d string, l *upstreamLoad) {
 		if l.requests.Load() > 0 {
 			kept++
-			continue
+			return
 		}
 		fresh := newUpstreamLoad(l.model.Prior(), now)
 		fresh.saturatedUntil.Store(l.saturatedUntil.Load())
 		t.m[d] = fresh
 		forgotten++
+	}
+	if dial != "" {
+		if l := t.m[dial]; l != nil {
+			one(dial, l)
+		}
+		return forgotten, kept
+	}
+	for d, l := range t.m {
+		one(d, l)
 	}
 	return forgotten, kept
 }
@@ -453,6 +459,10 @@ func (r *reservation) seenPerSequence() int {
 	return int((r.outputSeen.Load() + seqs - 1) / seqs)
 }
 
+// outputPerSequence is what r's sequences are to output each, as the decision reads it while r runs:
+// the expected output, or what one has been seen to output already when that is more.
+func (r *reservation) outputPerSequence() int { return max(r.output, r.seenPerSequence()) }
+
 // prefillLeft is what is left at now of r's predicted prefill (nanoseconds): up to its own prefill
 // before the predicted end, nothing after it.
 func (r *reservation) prefillLeft(now int64) int64 {
@@ -515,11 +525,15 @@ type upstreamView struct {
 // sharing routes, each seeing only its own requests' overruns, disagreed on where a prefix goes (three
 // instances sharing routes reached 92-97% of one instance's hit rate with it, 95-101% without; a
 // backend 3x slower than the fleet, alone behind one proxy, is avoided as well either way).
-func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstreamView {
+//
+// viewInto also appends to holds this proxy's requests in flight there, as the wait for a slot reads them
+// (selection.Hold; none when there are more than selection.MaxHolding), in the same pass under the
+// upstream's lock.
+func (t *loadTable) viewInto(dial string, now int64, snap *scraper.Snapshot, holds []selection.Hold) (upstreamView, []selection.Hold) {
 	l := t.lookup(dial)
 	if l == nil {
 		if snap == nil {
-			return upstreamView{service: selection.Prior}
+			return upstreamView{service: selection.Prior}, holds
 		}
 		l = t.entry(dial, now)
 	}
@@ -552,25 +566,18 @@ func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstrea
 	if foreign < 1 {
 		v.overdue = l.overdueLocked(now, v.service)
 	}
-	return v
+	if len(l.inflight) <= selection.MaxHolding {
+		for _, r := range l.inflight {
+			holds = append(holds, selection.Hold{Age: float64(now-r.start) / 1e9, Uncached: r.uncached, Output: r.outputPerSequence()})
+		}
+	}
+	return v, holds
 }
 
-// holding appends dial's requests in flight from this proxy to dst, as the wait for a slot reads them
-// (selection.Hold); none when there are more than selection.MaxHolding.
-func (t *loadTable) holding(dial string, now int64, dst []selection.Hold) []selection.Hold {
-	l := t.lookup(dial)
-	if l == nil {
-		return dst
-	}
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if len(l.inflight) > selection.MaxHolding {
-		return dst
-	}
-	for _, r := range l.inflight {
-		dst = append(dst, selection.Hold{Age: float64(now-r.start) / 1e9, Uncached: r.uncached, Output: max(r.output, r.seenPerSequence())})
-	}
-	return dst
+// view is viewInto without the requests in flight.
+func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstreamView {
+	v, _ := t.viewInto(dial, now, snap, nil)
+	return v
 }
 
 // openCeiling reports whether snap, the upstream's latest scrape, shows requests waiting at the most it
@@ -595,7 +602,7 @@ func openCeiling(s selection.Service, snap *scraper.Snapshot) bool {
 func (l *upstreamLoad) overdueLocked(now int64, s selection.Service) float64 {
 	first, second := 0.0, 0.0
 	for _, r := range l.inflight {
-		output := max(r.output, r.seenPerSequence())
+		output := r.outputPerSequence()
 		pred := r.waited + s.TTFT(r.uncached) + float64(output)*s.TokenSeconds
 		if !(pred > 0) {
 			continue

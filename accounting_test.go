@@ -1129,6 +1129,12 @@ func TestForgetStartsAgain(t *testing.T) {
 	if forgotten, kept := lt.forget(busy, now); forgotten != 0 || kept != 1 || lt.lookup(sized) != learned {
 		t.Fatalf("forget(%s) = %d forgotten, %d kept; want that one kept (in flight) and no other touched", busy, forgotten, kept)
 	}
+	if forgotten, kept := lt.forget(plain, now); forgotten != 1 || kept != 0 || lt.lookup(plain).trust != 1 || lt.lookup(sized) != learned {
+		t.Fatalf("forget(%s) = %d forgotten, %d kept; want that one forgotten and no other touched", plain, forgotten, kept)
+	}
+	if forgotten, kept := lt.forget("10.0.0.9:8000", now); forgotten != 0 || kept != 0 {
+		t.Fatalf("forget of an upstream never used = %d forgotten, %d kept; want none", forgotten, kept)
+	}
 	forgotten, kept := lt.forget("", now)
 	if forgotten != 2 || kept != 1 {
 		t.Fatalf("forget = %d forgotten, %d kept; want 2 and 1", forgotten, kept)
@@ -1174,13 +1180,23 @@ func TestHolding(t *testing.T) {
 	a := lt.reserve(dial, work{uncached: 800, output: 100}, now)
 	b := lt.reserve(dial, work{uncached: 40, output: 7}, now+int64(time.Second))
 	lt.reserve("10.0.0.2:8000", work{uncached: 1, output: 1}, now).release(now, true)
-	got := lt.holding(dial, now+2*int64(time.Second), nil)
+	holding := func(dial string, now int64) []selection.Hold {
+		_, h := lt.viewInto(dial, now, nil, nil)
+		return h
+	}
+	// Appended to what the decision listed for the candidates before (one scratch slice for all).
+	before := selection.Hold{Age: 9, Uncached: 9, Output: 9}
+	_, got := lt.viewInto(dial, now+2*int64(time.Second), nil, []selection.Hold{before})
+	if len(got) == 0 || got[0] != before {
+		t.Fatalf("viewInto dropped the holds it was given: %+v", got)
+	}
+	got = got[1:]
 	slices.SortFunc(got, func(x, y selection.Hold) int { return cmp.Compare(y.Age, x.Age) })
 	if want := []selection.Hold{{Age: 2, Uncached: 800, Output: 100}, {Age: 1, Uncached: 40, Output: 7}}; !slices.Equal(got, want) {
 		t.Fatalf("holding = %+v, want %+v", got, want)
 	}
 	a.release(now, true)
-	if got := lt.holding(dial, now, nil); len(got) != 1 || got[0].Uncached != 40 {
+	if got := holding(dial, now); len(got) != 1 || got[0].Uncached != 40 {
 		t.Errorf("holding after a release = %+v, want the other request only", got)
 	}
 	b.release(now, true)
@@ -1188,13 +1204,13 @@ func TestHolding(t *testing.T) {
 	for i := range many {
 		many[i] = lt.reserve(dial, work{uncached: 1, output: 1}, now)
 	}
-	if got := lt.holding(dial, now, nil); len(got) != 0 {
+	if got := holding(dial, now); len(got) != 0 {
 		t.Errorf("holding with %d in flight lists %d, want none (more than selection.MaxHolding)", len(many), len(got))
 	}
 	for _, r := range many {
 		r.release(now, true)
 	}
-	if got := lt.holding("10.0.0.9:8000", now, nil); len(got) != 0 {
+	if got := holding("10.0.0.9:8000", now); len(got) != 0 {
 		t.Errorf("holding of an upstream never used = %+v", got)
 	}
 }

@@ -249,12 +249,12 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 				snap = &sn
 			}
 		}
-		v := s.loads.view(key, q.now, snap)
+		from := len(q.holds)
+		var v upstreamView
+		v, q.holds = s.loads.viewInto(key, q.now, snap, q.holds)
 		cands[i].Service, cands[i].Requests, cands[i].Queued = v.service, v.requests, v.queued
 		cands[i].KVCapacity, cands[i].KVUsed, cands[i].TokenScale = v.kvCapacity, v.kvUsed, v.tokenScale
 		cands[i].Arrivals = v.arrivals // -1 (unknown) filled by knownArrivals below
-		from := len(q.holds)
-		q.holds = s.loads.holding(key, q.now, q.holds)
 		cands[i].Holding = q.holds[from:len(q.holds):len(q.holds)]
 		// Blind: no metrics to come (off, unusable, gone stale). First tokens observed (transport llm)
 		// show its speed, not its slot count, and do not end it: ended by them, the bound left
