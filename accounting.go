@@ -28,7 +28,7 @@ import (
 type upstreamLoad struct {
 	model *selection.ServiceModel
 
-	tokens   atomic.Int64 // uncached prompt + expected output of the requests in flight (reports; KV demand in view)
+	tokens   atomic.Int64 // uncached prompt + expected output of the requests in flight (reports; KV demand in viewInto)
 	requests atomic.Int64
 	// sequences is what the requests in flight run on the backend: one each, or its n (best_of). The
 	// decision counts them against the backend's slots, as the backend's own running count does.
@@ -493,7 +493,7 @@ type upstreamView struct {
 	tokenScale         float64 // the backend's tokens per token of this proxy's count (tokenScale)
 	// overdue is how many times longer than service predicts this proxy's requests in flight there have
 	// already run (see upstreamLoad.overdueLocked); 0 when none overran, or when a scrape shows others'
-	// requests there (see view).
+	// requests there (see viewInto).
 	overdue float64
 	// full is the running count at which the upstream is full now: its fresh scrape shows requests
 	// waiting, not for cache space, at its likely slot count (selection.Service.LikelySlots: every such
@@ -506,7 +506,7 @@ type upstreamView struct {
 	open bool
 }
 
-// view returns dial's state at now for the decision.
+// viewInto returns dial's state at now for the decision.
 //
 // Without a fresh scrape, the queued prefill is this proxy's virtual queue, a prediction. With one, it
 // is what the backend itself shows waiting at the time of the scrape (its own requests and everyone
@@ -572,12 +572,6 @@ func (t *loadTable) viewInto(dial string, now int64, snap *scraper.Snapshot, hol
 		}
 	}
 	return v, holds
-}
-
-// view is viewInto without the requests in flight.
-func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstreamView {
-	v, _ := t.viewInto(dial, now, snap, nil)
-	return v
 }
 
 // openCeiling reports whether snap, the upstream's latest scrape, shows requests waiting at the most it
@@ -810,7 +804,7 @@ func (l *upstreamLoad) fromScrapeLocked(snap *scraper.Snapshot, now int64, spt f
 }
 
 // observeScrape reads a new snapshot of dial's metrics as it arrives (scraper.Options.OnScrape), as a
-// decision would (noteScrape, then what view reads once per snapshot), so that what it teaches (a restart,
+// decision would (noteScrape, then what viewInto reads once per snapshot), so that what it teaches (a restart,
 // the service model's queue and busy intervals, the cache trust, the token scale) does not wait for the
 // next decision; a decision that reads it later finds it read.
 func (t *loadTable) observeScrape(dial string, snap *scraper.Snapshot) {

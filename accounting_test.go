@@ -1170,6 +1170,12 @@ func TestForgetStartsAgain(t *testing.T) {
 	}
 }
 
+// view is viewInto without the requests in flight, for the tests that read the rest.
+func (t *loadTable) view(dial string, now int64, snap *scraper.Snapshot) upstreamView {
+	v, _ := t.viewInto(dial, now, snap, nil)
+	return v
+}
+
 // TestHolding: the requests in flight the wait for a slot reads are this proxy's own on that upstream,
 // each with its age and work; released, they are gone; beyond 128 in flight, none are listed (the
 // decision falls back to one interval a request ahead).
