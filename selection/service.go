@@ -595,8 +595,17 @@ func (r *rls2) updatePhi(phi [2]float64, y float64) {
 		k[i] = r.p[i][0]*phi[0] + r.p[i][1]*phi[1]
 	}
 	for i := range 2 {
-		r.theta[i] = clamp(r.theta[i]+k[i]*err, -maxTheta, maxTheta)
+		r.theta[i] = moveTheta(r.theta[i], k[i]*err)
 	}
+}
+
+// moveTheta returns a fitted parameter theta moved by step, held within maxTheta, the bound Restore
+// checks (so that what a model saves, it restores); a step that is not a number leaves it where it was.
+func moveTheta(theta, step float64) float64 {
+	if math.IsNaN(step) {
+		return theta
+	}
+	return clamp(theta+step, -maxTheta, maxTheta)
 }
 
 // seqShare is the prior's share of a decode step that one more sequence in the batch adds (vLLM's
@@ -646,7 +655,7 @@ func (r *rls3) updatePhi(phi [3]float64, y float64) {
 	}
 	r.p = boundCovariance3(r.p)
 	for i := range 3 {
-		r.theta[i] = clamp(r.theta[i]+(r.p[i][0]*phi[0]+r.p[i][1]*phi[1]+r.p[i][2]*phi[2])*err, -maxTheta, maxTheta)
+		r.theta[i] = moveTheta(r.theta[i], (r.p[i][0]*phi[0]+r.p[i][1]*phi[1]+r.p[i][2]*phi[2])*err)
 	}
 }
 

@@ -609,6 +609,35 @@ func TestRLSWindupStaysCovariance(t *testing.T) {
 	}
 }
 
+// TestRLSParametersStayRestorable: an update holds the fitted parameters within the bound Restore checks,
+// however far one observation pulls them (FuzzRestore's restored step time of 7 s, one busy interval
+// later, had a time per sequence of -21,010), and an observation that is not a number moves nothing.
+func TestRLSParametersStayRestorable(t *testing.T) {
+	r := newRLS2(0.03, 0.125, noiseSeconds)
+	r.p = [2][2]float64{{maxCovariance, 0}, {0, maxCovariance}}
+	r.update(1000, 1e9)
+	for _, v := range r.theta {
+		if math.Abs(v) > maxTheta {
+			t.Fatalf("after a far observation theta = %v, beyond ±%v", r.theta, maxTheta)
+		}
+	}
+	before := r.theta
+	r.update(2, math.NaN())
+	if r.theta != before {
+		t.Errorf("an observation that is not a number moved theta from %v to %v", before, r.theta)
+	}
+	b := newBusyFit(Prior)
+	b.p = [3][3]float64{{maxCovariance, 0, 0}, {0, maxCovariance, 0}, {0, 0, maxCovariance}}
+	b.updatePhi([3]float64{100, 7000, 4}, -1e9)
+	before3 := b.theta
+	b.updatePhi([3]float64{1, 1, 1}, math.Inf(1))
+	for i, v := range b.theta {
+		if math.Abs(v) > maxTheta || math.IsNaN(v) || math.Abs(before3[i]) > maxTheta {
+			t.Fatalf("busy fit theta %v (before the infinite observation %v), want within ±%v", b.theta, before3, maxTheta)
+		}
+	}
+}
+
 // TestServiceModelSteadyMix: busy intervals that mix decode steps and prefill in nearly the same
 // proportion, hour after hour, tell the step time from the prefill speed only by the mix's jitter. After
 // 20 varied intervals and 1,000 steady ones (5% noise on the seconds), the prefill speed stays within
