@@ -596,8 +596,7 @@ func openCeiling(s selection.Service, snap *scraper.Snapshot) bool {
 func (l *upstreamLoad) overdueLocked(now int64, s selection.Service) float64 {
 	first, second := 0.0, 0.0
 	for _, r := range l.inflight {
-		output := r.outputPerSequence()
-		pred := r.waited + s.TTFT(r.uncached) + float64(output)*s.TokenSeconds
+		pred := r.waited + s.Duration(r.uncached, r.outputPerSequence())
 		if !(pred > 0) {
 			continue
 		}

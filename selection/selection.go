@@ -114,7 +114,7 @@ type Candidate struct {
 	// queue): those blocks are in use, counted once however many requests share them, and take no free
 	// space. 0: none known held, the whole cached prefix comes out of the free space.
 	HeldTokens int
-	// Holding is this proxy's requests in flight on the upstream, in no order (nil: none, or more than
+	// Holding is this proxy's requests in flight on the upstream, in no order (empty: none, or more than
 	// MaxHolding): what the slots it holds still have to run (slotFreed).
 	Holding []Hold
 	// Pinned is true when the request's conversation is pinned to this candidate.
@@ -327,9 +327,8 @@ func slotFreed(c *Candidate, slots, ahead float64) float64 {
 	oldest := held[:len(h)]
 	slices.SortFunc(oldest, func(a, b Hold) int { return cmp.Compare(b.Age, a.Age) })
 	var left [MaxHolding]float64
-	s := c.Service
 	for i, r := range oldest[:running] {
-		left[i] = max(s.TTFT(r.Uncached)+float64(r.Output)*s.TokenSeconds-r.Age, 0)
+		left[i] = max(c.Service.Duration(r.Uncached, r.Output)-r.Age, 0)
 	}
 	slices.Sort(left[:running])
 	return left[k-1]

@@ -106,6 +106,12 @@ func (s Service) TTFT(uncached int) float64 {
 	return s.Overhead + float64(max(uncached, 0))*s.PrefillSecondsPerToken
 }
 
+// Duration is how long a request with uncached prompt tokens and output tokens to generate runs on an
+// idle upstream: its time to first token, then its output.
+func (s Service) Duration(uncached, output int) float64 {
+	return s.TTFT(uncached) + float64(output)*s.TokenSeconds
+}
+
 // SlotWait says whether a request sent with ahead others in flight on the upstream may have waited for a
 // slot that a prediction from s did not count: the slot count is unknown, and ahead is more than the
 // upstream has been seen to run beside a new request without queueing it (Free).
@@ -274,7 +280,7 @@ func (m *ServiceModel) ObserveEnd(uncached, output int, waited, duration float64
 	// queue would otherwise lengthen the predicted interval between slots freeing, and so the queue).
 	m.meanDur += scaleRate * (max(duration-waited, duration/10) - m.meanDur)
 	s := m.serviceLocked()
-	pred := waited + s.TTFT(uncached) + float64(output)*s.TokenSeconds
+	pred := waited + s.Duration(uncached, output)
 	if !(pred > 0) {
 		return
 	}
