@@ -1,29 +1,47 @@
-import json,sys
-from datetime import datetime
-def t(s):
-    s=s.rstrip('Z'); a,b=s.split('.'); return datetime.fromisoformat(a).timestamp()+float('0.'+b[:6].ljust(6,'0'))
-rs=[json.loads(l) for l in open(sys.argv[1])]
-dbg=[]
-for l in open(sys.argv[2]):
-    if l.startswith('DBG'):
-        parts=l.split(' | '); h=parts[0].split()
-        d={}
-        for p in parts[1:]:
-            f=p.split(); d[f[0]]={k:float(v.split('/')[0]) for k,v in (x.split('=') for x in f[1:])}
-        dbg.append((int(h[1])/1e9,int(h[2].split('=')[1]),d))
-for r in rs: r['s']=t(r['Sent']); r['f']=r['s']+r['TTFT']/1e9
-rs.sort(key=lambda r:r['s']); ups=sorted(set(r['Upstream'] for r in rs)); t0=rs[0]['s']; T=rs[-1]['s']-t0
-used=set(); zero=[];busy=[]; nz=[0,0]
-for i,r in enumerate(rs):
-    if r['s']-t0 < T/3: continue
-    c=[(abs(d[0]-r['s']),j) for j,d in enumerate(dbg) if d[1]==r['PolicyPrompt'] and j not in used]
-    if not c: continue
-    _,j=min(c); used.add(j)
-    pend={u:0 for u in ups}; inf={u:0 for u in ups}
-    for q in rs[:i]:
-        if q['f']>r['s']: pend[q['Upstream']]+=q['PromptTokens']
+# One slow-prefill mixed run of the debug build (debug-choose.patch): after the first third of the run,
+# the queue the decision priced (Candidate.Queued, wall ms) on the upstreams with nothing truly pending
+# and on those with some, beside what was truly pending there.
+# python3 queues.py DUMP.jsonl STDERR
+import sys
+from dumps import load, at_send
+
+# slow-prefill's backends prefill 2k tokens a second of simulated time, 20 a wall millisecond at mixed's
+# time scale of 10.
+TOKENS_PER_WALL_MS = 20.0
+
+rs, ups = load(sys.argv[1])
+decisions = []  # (when, the policy's prompt count, {upstream port: {field: value}})
+for line in open(sys.argv[2]):
+    if not line.startswith('DBG'):
+        continue
+    parts = line.split(' | ')
+    head = parts[0].split()
+    cands = {}
+    for p in parts[1:]:
+        f = p.split()
+        cands[f[0]] = {k: float(v.split('/')[0]) for k, v in (x.split('=') for x in f[1:])}
+    decisions.append((int(head[1]) / 1e9, int(head[2].split('=')[1]), cands))
+
+t0 = rs[0]['s']
+span = rs[-1]['s'] - t0
+used, idle, busy, truly = set(), [], [], []
+for i, r in enumerate(rs):
+    if r['s'] - t0 < span / 3:
+        continue
+    # The request's decision: the nearest in time of those with its prompt count not matched yet.
+    near = [(abs(d[0] - r['s']), j) for j, d in enumerate(decisions) if d[1] == r['PolicyPrompt'] and j not in used]
+    if not near:
+        continue
+    _, j = min(near)
+    used.add(j)
+    pending, _, _ = at_send(rs, i, ups)
     for u in ups:
-        m=dbg[j][2][u[-5:]]
-        (zero if pend[u]==0 else busy).append(m['q']);
-        if pend[u]>0: nz[0]+=pend[u]/20.0; nz[1]+=1
-print('true pending where something is: mean=%.0f ms'%(nz[0]/nz[1]));print('decisions after the first third: model queue (ms wall) where nothing is truly pending: n=%d mean=%.0f; where something is: n=%d mean=%.0f'%(len(zero),sum(zero)/len(zero),len(busy),sum(busy)/len(busy)))
+        queued = decisions[j][2][u[-5:]]['q']
+        if pending[u] == 0:
+            idle.append(queued)
+        else:
+            busy.append(queued)
+            truly.append(pending[u] / TOKENS_PER_WALL_MS)
+print('true pending where something is: mean=%.0f ms' % (sum(truly) / len(truly)))
+print('decisions after the first third: model queue (ms wall) where nothing is truly pending: n=%d mean=%.0f; where something is: n=%d mean=%.0f'
+      % (len(idle), sum(idle) / len(idle), len(busy), sum(busy) / len(busy)))
