@@ -551,7 +551,7 @@ func (t *loadTable) viewInto(dial string, now int64, snap *scraper.Snapshot, hol
 		v.tokenScale = l.tokenScaleLocked()
 	} else {
 		var kvSince float64
-		foreign, v.queued, v.settled, kvSince = l.fromScrapeLocked(snap, now, v.service.PrefillSecondsPerToken)
+		foreign, v.queued, v.settled, kvSince = l.fromScrapeLocked(snap, now, v.service.PrefillSecondsPerToken, v.service.MeanDuration)
 		v.tokenScale = l.tokenScaleLocked() // after the scrape is read: it may have taught the scale
 		v.requests += foreign
 		// The cache's size is in the backend's tokens; every other KV figure here is in this proxy's.
@@ -738,7 +738,8 @@ func (l *upstreamLoad) arrivalRateLocked(now int64) float64 {
 }
 
 // fromScrapeLocked returns the requests snap shows beyond this proxy's own at the time of the scrape, the
-// seconds of prefill queued there at now for an upstream that prefills a token in spt seconds (queued,
+// seconds of prefill queued there at now for an upstream that prefills a token in spt seconds and whose
+// requests last meanDuration seconds on average (queued,
 // and settled: with this proxy's requests since the scrape each counted for what is left of its
 // predicted prefill instead of in full), and the KV cache tokens this proxy's requests since the scrape
 // take (reservation.kv).
@@ -764,9 +765,13 @@ func (l *upstreamLoad) arrivalRateLocked(now int64) float64 {
 // not had their first token: no scrape has confirmed them yet. (Drained too, they left nothing that
 // spreads this proxy's own recent sends while the cost has no term for the batch they join: on
 // multi-turn, one backend took no request and TTFT p50 went from 96 to 121 ms.)
-func (l *upstreamLoad) fromScrapeLocked(snap *scraper.Snapshot, now int64, spt float64) (foreign, queued, settled, kvSince float64) {
+func (l *upstreamLoad) fromScrapeLocked(snap *scraper.Snapshot, now int64, spt, meanDuration float64) (foreign, queued, settled, kvSince float64) {
 	at := snap.At.UnixNano()
 	l.scrapedLocked(snap)
+	turnover := 0.0 // seconds a KV-cache token stands for, its share of the cache's turnover (0: unknown)
+	if c := float64(snap.BlockSize) * float64(snap.NumBlocks) / l.tokenScaleLocked(); c > 0 && meanDuration > 0 {
+		turnover = meanDuration / c
+	}
 	backlog := l.foreignWaiting * l.foreignUncachedLocked()
 	for _, r := range l.pendingOurs[:l.waitingOurs] {
 		if r.index >= 0 && !r.firstToken {
@@ -778,12 +783,24 @@ func (l *upstreamLoad) fromScrapeLocked(snap *scraper.Snapshot, now int64, spt f
 	// than predicted has about as long again to go as it is late, up to its whole prefill: its upstream
 	// is slower than its estimate (a new backend, before its first tokens teach it), and counting it done
 	// made that upstream look idle beside the others, whose running prefills count, and took every
-	// request until it answered.
+	// request until it answered. But a proxy that sees no first tokens (no transport llm) cannot tell that
+	// from a request that has had its first token and is decoding, which holds no prefill but KV-cache
+	// space, and that frees as requests end: the whole cache once every mean request duration, so kv tokens
+	// of it stand for kv/capacity of that duration. A late request holds the lesser of its prefill and
+	// that. Held at its whole prefill, every long prompt decoding on a slow-prefill fleet counted until it
+	// ended (4,000 tokens at 2k tokens/s: 2 s of queue; at the cache's turnover 0.2-0.5 s), the idle
+	// upstreams were priced nearly as busy as those with prompts truly waiting, and llm chose a busier
+	// one for about half of its long prompts, as least_conn did (slow-prefill mixed, docs/bench/kv-hold).
+	// Where prefill is fast the two are about equal, and the hold keeps long prompts off caches that fill.
 	var left, ahead int64 // left at now; predicted at the scrape to be left of it
 	for _, r := range l.pendingOurs[l.waitingOurs:] {
 		if r.index >= 0 && !r.firstToken {
 			late := max(now-r.prefillDone, 0)
-			left = max(left, r.prefillDone-now, min(late, seconds(r.prefill)))
+			held := seconds(r.prefill)
+			if turnover > 0 {
+				held = min(held, seconds(float64(r.kv)*turnover))
+			}
+			left = max(left, r.prefillDone-now, min(late, held))
 			ahead = max(ahead, r.prefillDone-at)
 		}
 	}
