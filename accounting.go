@@ -551,7 +551,11 @@ func (t *loadTable) viewInto(dial string, now int64, snap *scraper.Snapshot, hol
 		v.tokenScale = l.tokenScaleLocked()
 	} else {
 		var kvSince float64
-		foreign, v.queued, v.settled, kvSince = l.fromScrapeLocked(snap, now, v.service.PrefillSecondsPerToken, v.service.MeanDuration)
+		unseen := 0.0 // where no first token has been seen there, a late request may be decoding
+		if v.service.FirstTokens+v.service.SkippedFirstTokens == 0 {
+			unseen = v.service.MeanDuration
+		}
+		foreign, v.queued, v.settled, kvSince = l.fromScrapeLocked(snap, now, v.service.PrefillSecondsPerToken, unseen)
 		v.tokenScale = l.tokenScaleLocked() // after the scrape is read: it may have taught the scale
 		v.requests += foreign
 		// The cache's size is in the backend's tokens; every other KV figure here is in this proxy's.
@@ -738,8 +742,7 @@ func (l *upstreamLoad) arrivalRateLocked(now int64) float64 {
 }
 
 // fromScrapeLocked returns the requests snap shows beyond this proxy's own at the time of the scrape, the
-// seconds of prefill queued there at now for an upstream that prefills a token in spt seconds and whose
-// requests last meanDuration seconds on average (queued,
+// seconds of prefill queued there at now for an upstream that prefills a token in spt seconds (queued,
 // and settled: with this proxy's requests since the scrape each counted for what is left of its
 // predicted prefill instead of in full), and the KV cache tokens this proxy's requests since the scrape
 // take (reservation.kv).
@@ -765,12 +768,15 @@ func (l *upstreamLoad) arrivalRateLocked(now int64) float64 {
 // not had their first token: no scrape has confirmed them yet. (Drained too, they left nothing that
 // spreads this proxy's own recent sends while the cost has no term for the batch they join: on
 // multi-turn, one backend took no request and TTFT p50 went from 96 to 121 ms.)
-func (l *upstreamLoad) fromScrapeLocked(snap *scraper.Snapshot, now int64, spt, meanDuration float64) (foreign, queued, settled, kvSince float64) {
+//
+// unseen is the upstream's mean request duration in seconds where this proxy has seen no first token
+// there (no transport llm), and 0 where it has: see the late requests below.
+func (l *upstreamLoad) fromScrapeLocked(snap *scraper.Snapshot, now int64, spt, unseen float64) (foreign, queued, settled, kvSince float64) {
 	at := snap.At.UnixNano()
 	l.scrapedLocked(snap)
-	turnover := 0.0 // seconds a KV-cache token stands for, its share of the cache's turnover (0: unknown)
-	if c := float64(snap.BlockSize) * float64(snap.NumBlocks) / l.tokenScaleLocked(); c > 0 && meanDuration > 0 {
-		turnover = meanDuration / c
+	turnover := 0.0 // seconds a KV-cache token stands for, its share of the cache's turnover (0: not used)
+	if c := float64(snap.BlockSize) * float64(snap.NumBlocks) / l.tokenScaleLocked(); c > 0 && unseen > 0 {
+		turnover = unseen / c
 	}
 	backlog := l.foreignWaiting * l.foreignUncachedLocked()
 	for _, r := range l.pendingOurs[:l.waitingOurs] {
@@ -783,15 +789,16 @@ func (l *upstreamLoad) fromScrapeLocked(snap *scraper.Snapshot, now int64, spt, 
 	// than predicted has about as long again to go as it is late, up to its whole prefill: its upstream
 	// is slower than its estimate (a new backend, before its first tokens teach it), and counting it done
 	// made that upstream look idle beside the others, whose running prefills count, and took every
-	// request until it answered. But a proxy that sees no first tokens (no transport llm) cannot tell that
-	// from a request that has had its first token and is decoding, which holds no prefill but KV-cache
-	// space, and that frees as requests end: the whole cache once every mean request duration, so kv tokens
-	// of it stand for kv/capacity of that duration. A late request holds the lesser of its prefill and
-	// that. Held at its whole prefill, every long prompt decoding on a slow-prefill fleet counted until it
-	// ended (4,000 tokens at 2k tokens/s: 2 s of queue; at the cache's turnover 0.2-0.5 s), the idle
-	// upstreams were priced nearly as busy as those with prompts truly waiting, and llm chose a busier
-	// one for about half of its long prompts, as least_conn did (slow-prefill mixed, docs/bench/kv-hold).
-	// Where prefill is fast the two are about equal, and the hold keeps long prompts off caches that fill.
+	// request until it answered. But a proxy that sees no first tokens there (no transport llm) cannot
+	// tell that from a request that has had its first token and is decoding, which holds no prefill but
+	// KV-cache space, and that frees as requests end: the whole cache once every mean request duration,
+	// so kv tokens of it stand for kv/capacity of that duration. There a late request holds the lesser of
+	// its prefill and that. Held at its whole prefill until it ended, each long prompt decoding on a
+	// slow-prefill fleet was 2 s of queue (4,000 tokens at 2k tokens/s; at the cache's turnover 0.3-1.2 s),
+	// pricing the idle upstreams nearly as busy as those with prompts truly waiting (slow-prefill mixed:
+	// llm's own p99 0.86-0.91x with the bound, docs/bench/kv-hold). Where prefill is fast the two are
+	// about equal, and the hold keeps long prompts off caches about to fill. Where first tokens are seen,
+	// a late one without its first token is still prefilling and holds its prefill.
 	var left, ahead int64 // left at now; predicted at the scrape to be left of it
 	for _, r := range l.pendingOurs[l.waitingOurs:] {
 		if r.index >= 0 && !r.firstToken {

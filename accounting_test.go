@@ -333,8 +333,9 @@ func TestScrapedRunningStillPrefill(t *testing.T) {
 // TestLateHoldsNoMoreThanItsCache: a request the scrape counts as running, later than predicted and with
 // no first token seen, holds the lesser of its whole prefill and its share of the KV cache's turnover
 // (its KV tokens over the cache's, times the mean request duration): without first tokens it may as well
-// be decoding, and then it holds cache space, not prefill. Where the scrape gives no cache size, the
-// whole prefill (TestScrapedRunningStillPrefill).
+// be decoding, and then it holds cache space, not prefill. Where the scrape gives no cache size, or first
+// tokens are seen there (a late one without its first token is then still prefilling), the whole prefill
+// (TestScrapedRunningStillPrefill).
 func TestLateHoldsNoMoreThanItsCache(t *testing.T) {
 	const dial = "10.0.0.1:8000"
 	spt, md := selection.Prior.PrefillSecondsPerToken, selection.Prior.MeanDuration
@@ -342,25 +343,36 @@ func TestLateHoldsNoMoreThanItsCache(t *testing.T) {
 	for _, c := range []struct {
 		name     string
 		uncached int
-		blocks   int // of 16 tokens
+		blocks   int  // of 16 tokens
+		seen     bool // a first token was seen there before
 		want     float64
 	}{
 		// 4,064 of a 32,768-token cache: an eighth of the 2 s duration, half of its 0.5 s prefill.
-		{"long prompt, cache known", 4000, 2048, 4064.0 / 32768 * md},
+		{"long prompt, cache known", 4000, 2048, false, 4064.0 / 32768 * md},
 		// A small cache: its turnover share is more than its prefill, which it holds.
-		{"long prompt, small cache", 4000, 256, 4000 * spt},
-		{"cache unknown", 4000, 0, 4000 * spt},
+		{"long prompt, small cache", 4000, 256, false, 4000 * spt},
+		{"cache unknown", 4000, 0, false, 4000 * spt},
+		{"first tokens seen there", 4000, 2048, true, -1}, // -1: its whole prefill at the speed they taught
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			lt := newTestLoads()
-			lt.reserve(dial, work{uncached: c.uncached, output: 64}, t0.UnixNano())
+			if c.seen {
+				first := lt.reserve(dial, work{uncached: 100, output: 1}, t0.Add(-time.Second).UnixNano())
+				first.noteFirstToken(first.prefillDone)
+				first.release(first.prefillDone, true)
+			}
+			late := lt.reserve(dial, work{uncached: c.uncached, output: 64}, t0.UnixNano())
+			want := c.want
+			if want < 0 {
+				want = late.prefill
+			}
 			snap := &scraper.Snapshot{Running: 1, At: t0.Add(10 * time.Millisecond), BlockSize: 16, NumBlocks: c.blocks}
 			if c.blocks == 0 {
 				snap.BlockSize = 0
 			}
 			// Long past its predicted first token: late by more than either hold.
-			if v := lt.view(dial, t0.Add(10*time.Second).UnixNano(), snap); math.Abs(v.queued-c.want) > 1e-6 {
-				t.Errorf("queued = %.4f s, want %.4f (prefill %.4f)", v.queued, c.want, float64(c.uncached)*spt)
+			if v := lt.view(dial, t0.Add(10*time.Second).UnixNano(), snap); math.Abs(v.queued-want) > 1e-6 {
+				t.Errorf("queued = %.4f s, want %.4f (prefill %.4f)", v.queued, want, late.prefill)
 			}
 		})
 	}
