@@ -551,15 +551,10 @@ func (t *loadTable) viewInto(dial string, now int64, snap *scraper.Snapshot, hol
 		v.tokenScale = l.tokenScaleLocked()
 	} else {
 		var kvSince float64
-		unseen := 0.0 // where no first token has been seen there, a late request may be decoding
-		if v.service.FirstTokens+v.service.SkippedFirstTokens == 0 {
-			unseen = v.service.MeanDuration
-		}
-		foreign, v.queued, v.settled, kvSince = l.fromScrapeLocked(snap, now, v.service.PrefillSecondsPerToken, unseen)
+		foreign, v.queued, v.settled, kvSince = l.fromScrapeLocked(snap, now, v.service)
 		v.tokenScale = l.tokenScaleLocked() // after the scrape is read: it may have taught the scale
 		v.requests += foreign
-		// The cache's size is in the backend's tokens; every other KV figure here is in this proxy's.
-		if c := float64(snap.BlockSize) * float64(snap.NumBlocks) / v.tokenScale; c > 0 {
+		if c := l.kvCapacityLocked(snap); c > 0 {
 			v.kvCapacity, v.kvUsed = c, max(snap.KVUsage*c+kvSince, float64(l.kv))
 		}
 		if l := v.service.LikelySlots; l > 0 && snap.Running >= l && selection.SlotBound(snap.Running, snap.Waiting, snap.KVUsage) {
@@ -741,8 +736,14 @@ func (l *upstreamLoad) arrivalRateLocked(now int64) float64 {
 	return 1 / gap
 }
 
+// kvCapacityLocked is the KV cache's size snap reports, in this proxy's tokens (the snapshot's is in the
+// backend's, every other KV figure here in this proxy's); 0 when it reports none. The caller holds l.mu.
+func (l *upstreamLoad) kvCapacityLocked(snap *scraper.Snapshot) float64 {
+	return float64(snap.BlockSize) * float64(snap.NumBlocks) / l.tokenScaleLocked()
+}
+
 // fromScrapeLocked returns the requests snap shows beyond this proxy's own at the time of the scrape, the
-// seconds of prefill queued there at now for an upstream that prefills a token in spt seconds (queued,
+// seconds of prefill queued there at now for an upstream of service s (queued,
 // and settled: with this proxy's requests since the scrape each counted for what is left of its
 // predicted prefill instead of in full), and the KV cache tokens this proxy's requests since the scrape
 // take (reservation.kv).
@@ -768,15 +769,15 @@ func (l *upstreamLoad) arrivalRateLocked(now int64) float64 {
 // not had their first token: no scrape has confirmed them yet. (Drained too, they left nothing that
 // spreads this proxy's own recent sends while the cost has no term for the batch they join: on
 // multi-turn, one backend took no request and TTFT p50 went from 96 to 121 ms.)
-//
-// unseen is the upstream's mean request duration in seconds where this proxy has seen no first token
-// there (no transport llm), and 0 where it has: see the late requests below.
-func (l *upstreamLoad) fromScrapeLocked(snap *scraper.Snapshot, now int64, spt, unseen float64) (foreign, queued, settled, kvSince float64) {
+func (l *upstreamLoad) fromScrapeLocked(snap *scraper.Snapshot, now int64, s selection.Service) (foreign, queued, settled, kvSince float64) {
 	at := snap.At.UnixNano()
 	l.scrapedLocked(snap)
-	turnover := 0.0 // seconds a KV-cache token stands for, its share of the cache's turnover (0: not used)
-	if c := float64(snap.BlockSize) * float64(snap.NumBlocks) / l.tokenScaleLocked(); c > 0 && unseen > 0 {
-		turnover = unseen / c
+	spt := s.PrefillSecondsPerToken
+	// Seconds a KV-cache token stands for, its share of the cache's turnover; 0 where it is not used: the
+	// cache's size unknown, or first tokens seen there (see the late requests below).
+	turnover := 0.0
+	if c := l.kvCapacityLocked(snap); c > 0 && s.MeanDuration > 0 && s.FirstTokens+s.SkippedFirstTokens == 0 {
+		turnover = s.MeanDuration / c
 	}
 	backlog := l.foreignWaiting * l.foreignUncachedLocked()
 	for _, r := range l.pendingOurs[:l.waitingOurs] {
