@@ -94,6 +94,11 @@ type upstreamLoad struct {
 	// the counters of its last scrape (backendMeanUncached): the size of other clients' waiting requests
 	// where this proxy has sent none of its own to size them by. 0: not reported.
 	backendUncached float64
+	// decodingKnown is whether the last scrape's counters told which of this proxy's requests running there
+	// were decoding (reservation.decoding; markDecodingLocked), and decodingBase the counters' difference
+	// that stands for none of them (their drift).
+	decodingKnown bool
+	decodingBase  float64
 
 	// Cache trust: the share of its predicted cache hits the backend's own prefix-cache counters confirm.
 	// predicted and prompt add up what this proxy predicted cached and sent there; at each scrape their
@@ -174,7 +179,9 @@ type reservation struct {
 	prefill     float64
 	prefillDone int64
 	firstToken  bool
-	index       int // in load.inflight; -1 once released
+	prompt      int  // its prompt tokens, cached ones included
+	decoding    bool // its prefill was done at the last scrape, by the backend's counters (markDecodingLocked)
+	index       int  // in load.inflight; -1 once released
 	// outputSeen counts the output tokens observed in the response (0 when it is not observed), by the
 	// one observer that reported first (counter: observerTransport or observerResume), so that two
 	// observers of the same attempt never count it twice.
@@ -283,7 +290,7 @@ func (t *loadTable) reserve(dial string, w work, now int64) *reservation {
 func (l *upstreamLoad) add(dial string, w work, now int64) *reservation {
 	svc := l.model.Service()
 	r := &reservation{load: l, dial: dial, uncached: w.uncached, output: w.output, sequences: w.sequences, kv: w.kv,
-		learned: w.learned, start: now, waited: w.waited, prediction: w.prediction}
+		learned: w.learned, start: now, waited: w.waited, prediction: w.prediction, prompt: max(w.prompt, w.uncached)}
 	if r.kv == 0 {
 		r.kv = int(r.weight())
 	}
@@ -776,7 +783,7 @@ func (l *upstreamLoad) fromScrapeLocked(snap *scraper.Snapshot, now int64, s sel
 	// Seconds a KV-cache token stands for, its share of the cache's turnover; 0 where it is not used: the
 	// cache's size unknown, or first tokens seen there (see the late requests below).
 	turnover := 0.0
-	if c := l.kvCapacityLocked(snap); c > 0 && s.MeanDuration > 0 && s.FirstTokens+s.SkippedFirstTokens == 0 {
+	if c := l.kvCapacityLocked(snap); c > 0 && s.MeanDuration > 0 && s.FirstTokens+s.SkippedFirstTokens == 0 && !l.decodingKnown {
 		turnover = s.MeanDuration / c
 	}
 	backlog := l.foreignWaiting * l.foreignUncachedLocked()
@@ -800,9 +807,17 @@ func (l *upstreamLoad) fromScrapeLocked(snap *scraper.Snapshot, now int64, s sel
 	// llm's own p99 0.86-0.91x with the bound, docs/bench/kv-hold). Where prefill is fast the two are
 	// about equal, and the hold keeps long prompts off caches about to fill. Where first tokens are seen,
 	// a late one without its first token is still prefilling and holds its prefill.
+	//
+	// A vLLM backend's own counters tell the two apart (markDecodingLocked): one they show decoding holds
+	// nothing more, as one with a first token seen, and one they show still prefilling holds its prefill,
+	// without the turnover bound. Bounded instead, a long prompt truly prefilling on a slow-prefill fleet
+	// stood for a third of its queue, beside one decoding on the next upstream that stood for as much (the
+	// long prompts went to an upstream with more truly pending than the least as often as before the bound,
+	// docs/bench/kv-hold); held at its turnover share, a decoding request kept spreading a load the cost
+	// prices already, in slots and cache space (docs/bench/decoding-counters).
 	var left, ahead int64 // left at now; predicted at the scrape to be left of it
 	for _, r := range l.pendingOurs[l.waitingOurs:] {
-		if r.index >= 0 && !r.firstToken {
+		if r.index >= 0 && !r.firstToken && !(l.decodingKnown && r.decoding) {
 			late := max(now-r.prefillDone, 0)
 			held := seconds(r.prefill)
 			if turnover > 0 {
@@ -880,6 +895,7 @@ func (l *upstreamLoad) scrapedLocked(snap *scraper.Snapshot) {
 	}
 	l.foreignWaiting = float64(waiting)
 	l.foreignAt, l.foreign = at, max(snap.Running+snap.Waiting-float64(ours), 0)
+	l.markDecodingLocked(snap, at, ours)
 	l.updateTrustLocked(snap)
 	n, prompt, ok := l.completedAsOfLocked(at)
 	l.scale.fromScrape(snap, n, prompt, ok, l.observed.prompt.Load())
@@ -897,6 +913,46 @@ func (l *upstreamLoad) scrapedLocked(snap *scraper.Snapshot) {
 	}
 	l.model.ReportSlots(snap.MaxRunning) // a backend that says how many it runs at once (NIM); 0: ignored
 	l.observeBusyLocked(snap)
+}
+
+// markDecodingLocked tells, from snap's counters, which of this proxy's requests running at its time had
+// finished their prefill and were decoding (reservation.decoding), where it can: vLLM's v1 engine adds a
+// request's whole prompt to vllm:prompt_tokens_total at its first token, and to the finished requests'
+// prompt histogram when it ends, so their difference is the prompts of the requests decoding there at
+// the scrape (scraper.Snapshot.PrefilledPrompt). An engine prefills in arrival order, so those are its
+// oldest: this proxy's running requests, oldest first, are decoding while the difference, less the
+// prompts of those whose first token it has seen, covers at least half of each one's prompt. It cannot
+// tell where the scrape shows other clients' requests (theirs are in the difference too) or the backend
+// has no such counter (SGLang counts a prompt at its end, and others not at all): decodingKnown is false
+// then, and the lateness rule of fromScrapeLocked stands. The difference that stands for no request is
+// what it was at the last scrape that found nothing of this proxy's or anyone's there, or lower when it
+// goes below that: counters that drifted (a request aborted between its first token and its end may be
+// counted in one and not the other) do not mark requests decoding for ever. The caller holds l.mu.
+func (l *upstreamLoad) markDecodingLocked(snap *scraper.Snapshot, at, ours int64) {
+	l.decodingKnown = false
+	if !(snap.PrefilledPrompt > 0) || l.foreign >= 1 {
+		return
+	}
+	d := (snap.PrefilledPrompt - snap.FinishedPrompt) / l.tokenScaleLocked()
+	if ours == 0 || d < l.decodingBase {
+		l.decodingBase = d
+	}
+	d -= l.decodingBase
+	for _, r := range l.inflight {
+		if r.start <= at && r.firstToken {
+			d -= float64(r.prompt)
+		}
+	}
+	l.decodingKnown = true
+	running := l.pendingOurs[l.waitingOurs:]
+	for i := len(running) - 1; i >= 0; i-- { // oldest first
+		r := running[i]
+		r.decoding = d >= float64(r.prompt)/2
+		d -= float64(r.prompt)
+	}
+	for _, r := range l.pendingOurs[:l.waitingOurs] {
+		r.decoding = false
+	}
 }
 
 // foreignUncachedLocked is the uncached prompt tokens at which other clients' waiting requests there are

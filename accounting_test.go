@@ -378,6 +378,61 @@ func TestLateHoldsNoMoreThanItsCache(t *testing.T) {
 	}
 }
 
+// TestCountersTellDecoding: where a vLLM backend's counters say how much prompt its decoding requests
+// hold (prompt_tokens_total, counted at a first token, less the finished requests' prompts), this proxy's
+// oldest running requests are decoding for that much and hold no prefill, and the others are prefilling
+// and hold their whole prefill, not the turnover share that stands in where nothing tells the two apart.
+// The requests of other clients (theirs are in the counters too) and a request whose first token this
+// proxy saw are counted, and a difference the backend shows with nothing in flight is drift, not a
+// request.
+func TestCountersTellDecoding(t *testing.T) {
+	const dial = "10.0.0.1:8000"
+	t0 := time.Unix(1_700_000_000, 0)
+	for _, c := range []struct {
+		name      string
+		prefilled float64 // prompt tokens the backend counts prefilled
+		finished  float64 // and finished
+		drift     float64 // prefilled, as a scrape with nothing in flight found it before
+		foreign   bool    // the scrape shows another client's request
+		oldSeen   bool    // the older request's first token was seen
+		want      string  // "share": each holds its turnover share; "new": the newer its prefill; "none"
+	}{
+		{name: "no counters", want: "share"},
+		{name: "the older decoding", prefilled: 4000, want: "new"},
+		{name: "a finished one's prompt is not decoding", prefilled: 9000, finished: 5000, want: "new"},
+		{name: "both decoding", prefilled: 8000, want: "none"},
+		{name: "another client's requests there", prefilled: 8000, foreign: true, want: "share"},
+		{name: "the older's first token seen", prefilled: 4000, oldSeen: true, want: "new"},
+		{name: "drift is not a request", prefilled: 5000, drift: 1000, want: "new"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			lt := newTestLoads()
+			// Known to the table before: one request sent and ended a second before the scrape of drift.
+			lt.reserve(dial, work{uncached: 100, output: 1}, t0.Add(-3*time.Second).UnixNano()).release(t0.Add(-2*time.Second).UnixNano(), true)
+			if c.drift > 0 {
+				lt.view(dial, t0.Add(-time.Second).UnixNano(), &scraper.Snapshot{At: t0.Add(-time.Second), PrefilledPrompt: c.drift, BlockSize: 16, NumBlocks: 2048})
+			}
+			old := lt.reserve(dial, work{uncached: 4000, prompt: 4000, output: 64}, t0.UnixNano())
+			young := lt.reserve(dial, work{uncached: 4000, prompt: 4000, output: 64}, t0.Add(time.Millisecond).UnixNano())
+			running := 2.0
+			if c.foreign {
+				running++
+			}
+			if c.oldSeen {
+				old.noteFirstToken(t0.Add(5 * time.Millisecond).UnixNano())
+			}
+			snap := &scraper.Snapshot{Running: running, At: t0.Add(10 * time.Millisecond), BlockSize: 16, NumBlocks: 2048,
+				PrefilledPrompt: c.prefilled + c.drift, FinishedPrompt: c.finished}
+			share := 4064.0 / 32768 * lt.lookup(dial).model.Service().MeanDuration // each one's (see above)
+			want := map[string]float64{"share": share, "new": young.prefill, "none": 0}[c.want]
+			// Long past both predicted first tokens: late by more than either hold.
+			if v := lt.view(dial, t0.Add(10*time.Second).UnixNano(), snap); math.Abs(v.queued-want) > 1e-6 {
+				t.Errorf("queued = %.4f s, want %.4f (%s; prefill %.4f, turnover share %.4f)", v.queued, want, c.want, young.prefill, share)
+			}
+		})
+	}
+}
+
 // TestScrapedQueueDrains: a backlog a scrape showed is prefilled at the upstream's speed from the
 // scrape on, so an upstream is not avoided for a queue it has worked off; this proxy's requests sent since
 // count in full until their first token or the next scrape, a burst of them all at once (no herding to an

@@ -7,7 +7,7 @@ import "bytes"
 var readFamilies = func() map[string]bool {
 	set := make(map[string]bool)
 	for _, names := range [][]string{
-		vllmRunning, vllmWaiting, vllmKV, vllmPrefixHits, vllmPrefixQueries, vllmGenerated, vllmSteps,
+		vllmRunning, vllmWaiting, vllmKV, vllmPrefixHits, vllmPrefixQueries, vllmGenerated, vllmSteps, vllmPrefilled,
 		{vllmRequestPrompt, vllmLoRAInfo, vllmCacheConfig},
 		sglangRunning, sglangWaiting, sglangKV, sglangGenerated, sglangFinished, sglangPrompt,
 		{sglangCacheConfig, sglangPageSize}, sglangNumPages, sglangPoolTokens,

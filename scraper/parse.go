@@ -67,6 +67,12 @@ type Snapshot struct {
 	// the requests this proxy saw end there, they tell how many of the backend's tokens one of this
 	// proxy's count is.
 	FinishedRequests, FinishedPrompt float64
+	// PrefilledPrompt is the prompt tokens of the requests whose prefill the target has completed, in the
+	// backend's tokens: vLLM's vllm:prompt_tokens_total, which its v1 engine counts a request's whole
+	// prompt into at the request's first token. Less FinishedPrompt, it is the prompt tokens of the
+	// requests decoding there at the scrape. Zero when absent, and for SGLang, whose
+	// sglang:prompt_tokens_total counts a prompt when its request finishes (FinishedPrompt).
+	PrefilledPrompt float64
 	// BlockSize is the KV block (vLLM) or page (SGLang) size in tokens and NumBlocks the number of
 	// blocks summed over engines, from the labels of vllm:cache_config_info
 	// {block_size,num_gpu_blocks} or sglang:cache_config_info{page_size,num_pages} (SGLang's
@@ -110,6 +116,7 @@ var (
 	vllmGenerated     = []string{"vllm:generation_tokens_total", "vllm:generation_tokens"}
 	vllmSteps         = []string{"vllm:iteration_tokens_total"}
 	vllmRequestPrompt = "vllm:request_prompt_tokens"
+	vllmPrefilled     = []string{"vllm:prompt_tokens_total", "vllm:prompt_tokens"}
 	vllmCacheConfig   = "vllm:cache_config_info"
 	sglangGenerated   = []string{"sglang:generation_tokens_total", "sglang:generation_tokens"}
 	sglangFinished    = []string{"sglang:num_requests_total", "sglang:num_requests"}
@@ -212,6 +219,7 @@ func extract(families map[string]*dto.MetricFamily, model string) (Snapshot, err
 	s.Steps = clampCount(s.Steps)
 	s.FinishedRequests = clampCount(s.FinishedRequests)
 	s.FinishedPrompt = clampCount(s.FinishedPrompt)
+	s.PrefilledPrompt = clampCount(s.PrefilledPrompt)
 	s.MaxRunning = clampCount(s.MaxRunning)
 	s.KVUsage = math.Min(math.Max(s.KVUsage, 0), 1)
 	if start, ok := maxValue(families[processStartTime], ""); ok && start > 0 && !math.IsInf(start, 0) {
@@ -247,6 +255,7 @@ func extractVLLM(families map[string]*dto.MetricFamily, model string, s *Snapsho
 	s.GenerationTokens, _ = sum(families, vllmGenerated, model)
 	s.Steps, _ = sum(families, vllmSteps, model)
 	s.FinishedRequests, s.FinishedPrompt = histogramTotals(families[vllmRequestPrompt], model)
+	s.PrefilledPrompt, _ = sum(families, vllmPrefilled, model)
 	s.BlockSize, s.NumBlocks = geometryFromLabels(families[vllmCacheConfig], model, "block_size", "num_gpu_blocks")
 	s.Model = modelName(families, vllmRunning[0], model)
 	s.LoRA = loraFromLabels(families[vllmLoRAInfo], model)

@@ -185,7 +185,9 @@ vllm:iteration_tokens_total_count{engine="1",model_name="m"} 200
 
 // TestParseFinishedPrompts: vllm:request_prompt_tokens gives the finished requests and their prompt
 // tokens (its count and sum), summed over engines, for the model asked for only; a sum that is not a
-// finite count gives neither.
+// finite count gives neither. vllm:prompt_tokens_total gives the prompt tokens prefilled (counted at a
+// request's first token), summed the same way; SGLang's counter of that name is counted at a request's
+// end, and gives the finished prompts instead.
 func TestParseFinishedPrompts(t *testing.T) {
 	text := `# TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{engine="0",model_name="m"} 1
@@ -199,10 +201,14 @@ vllm:request_prompt_tokens_count{engine="1",model_name="m"} 5
 vllm:request_prompt_tokens_bucket{engine="0",model_name="other",le="+Inf"} 99
 vllm:request_prompt_tokens_sum{engine="0",model_name="other"} 99000
 vllm:request_prompt_tokens_count{engine="0",model_name="other"} 99
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="m"} 19000
+vllm:prompt_tokens_total{engine="1",model_name="m"} 5000
+vllm:prompt_tokens_total{engine="0",model_name="other"} 99000
 `
 	got, err := Parse(strings.NewReader(text), "m")
-	if err != nil || got.FinishedRequests != 15 || got.FinishedPrompt != 20000 {
-		t.Errorf("Parse() = %+v, %v; want 15 finished requests of 20000 prompt tokens", got, err)
+	if err != nil || got.FinishedRequests != 15 || got.FinishedPrompt != 20000 || got.PrefilledPrompt != 24000 {
+		t.Errorf("Parse() = %+v, %v; want 15 finished requests of 20000 prompt tokens, 24000 prefilled", got, err)
 	}
 	bad := strings.Replace(text, "} 4000", "} NaN", 1)
 	if got, err := Parse(strings.NewReader(bad), "m"); err != nil || got.FinishedRequests != 0 || got.FinishedPrompt != 0 {
@@ -246,8 +252,9 @@ sglang:prompt_tokens_total{dp_rank="0",model_name="other"} 99000
 	}
 	for _, tt := range tests {
 		got, err := Parse(strings.NewReader(tt.text), tt.model)
-		if err != nil || got.Flavor != FlavorSGLang || got.FinishedRequests != tt.requests || got.FinishedPrompt != tt.prompt {
-			t.Errorf("%s: Parse() = %+v, %v; want an SGLang snapshot of %v finished requests of %v prompt tokens",
+		if err != nil || got.Flavor != FlavorSGLang || got.FinishedRequests != tt.requests || got.FinishedPrompt != tt.prompt ||
+			got.PrefilledPrompt != 0 {
+			t.Errorf("%s: Parse() = %+v, %v; want an SGLang snapshot of %v finished requests of %v prompt tokens, none counted prefilled",
 				tt.name, got, err, tt.requests, tt.prompt)
 		}
 	}
