@@ -1234,7 +1234,7 @@ func (t *loadTable) snapshot(now int64) []upstreamInflight {
 		out[i].Overrun = l.overdueLocked(now, out[i].Service)
 		out[i].TokenScale = l.tokenScaleLocked()
 		for _, r := range l.inflight {
-			if r.prefillDone > now {
+			if r.prefillingLocked(l, now) {
 				out[i].Prefilling++
 				out[i].PrefillTokens += int64(r.uncached)
 			}
@@ -1243,6 +1243,16 @@ func (t *loadTable) snapshot(now int64) []upstreamInflight {
 		out[i].Decoding = out[i].Requests - out[i].Prefilling
 	}
 	return out
+}
+
+// prefillingLocked reports whether r, in flight on l, is prefilling at now, as /llm/upstreams reports
+// it: until its predicted (or observed) first token, or, where the last scrape's counters told
+// (markDecodingLocked) and r was sent before it, as they told. The caller holds l.mu.
+func (r *reservation) prefillingLocked(l *upstreamLoad, now int64) bool {
+	if l.decodingKnown && !r.firstToken && r.start <= l.foreignAt {
+		return !r.decoding
+	}
+	return r.prefillDone > now
 }
 
 type upstreamInflight struct {

@@ -426,8 +426,17 @@ func TestCountersTellDecoding(t *testing.T) {
 			share := 4064.0 / 32768 * lt.lookup(dial).model.Service().MeanDuration // each one's (see above)
 			want := map[string]float64{"share": share, "new": young.prefill, "none": 0}[c.want]
 			// Long past both predicted first tokens: late by more than either hold.
-			if v := lt.view(dial, t0.Add(10*time.Second).UnixNano(), snap); math.Abs(v.queued-want) > 1e-6 {
+			now := t0.Add(10 * time.Second).UnixNano()
+			if v := lt.view(dial, now, snap); math.Abs(v.queued-want) > 1e-6 {
 				t.Errorf("queued = %.4f s, want %.4f (%s; prefill %.4f, turnover share %.4f)", v.queued, want, c.want, young.prefill, share)
+			}
+			// /llm/upstreams reports the phases the same way: without counters, both past their predicted
+			// first tokens are decoding.
+			wantPrefilling := map[string]int64{"share": 0, "new": 1, "none": 0}[c.want]
+			for _, u := range lt.snapshot(now) {
+				if u.Prefilling != wantPrefilling || u.Decoding != 2-wantPrefilling {
+					t.Errorf("reported %d prefilling, %d decoding; want %d prefilling of 2", u.Prefilling, u.Decoding, wantPrefilling)
+				}
 			}
 		})
 	}
