@@ -179,7 +179,6 @@ type reservation struct {
 	prefill     float64
 	prefillDone int64
 	firstToken  bool
-	prompt      int  // its prompt tokens, cached ones included
 	decoding    bool // its prefill was done at the last scrape, by the backend's counters (markDecodingLocked)
 	index       int  // in load.inflight; -1 once released
 	// outputSeen counts the output tokens observed in the response (0 when it is not observed), by the
@@ -290,7 +289,7 @@ func (t *loadTable) reserve(dial string, w work, now int64) *reservation {
 func (l *upstreamLoad) add(dial string, w work, now int64) *reservation {
 	svc := l.model.Service()
 	r := &reservation{load: l, dial: dial, uncached: w.uncached, output: w.output, sequences: w.sequences, kv: w.kv,
-		learned: w.learned, start: now, waited: w.waited, prediction: w.prediction, prompt: max(w.prompt, w.uncached)}
+		learned: w.learned, start: now, waited: w.waited, prediction: w.prediction}
 	if r.kv == 0 {
 		r.kv = int(r.weight())
 	}
@@ -817,7 +816,7 @@ func (l *upstreamLoad) fromScrapeLocked(snap *scraper.Snapshot, now int64, s sel
 	// prices already, in slots and cache space (docs/bench/decoding-counters).
 	var left, ahead int64 // left at now; predicted at the scrape to be left of it
 	for _, r := range l.pendingOurs[l.waitingOurs:] {
-		if r.index >= 0 && !r.firstToken && !(l.decodingKnown && r.decoding) {
+		if r.index >= 0 && !r.firstToken && !r.decoding {
 			late := max(now-r.prefillDone, 0)
 			held := seconds(r.prefill)
 			if turnover > 0 {
@@ -866,6 +865,7 @@ func (l *upstreamLoad) scrapedLocked(snap *scraper.Snapshot) {
 	// Ours at the time of the scrape: those in flight that had started, and those ended since.
 	// Counted in sequences, as the backend counts them (one per request unless it asked for several).
 	ours := int64(0)
+	decoded := 0 // the prompts of those whose first token was seen (markDecodingLocked)
 	clear(l.pendingOurs)
 	l.pendingOurs = l.pendingOurs[:0]
 	for _, r := range l.inflight {
@@ -873,6 +873,8 @@ func (l *upstreamLoad) scrapedLocked(snap *scraper.Snapshot) {
 			ours += r.seqs()
 			if !r.firstToken {
 				l.pendingOurs = append(l.pendingOurs, r)
+			} else {
+				decoded += r.promptTokens()
 			}
 		}
 	}
@@ -895,7 +897,7 @@ func (l *upstreamLoad) scrapedLocked(snap *scraper.Snapshot) {
 	}
 	l.foreignWaiting = float64(waiting)
 	l.foreignAt, l.foreign = at, max(snap.Running+snap.Waiting-float64(ours), 0)
-	l.markDecodingLocked(snap, at, ours)
+	l.markDecodingLocked(snap, ours, decoded)
 	l.updateTrustLocked(snap)
 	n, prompt, ok := l.completedAsOfLocked(at)
 	l.scale.fromScrape(snap, n, prompt, ok, l.observed.prompt.Load())
@@ -927,33 +929,34 @@ func (l *upstreamLoad) scrapedLocked(snap *scraper.Snapshot) {
 // then, and the lateness rule of fromScrapeLocked stands. The difference that stands for no request is
 // what it was at the last scrape that found nothing of this proxy's or anyone's there, or lower when it
 // goes below that: counters that drifted (a request aborted between its first token and its end may be
-// counted in one and not the other) do not mark requests decoding for ever. The caller holds l.mu.
-func (l *upstreamLoad) markDecodingLocked(snap *scraper.Snapshot, at, ours int64) {
-	l.decodingKnown = false
-	if !(snap.PrefilledPrompt > 0) || l.foreign >= 1 {
+// counted in one and not the other) do not mark requests decoding for ever. ours is this proxy's
+// sequences there at the scrape and decoded the prompts of its requests whose first token it saw
+// (scrapedLocked counts both); a request not marked decoding at the last scrape is not, whether the
+// counters told or not. The caller holds l.mu.
+func (l *upstreamLoad) markDecodingLocked(snap *scraper.Snapshot, ours int64, decoded int) {
+	for _, r := range l.pendingOurs {
+		r.decoding = false
+	}
+	l.decodingKnown = snap.PrefilledPrompt > 0 && l.foreign < 1
+	if !l.decodingKnown {
 		return
 	}
 	d := (snap.PrefilledPrompt - snap.FinishedPrompt) / l.tokenScaleLocked()
 	if ours == 0 || d < l.decodingBase {
 		l.decodingBase = d
 	}
-	d -= l.decodingBase
-	for _, r := range l.inflight {
-		if r.start <= at && r.firstToken {
-			d -= float64(r.prompt)
-		}
-	}
-	l.decodingKnown = true
+	d -= l.decodingBase + float64(decoded)
 	running := l.pendingOurs[l.waitingOurs:]
 	for i := len(running) - 1; i >= 0; i-- { // oldest first
 		r := running[i]
-		r.decoding = d >= float64(r.prompt)/2
-		d -= float64(r.prompt)
-	}
-	for _, r := range l.pendingOurs[:l.waitingOurs] {
-		r.decoding = false
+		r.decoding = d >= float64(r.promptTokens())/2
+		d -= float64(r.promptTokens())
 	}
 }
+
+// promptTokens is r's prompt tokens by this proxy's count, cached ones included (its uncached ones where
+// the decision had no prompt to predict on).
+func (r *reservation) promptTokens() int { return max(r.prediction.prompt, r.uncached) }
 
 // foreignUncachedLocked is the uncached prompt tokens at which other clients' waiting requests there are
 // counted: the mean of this proxy's own requests there, or, where it has sent none, the backend's own
