@@ -301,12 +301,15 @@ func saveUpstreams(client *http.Client, addr string, dials []string, path string
 	return os.WriteFile(path, indented, 0o644)
 }
 
-// forgetUpstreams asks the admin API at addr to forget what the run taught about its upstreams
-// (DELETE /llm/upstreams), waiting (boundedly) for requests still ending to be released. The plugin
-// keeps each upstream's learned service model, slot count and scrape baselines process-wide, by dial
-// address, across configs, as it would across a reload; every policy of a run sees the same ports
-// (startCluster), so without this the second llm policy of a run started from the first one's
-// estimates at fresh simulators (in the matrix's multi-turn-think runs on eecd874, llm-observed after
+// forgetUpstreams asks the admin API at addr to forget what earlier runs taught about the upstreams
+// (DELETE /llm/upstreams), waiting (boundedly) for requests still ending to be released. An llm run
+// calls it once its Caddy is up and before its first request, not at the end of the one before: a
+// scrape of the old simulators that landed between that forget and Caddy's stop learned their
+// counters again, and the fresh ones at the same ports looked like those backends restarted (CI on
+// 9e24372). The plugin keeps each upstream's learned service model, slot count and scrape baselines
+// process-wide, by dial address, across configs, as it would across a reload; every policy of a run
+// sees the same ports (startCluster), so without this the second llm policy of a run started from the
+// first one's estimates at fresh simulators (in the matrix's multi-turn-think runs on eecd874, llm-observed after
 // llm left a backend of four without a request in 13 of 21, and run first in 2 of 42), and a run whose
 // seeded ports met an earlier cell's (one run in ten) started that backend at the other cell's speed
 // (docs/bench/cold-start).
@@ -377,8 +380,8 @@ func runPolicyResults(ctx context.Context, o options, sims []simSettings, w Work
 	defer c.close()
 	upstreamsDump := ""
 	if isLLMPolicy(p) {
-		// The admin API: to forget at the end what the run taught (forgetUpstreams), and with -dump
-		// to save it first.
+		// The admin API: to forget at the start what earlier runs taught (forgetUpstreams), and with
+		// -dump to save at the end what this one learned.
 		ports, err := freeport.Ports(1)
 		if err != nil {
 			return Summary{}, nil, err
@@ -394,13 +397,15 @@ func runPolicyResults(ctx context.Context, o options, sims []simSettings, w Work
 	}
 	stopped := false
 	defer func() {
-		if !stopped { // a run that failed: what it taught is forgotten all the same
-			if extras.Admin != "" {
-				_ = forgetUpstreams(newClient(), extras.Admin)
-			}
+		if !stopped {
 			_ = stopCaddy()
 		}
 	}()
+	if extras.Admin != "" {
+		if err := forgetUpstreams(newClient(), extras.Admin); err != nil {
+			return Summary{}, nil, err
+		}
+	}
 
 	client := newClient()
 	defer client.CloseIdleConnections()
@@ -426,11 +431,6 @@ func runPolicyResults(ctx context.Context, o options, sims []simSettings, w Work
 	after := c.states()
 	if upstreamsDump != "" {
 		if err := saveUpstreams(client, extras.Admin, c.dials, upstreamsDump); err != nil {
-			return Summary{}, nil, err
-		}
-	}
-	if extras.Admin != "" {
-		if err := forgetUpstreams(client, extras.Admin); err != nil {
 			return Summary{}, nil, err
 		}
 	}
