@@ -97,6 +97,7 @@ func newBackend(t *testing.T) *backend {
 	b := &backend{arrived: make(chan string, 100)}
 	b.Server = httptest.NewServer(http.HandlerFunc(b.serve))
 	b.dial = strings.TrimPrefix(b.URL, "http://")
+	freshUpstream(b.dial)
 	t.Cleanup(b.Close)
 	return b
 }

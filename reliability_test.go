@@ -115,6 +115,7 @@ func newSimUpstream(t *testing.T, plan *faultPlan, cfg vllmsim.Config) *simUpstr
 	u := &simUpstream{sim: sim, plan: plan}
 	u.srv = httptest.NewServer(http.HandlerFunc(u.serve))
 	u.dial = strings.TrimPrefix(u.srv.URL, "http://")
+	freshUpstream(u.dial)
 	t.Cleanup(u.kill)
 	return u
 }

@@ -301,6 +301,7 @@ func newResumeUpstream(t *testing.T, cfg vllmsim.Config) *resumeUpstream {
 		sim.ServeHTTP(w, r)
 	}))
 	u.dial = strings.TrimPrefix(u.srv.URL, "http://")
+	freshUpstream(u.dial)
 	t.Cleanup(func() {
 		sim.Close()
 		u.srv.CloseClientConnections()

@@ -53,12 +53,21 @@ func simServer(t *testing.T, cfg vllmsim.Config, withTLS bool, front func(*vllms
 	} else {
 		srv.Start()
 	}
+	freshUpstream(srv.Listener.Addr().String())
 	t.Cleanup(func() {
 		srv.CloseClientConnections()
 		sim.Close()
 		srv.Close()
 	})
 	return sim, srv
+}
+
+// freshUpstream forgets what the process-wide load table kept of dial, for a test's new server there:
+// the kernel may give it the port of an earlier test's server, whose requests, learned service model
+// and scrape baselines would be taken for this one's (an absolute count of observed usages never
+// reached the test's own in CI). Every test server constructor calls it before any config routes there.
+func freshUpstream(dial string) {
+	loads.forget(dial, time.Now().UnixNano())
 }
 
 // adminUpstreams reads GET /llm/upstreams of the in-process Caddy.

@@ -78,6 +78,7 @@ func newRecordedSim(t *testing.T, cfg vllmsim.Config) *recordedSim {
 		rs.mu.Unlock()
 	}))
 	rs.dial = strings.TrimPrefix(srv.URL, "http://")
+	freshUpstream(rs.dial)
 	t.Cleanup(func() {
 		srv.CloseClientConnections()
 		sim.Close()
