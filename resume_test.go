@@ -530,8 +530,9 @@ func TestResumeContinuesCutStreams(t *testing.T) {
 // TestResumeObservesOnce: llm_resume reads the stream it relays, so without transport llm it tells the
 // policy the attempt's first token and the backend's cached tokens; with transport llm too, the two
 // observers of the same attempt count it once. Counted from what the report showed before the
-// requests: the load table is process-wide, and the kernel may give this upstream the port of an earlier
-// test's (it did in CI, and the absolute count never reached n).
+// requests (the load table is process-wide, and the kernel may give this upstream an earlier test's
+// port), and a count past n fails at once: in CI an absolute count that had to equal n timed out once,
+// unexplained, which an earlier test's count there would do, and so would a double count.
 func TestResumeObservesOnce(t *testing.T) {
 	for _, proxyOptions := range []string{"", "transport llm"} {
 		t.Run(strings.TrimSpace("resume "+proxyOptions), func(t *testing.T) {

@@ -64,8 +64,8 @@ func simServer(t *testing.T, cfg vllmsim.Config, withTLS bool, front func(*vllms
 
 // freshUpstream forgets what the process-wide load table kept of dial, for a test's new server there:
 // the kernel may give it the port of an earlier test's server, whose requests, learned service model
-// and scrape baselines would be taken for this one's (an absolute count of observed usages never
-// reached the test's own in CI). Every test server constructor calls it before any config routes there.
+// and scrape baselines would be taken for this one's (a likely cause of a wait for exactly n observed
+// usages that timed out in CI). Every test server constructor calls it before any config routes there.
 func freshUpstream(dial string) {
 	loads.forget(dial, time.Now().UnixNano())
 }

@@ -309,10 +309,10 @@ func saveUpstreams(client *http.Client, addr string, dials []string, path string
 // 9e24372). The plugin keeps each upstream's learned service model, slot count and scrape baselines
 // process-wide, by dial address, across configs, as it would across a reload; every policy of a run
 // sees the same ports (startCluster), so without this the second llm policy of a run started from the
-// first one's estimates at fresh simulators (in the matrix's multi-turn-think runs on eecd874, llm-observed after
-// llm left a backend of four without a request in 13 of 21, and run first in 2 of 42), and a run whose
-// seeded ports met an earlier cell's (one run in ten) started that backend at the other cell's speed
-// (docs/bench/cold-start).
+// first one's estimates at fresh simulators (in the matrix's multi-turn-think runs on eecd874,
+// llm-observed after llm left a backend of four without a request in 13 of 21, and run first in 2 of
+// 42), and a run whose seeded ports met an earlier cell's (one run in ten) started that backend at the
+// other cell's speed (docs/bench/cold-start).
 func forgetUpstreams(client *http.Client, addr string) error {
 	deadline := time.Now().Add(5 * time.Second)
 	for {
