@@ -401,14 +401,14 @@ func runPolicyResults(ctx context.Context, o options, sims []simSettings, w Work
 			_ = stopCaddy()
 		}
 	}()
-	if extras.Admin != "" {
-		if err := forgetUpstreams(newClient(), extras.Admin); err != nil {
-			return Summary{}, nil, err
-		}
-	}
 
 	client := newClient()
 	defer client.CloseIdleConnections()
+	if extras.Admin != "" {
+		if err := forgetUpstreams(client, extras.Admin); err != nil {
+			return Summary{}, nil, err
+		}
+	}
 	before := c.states()
 	d, measured := c.measuredDriver(client, w, rate, o, prog)
 	d.baseURL = url
