@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/cespare/xxhash/v2"
+	"go.uber.org/zap/zapcore"
 
 	"github.com/tokenrouter/caddy-llm/affinity"
 	"github.com/tokenrouter/caddy-llm/scraper"
@@ -76,6 +77,8 @@ type query struct {
 	headAt int
 	// adapter is set by the LoRA signal when the request's model is a LoRA adapter on some candidate.
 	adapter bool
+	// priced is the request as choose priced it, for the decision's debug log (pricedCandidates).
+	priced selection.Request
 }
 
 // reset readies q for a new request, keeping its scratch slices' storage (a decision makes none).
@@ -160,6 +163,7 @@ func (d *decider) choose(q *query, keys []string, cands []selection.Candidate, s
 			d.kick(keys[i]) // what fullNow needs: a second scrape at the ceiling
 		}
 	}
+	q.priced = req
 	if q.tenant == "" {
 		return selection.Choose(cands, req, d.cfg, randIntN, scratch)
 	}
@@ -167,6 +171,7 @@ func (d *decider) choose(q *query, keys []string, cands []selection.Candidate, s
 	// the only candidate of a retry.
 	tenant := xxhash.Sum64String(q.tenant)
 	req.AvailabilityHash = tenant
+	q.priced = req
 	head := chainHead(tenant, cands, d.capacities)
 	if q.retry {
 		dec := selection.Choose(cands[head:head+1], req, d.cfg, randIntN, scratch)
@@ -626,4 +631,38 @@ func knownArrivals(cands []selection.Candidate) {
 			cands[i].Arrivals = mean
 		}
 	}
+}
+
+// pricedCandidates logs every candidate of a decision as it was priced (selection.Priced): why the chosen
+// upstream and not another, in the decision's own terms. Built only when the debug log is on.
+type pricedCandidates struct {
+	cands []selection.Candidate
+	req   selection.Request
+	mode  selection.Mode
+}
+
+func (p pricedCandidates) MarshalLogArray(enc zapcore.ArrayEncoder) error {
+	for i := range p.cands {
+		c := &p.cands[i]
+		cost, wait, ttft := selection.Priced(c, p.req, p.mode)
+		err := enc.AppendObject(zapcore.ObjectMarshalerFunc(func(o zapcore.ObjectEncoder) error {
+			o.AddString("upstream", c.Key)
+			o.AddFloat64("cost_seconds", cost)
+			o.AddFloat64("wait_seconds", wait)
+			o.AddFloat64("ttft_seconds", ttft)
+			o.AddInt("cached_tokens", c.CachedTokens)
+			o.AddFloat64("requests", c.Requests)
+			if a := c.Availability; a > 0 && a < 1 {
+				o.AddFloat64("availability", a)
+			}
+			if c.Pinned {
+				o.AddBool("pinned", true)
+			}
+			return nil
+		}))
+		if err != nil {
+			return err
+		}
+	}
+	return nil
 }

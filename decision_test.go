@@ -8,6 +8,9 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
+
 	"github.com/tokenrouter/caddy-llm/affinity"
 	"github.com/tokenrouter/caddy-llm/scraper"
 	"github.com/tokenrouter/caddy-llm/selection"
@@ -731,5 +734,72 @@ func TestOpenCeiling(t *testing.T) {
 		if got := openCeiling(tt.s, &tt.snap); got != tt.want {
 			t.Errorf("%s: openCeiling = %v, want %v", tt.name, got, tt.want)
 		}
+	}
+}
+
+// TestDecisionDebugLogPricesEveryCandidate: at debug level each decision's log line lists every candidate
+// as the decision priced it, so an operator can see why one upstream was chosen over another. With one
+// request in flight on an upstream, the next (unrelated) request goes elsewhere, and its line shows the
+// busy upstream's request and a cost above the chosen one's.
+func TestDecisionDebugLogPricesEveryCandidate(t *testing.T) {
+	s, pool := provisionedPolicy(t, &LLMSelection{})
+	for _, up := range pool {
+		freshUpstream(up.Dial)
+	}
+	core, logs := observer.New(zap.DebugLevel)
+	s.logger = zap.New(core)
+	r1, cancel1 := newProxyRequest(chatRequest20(101))
+	busy := s.Select(pool, r1, nil)
+	r2, cancel2 := newProxyRequest(chatRequest20(102))
+	chosen := s.Select(pool, r2, nil)
+	if busy == nil || chosen == nil {
+		t.Fatal("Select returned no upstream")
+	}
+	cancel1()
+	cancel2()
+	waitInflightZero(t, simDialsOf(pool)...)
+	if chosen == busy {
+		t.Fatalf("the second request went to %s, which had the first in flight, with three idle upstreams", busy.Dial)
+	}
+	entries := logs.FilterMessage("selected upstream").AllUntimed()
+	if len(entries) != 2 {
+		t.Fatalf("%d 'selected upstream' lines, want 2", len(entries))
+	}
+	fields := entries[1].ContextMap()
+	if fields["upstream"] != chosen.Dial {
+		t.Errorf("logged upstream %v, chose %s", fields["upstream"], chosen.Dial)
+	}
+	costs, _ := fields["costs"].([]any)
+	if len(costs) != len(pool) {
+		t.Fatalf("costs = %v, want one entry per candidate (%d)", fields["costs"], len(pool))
+	}
+	byDial := map[string]map[string]any{}
+	for _, c := range costs {
+		m, _ := c.(map[string]any)
+		dial, _ := m["upstream"].(string)
+		byDial[dial] = m
+	}
+	for _, up := range pool {
+		if byDial[up.Dial] == nil {
+			t.Fatalf("no cost logged for candidate %s: %v", up.Dial, costs)
+		}
+	}
+	cost := func(dial string) float64 { v, _ := byDial[dial]["cost_seconds"].(float64); return v }
+	for dial := range byDial {
+		if !(cost(dial) > 0) || math.IsInf(cost(dial), 0) {
+			t.Errorf("%s: cost_seconds %v, want a finite positive time", dial, byDial[dial]["cost_seconds"])
+		}
+		if cost(dial) < cost(chosen.Dial) {
+			t.Errorf("%s priced %v, less than the chosen %s's %v", dial, cost(dial), chosen.Dial, cost(chosen.Dial))
+		}
+	}
+	if n, _ := byDial[busy.Dial]["requests"].(float64); n != 1 {
+		t.Errorf("the busy upstream's logged requests = %v, want 1 (the first request, in flight)", byDial[busy.Dial]["requests"])
+	}
+	if !(cost(busy.Dial) > cost(chosen.Dial)) {
+		t.Errorf("the busy upstream priced %v, not above the chosen idle one's %v", cost(busy.Dial), cost(chosen.Dial))
+	}
+	if w, _ := byDial[busy.Dial]["wait_seconds"].(float64); !(w > 0) {
+		t.Errorf("the busy upstream's wait_seconds = %v, want the first request's prefill ahead", byDial[busy.Dial]["wait_seconds"])
 	}
 }

@@ -457,6 +457,7 @@ func (s *LLMSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, w
 			zap.Float64("predicted_wait_seconds", d.Wait),
 			zap.Float64("predicted_ttft_seconds", d.TTFT),
 			zap.Int("candidates", len(sc.cands)),
+			zap.Array("costs", pricedCandidates{cands: sc.cands, req: q.priced, mode: s.decider.cfg.Mode}),
 		)
 	}
 	return up

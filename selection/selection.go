@@ -350,16 +350,7 @@ func Choose(cands []Candidate, req Request, cfg Config, rnd func(n int) int, scr
 	useCache := cfg.Mode != LeastTokens
 	costs := scratch[:0]
 	for i := range cands {
-		cached := 0
-		if useCache {
-			cached = cands[i].CachedTokens
-		}
-		c := cands[i]
-		if a := availability(&c); a < 1 {
-			c.Requests /= a
-			c.Queued /= a
-		}
-		cost, _, _ := Cost(&c, req, cached)
+		cost, _, _ := Priced(&cands[i], req, cfg.Mode)
 		costs = append(costs, cost)
 	}
 	excludeUnavailable(cands, costs, req, rnd)
@@ -440,6 +431,22 @@ func Choose(cands []Candidate, req Request, cfg Config, rnd func(n int) int, scr
 		return decision(best, ReasonGuard)
 	}
 	return decision(best, ReasonLoad)
+}
+
+// Priced is c's Cost as Choose weighs it in mode: its cached prefix counted unless the mode ignores the
+// cache (LeastTokens), its requests in flight and queue scaled up by its availability. Costs it returns
+// are before the load bound and the availability draw, which may leave a candidate out.
+func Priced(c *Candidate, req Request, mode Mode) (cost, wait, ttft float64) {
+	cached := 0
+	if mode != LeastTokens {
+		cached = c.CachedTokens
+	}
+	v := *c
+	if a := availability(&v); a < 1 {
+		v.Requests /= a
+		v.Queued /= a
+	}
+	return Cost(&v, req, cached)
 }
 
 // pinMargin is how many times faster another upstream must be predicted before a pinned conversation
