@@ -78,6 +78,14 @@ type MatrixCell struct {
 	// (Summary.LateTTFTP50): the start from cold caches and unlearned models left out. Nil when the
 	// runs do not have it.
 	Late *Verdict `json:"late,omitempty"`
+	// Paired is the verdict on the same figures paired by seed: llm's ratios are the medians over the
+	// seeds of llm's figure over the same seed's figure of the stock policy whose median is best (its
+	// BestP50Policy and BestP99Policy), the two measured on one workload, one arrival sequence and one
+	// set of backends. The main verdict divides medians taken apart, and where the seeds' loads differ
+	// widely (agentic: a seed's p99 is 4 s or 9 s, whichever the policy) those medians can fall on
+	// different seeds: fast-prefill agentic, 24 seeds, llm's p99 below least_conn's on 20 of them, its
+	// median 1.23x least_conn's median (docs/bench/paired-verdict). Nil when the cell is not judged.
+	Paired *Verdict `json:"paired,omitempty"`
 }
 
 // Verdict is llm's standing in a cell on one kind of TTFT figure: the best stock policy's p50 and
@@ -391,7 +399,48 @@ func judgeCell(regime, workload string, runs []MatrixRun) MatrixCell {
 	if late := c.judge(runs, lateTTFT); late.Judged {
 		c.Late = &late
 	}
+	if c.Judged {
+		paired := c.Verdict.paired(runs, rawTTFT)
+		c.Paired = &paired
+	}
 	return c
+}
+
+// paired is v, judged on the medians over runs of llm's figures f over those of v's best stock policies
+// in the same run (Verdict.Paired). A run without either figure is left out; with none left, the
+// verdict is not judged.
+func (v Verdict) paired(runs []MatrixRun, f ttftFigures) Verdict {
+	var r50, r99 []float64
+	failed := 0
+	for _, r := range runs {
+		var llm50, llm99, b50, b99 float64
+		for _, s := range r.Policies {
+			if s.Skipped != "" {
+				continue
+			}
+			p50, p99 := f.run(s)
+			switch s.Policy {
+			case judgedPolicy:
+				llm50, llm99 = p50, p99
+				failed += s.Failed
+			case v.BestP50Policy:
+				b50 = p50
+			}
+			if s.Policy == v.BestP99Policy {
+				b99 = p99
+			}
+		}
+		if llm50 > 0 && llm99 > 0 && b50 > 0 && b99 > 0 {
+			r50, r99 = append(r50, llm50/b50), append(r99, llm99/b99)
+		}
+	}
+	if len(r99) == 0 {
+		return Verdict{BestP50Policy: v.BestP50Policy, BestP99Policy: v.BestP99Policy}
+	}
+	p := v
+	p.P50Ratio, p.P99Ratio = round3(median(r50)), round3(median(r99))
+	p.Pass = passes(p.P50Ratio, p.P99Ratio, failed)
+	return p
 }
 
 // judge is the verdict on llm in the cell on the figures f of its medians and runs: not judged
@@ -537,6 +586,11 @@ func lateVerdict(cells []MatrixCell) string {
 	return subVerdict(cells, func(c MatrixCell) *Verdict { return c.Late }, fmt.Sprintf("after the first %.0f%% of each run", 100*lateFraction))
 }
 
+// pairedVerdict is the one-line summary of the verdicts paired by seed (empty when no cell has them).
+func pairedVerdict(cells []MatrixCell) string {
+	return subVerdict(cells, func(c MatrixCell) *Verdict { return c.Paired }, "paired by seed (medians of the per-seed ratios to the best stock policy)")
+}
+
 // subVerdict is the one-line summary of the cells' verdicts of one kind, of, said to be on what
 // label names (empty when no cell has one).
 func subVerdict(cells []MatrixCell, of func(MatrixCell) *Verdict, label string) string {
@@ -661,7 +715,7 @@ func writeTargetsMarkdown(out io.Writer, cells []MatrixCell) {
 // printSubVerdicts prints the one-line summaries net of the proxy's time and after each run's first
 // quarter, those the cells have.
 func printSubVerdicts(cells []MatrixCell) {
-	for _, v := range []string{netVerdict(cells), lateVerdict(cells)} {
+	for _, v := range []string{pairedVerdict(cells), netVerdict(cells), lateVerdict(cells)} {
 		if v != "" {
 			fmt.Println(v)
 		}
@@ -693,6 +747,27 @@ func writeLateMarkdown(out io.Writer, mr MatrixResults) {
 		fmt.Fprintf(out, "| %s | %s | %s | %s (%s) | %.2f | %s | %s (%s) | %.2f | %s | %d/%d | %s |\n", c.Regime, c.Workload,
 			f0(llm.LateTTFTP50), f0(c.Late.BestP50), c.Late.BestP50Policy, c.Late.P50Ratio,
 			f0(llm.LateTTFTP99), f0(c.Late.BestP99), c.Late.BestP99Policy, c.Late.P99Ratio, lc, c.Late.SeedsPassing, c.Seeds, c.Late.verdictWord())
+	}
+}
+
+// writePairedMarkdown writes the section on the verdicts paired by seed.
+func writePairedMarkdown(out io.Writer, mr MatrixResults) {
+	v := pairedVerdict(mr.Cells)
+	if v == "" {
+		return
+	}
+	fmt.Fprintf(out, "\n## Paired by seed\n\n**%s**\n\n", v)
+	fmt.Fprintf(out, "The table above divides `llm`'s median over the seeds by the best stock policy's median, each taken on its own. "+
+		"Here each seed's figure of `llm` is divided by the same seed's figure of that stock policy (the same workload, arrivals and backends), "+
+		"and the verdict is on the medians of those ratios, with the same thresholds. Where the seeds' loads differ widely, the two medians of the table above "+
+		"can fall on different seeds and disagree with most seeds; where the two verdicts differ, read both.\n\n")
+	fmt.Fprintf(out, "| regime | workload | paired with (p50 / p99) | paired p50 ratio | paired p99 ratio | p99 ratio of medians | seeds passing | verdict |\n|---|---|---|---|---|---|---|---|\n")
+	for _, c := range mr.Cells {
+		if c.Paired == nil {
+			continue
+		}
+		fmt.Fprintf(out, "| %s | %s | %s / %s | %.2f | %.2f | %.2f | %d/%d | %s |\n", c.Regime, c.Workload, c.Paired.BestP50Policy, c.Paired.BestP99Policy,
+			c.Paired.P50Ratio, c.Paired.P99Ratio, c.P99Ratio, c.Paired.SeedsPassing, c.Seeds, c.Paired.verdictWord())
 	}
 }
 
@@ -792,6 +867,7 @@ func writeMatrixMarkdown(out io.Writer, mr MatrixResults) {
 		for _, r := range matrixRows(mr.Cells) {
 			fmt.Fprintf(out, "| %s |\n", strings.Join(r, " | "))
 		}
+		writePairedMarkdown(out, mr)
 		writeNetMarkdown(out, mr)
 		writeLateMarkdown(out, mr)
 		writeTargetsMarkdown(out, mr.Cells)

@@ -755,3 +755,53 @@ func TestMatrixLength(t *testing.T) {
 		t.Error("-length without -matrix was accepted")
 	}
 }
+
+// The verdict paired by seed divides each seed's figures by the same seed's figures of the stock policy
+// with the best median. Here the seeds' loads differ (a light and a heavy mode) and llm's median falls on
+// a heavy seed while least_conn's falls on a light one: the medians' ratio fails (1.59x), while llm is
+// faster on four seeds of five and the median of the per-seed ratios is 0.89x.
+func TestJudgeCellPaired(t *testing.T) {
+	lc := [][2]float64{{1000, 4000}, {1000, 4200}, {1000, 4400}, {2000, 9000}, {2000, 9400}}
+	llm := [][2]float64{{800, 3000}, {800, 3200}, {1500, 7000}, {1600, 8000}, {1600, 8500}}
+	var runs []MatrixRun
+	for i := range lc {
+		runs = append(runs, MatrixRun{Seed: int64(i), Policies: []Summary{
+			summaryOf("round_robin", 3000, 20000), summaryOf("least_conn", lc[i][0], lc[i][1]), summaryOf("llm", llm[i][0], llm[i][1])}})
+	}
+	c := judgeCell("r", "w", runs)
+	if c.Pass || c.P99Ratio != 1.591 {
+		t.Errorf("main verdict pass %v p99 ratio %v, want a loss at 7000/4400 = 1.591x", c.Pass, c.P99Ratio)
+	}
+	p := c.Paired
+	if p == nil {
+		t.Fatal("no paired verdict")
+	}
+	if !p.Pass || p.P99Ratio != 0.889 || p.P50Ratio != 0.8 || p.BestP99Policy != "least_conn" || p.SeedsPassing != 4 {
+		t.Errorf("paired verdict %+v, want a pass: p99 0.889x (the median of 0.75, 0.76, 1.59, 0.89, 0.90), p50 0.8x, against least_conn, 4 seeds", *p)
+	}
+	if got := pairedVerdict([]MatrixCell{c}); !strings.Contains(got, "paired by seed (medians of the per-seed ratios to the best stock policy): llm passes 1 of 1") {
+		t.Errorf("summary %q", got)
+	}
+	var md strings.Builder
+	writePairedMarkdown(&md, MatrixResults{Cells: []MatrixCell{c}})
+	if !strings.Contains(md.String(), "| r | w | least_conn / least_conn | 0.80 | 0.89 | 1.59 | 4/5 | PASS |") {
+		t.Errorf("paired section:\n%s", md.String())
+	}
+
+	// A failed request of llm fails the paired verdict as it fails the main one.
+	runs[0].Policies[2].Failed = 1
+	if p := judgeCell("r", "w", runs).Paired; p == nil || p.Pass {
+		t.Errorf("paired verdict %+v with a failed request, want a loss", p)
+	}
+	// A seed without llm's figures is left out of the pairing; a cell without llm is not judged.
+	runs[0].Policies[2] = Summary{Policy: "llm", Skipped: "not run"}
+	if p := judgeCell("r", "w", runs).Paired; p == nil || p.P99Ratio != 0.897 {
+		t.Errorf("paired verdict %+v with seed 0 skipped, want the median of the other four ((0.889 + 0.904) / 2)", p)
+	}
+	for i := range runs {
+		runs[i].Policies = runs[i].Policies[:2]
+	}
+	if c := judgeCell("r", "w", runs); c.Paired != nil || pairedVerdict([]MatrixCell{c}) != "" {
+		t.Errorf("paired verdict %+v without llm, want none", c.Paired)
+	}
+}
