@@ -66,6 +66,8 @@ type query struct {
 	// settled is each candidate's queue as predicted (upstreamView.settled), in the same speed as its
 	// Queued.
 	settled []float64
+	// own is scratch for each candidate's prefill speed as its own model has it, before the fleet's.
+	own []float64
 	// hot: the request's prefix is in more demand than half of one upstream can serve (prefixDemand),
 	// so it is to be replicated, not held home.
 	hot bool
@@ -85,7 +87,7 @@ type query struct {
 func (q *query) reset(req *tokenize.Request, now int64) {
 	*q = query{req: req, now: now, cached: q.cached[:0], seen: q.seen[:0], cut: q.cut[:0], avail: q.avail[:0],
 		overdue: q.overdue[:0], full: q.full[:0], settled: q.settled[:0], open: q.open[:0], heldIdx: q.heldIdx[:0], heldKeys: q.heldKeys[:0], held: q.held[:0],
-		heldSeen: q.heldSeen[:0], holds: q.holds[:0]}
+		heldSeen: q.heldSeen[:0], holds: q.holds[:0], own: q.own[:0]}
 }
 
 // signal fills its part of each candidate; cands[i] is the upstream keys[i].
@@ -277,14 +279,21 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 	// one that slowed down): its times are stretched by the overrun over the fleet's median one, so an
 	// overrun they all share (outputs longer than expected everywhere) changes nothing.
 	ref := medianOverdue(q.overdue)
+	if cap(q.own) < len(cands) {
+		q.own = make([]float64, len(cands))
+	}
+	q.own = q.own[:len(cands)]
 	for i := range cands {
 		// An upstream the proxy has barely seen borrows what the others have taught: without that, the
 		// first upstream to be measured looks faster (or slower) than the prior of all the others, and
 		// takes every request (or none) until they are measured too.
-		own := cands[i].Service.PrefillSecondsPerToken
+		q.own[i] = cands[i].Service.PrefillSecondsPerToken
 		cands[i].Service = fleet.Blend(cands[i].Service)
+	}
+	fleet.Align(cands) // alike backends priced alike (selection.Fleet.Align)
+	for i := range cands {
 		scale := 1.0 // of the queued prefill (both figures), to the speed priced
-		if own > 0 {
+		if own := q.own[i]; own > 0 {
 			scale = cands[i].Service.PrefillSecondsPerToken / own
 		}
 		if f := q.overdue[i] / ref; f > 1 {

@@ -806,3 +806,92 @@ func TestBoundCovariance3(t *testing.T) {
 		t.Errorf("a positive definite matrix became %v", got)
 	}
 }
+
+// TestFleetAlign: four backends, each with its own noisy estimates (busy intervals and durations drawn
+// with noise), are priced alike when alike, and the one 3x slower stays about 3x slower, by the one
+// measure whose noise the fleet estimates (their work between scrapes). Before Align the alike ones'
+// first-token prices differ by the noise of their own estimates.
+func TestFleetAlign(t *testing.T) {
+	for _, c := range []struct {
+		name    string
+		slowest float64 // the fourth backend's times over the others'
+	}{
+		{"alike", 1},
+		{"one 3x slower", 3},
+	} {
+		rng := rand.New(rand.NewPCG(7, 7))
+		step, perToken := 0.030, 1.0/20000
+		models := make([]*ServiceModel, 4)
+		for i := range models {
+			f := 1.0
+			if i == 3 {
+				f = c.slowest
+			}
+			models[i] = NewServiceModel(Prior)
+			for range 3 + i { // few observations each, noisy ones
+				noise := 0.7 + 0.6*rng.Float64()
+				models[i].ObserveEnd(500, 64, 0, noise*f*(64*step+500*perToken))
+				steps, uncached := 64.0, 1000+rng.Float64()*2000
+				models[i].ObserveBusy(noise*f*(steps*step+uncached*perToken), uncached, steps, 0)
+			}
+			for range 8 {
+				uncached := 2000 * 0.2 * 2 * rng.Float64()
+				steps := max((0.2-uncached*perToken*f)/(step*f), 1)
+				models[i].ObserveSteps(0.2, uncached, steps)
+			}
+		}
+		var fl Fleet
+		for _, m := range models {
+			fl.Add(m.Service())
+		}
+		cands := make([]Candidate, 4)
+		for i, m := range models {
+			cands[i].Service = fl.Blend(m.Service())
+		}
+		spread := func(n int) float64 { // the widest ratio of first-token prices among the first n
+			lo, hi := math.Inf(1), 0.0
+			for i := range n {
+				v := cands[i].Service.TTFT(1000)
+				lo, hi = min(lo, v), max(hi, v)
+			}
+			return hi / lo
+		}
+		alike := 4
+		if c.slowest != 1 {
+			alike = 3
+		}
+		before := spread(alike)
+		fl.Align(cands)
+		after := spread(alike)
+		t.Logf("%s: alike backends' first-token prices %.3fx apart before Align, %.3fx after", c.name, before, after)
+		if c.slowest == 1 && (before < 1.1 || after > 1+(before-1)/2) {
+			t.Errorf("%s: alike backends priced %.3fx apart before Align and %.3fx after, want the noise (over 1.1x) at least halved", c.name, before, after)
+		}
+		if c.slowest == 1 {
+			continue
+		}
+		// The slower one stays slower than each of the others, by about what its work between scrapes
+		// shows (1.7-2.1x with these eight noisy pairs, priced at the fleet's split; where one backend
+		// stands out, the fleet's spread is wide and the alike ones' own measures are not pulled together).
+		for i := range 3 {
+			if r := cands[3].Service.TTFT(1000) / cands[i].Service.TTFT(1000); r < 1.5 || r > 3.75 {
+				t.Errorf("%s: the fourth's first token priced %.2fx backend %d's, want 1.5-3.75x", c.name, r, i)
+			}
+			if r := cands[3].Service.TokenSeconds / cands[i].Service.TokenSeconds; r < 1.5 || r > 3.75 {
+				t.Errorf("%s: the fourth's steps priced %.2fx backend %d's, want 1.5-3.75x", c.name, r, i)
+			}
+		}
+	}
+	// One candidate, or one without estimates, is left as it is.
+	one := []Candidate{{Service: Service{PrefillSecondsPerToken: 1e-4, TokenSeconds: 0.03}}}
+	var fl Fleet
+	fl.Align(one)
+	if one[0].Service.PrefillSecondsPerToken != 1e-4 {
+		t.Errorf("a lone candidate was changed: %+v", one[0].Service)
+	}
+	bare := []Candidate{{Service: Service{PrefillSecondsPerToken: 1e-4, TokenSeconds: 0.03}}, {}}
+	fl.Align(bare)
+	if bare[0].Service.PrefillSecondsPerToken != 1e-4 || bare[1].Service != (Service{}) {
+		t.Errorf("candidates without estimates were changed: %+v", bare)
+	}
+}
