@@ -855,10 +855,11 @@ func (f *Fleet) Add(s Service) {
 	f.meanDuration += w * s.MeanDuration
 }
 
-// Align prices alike backends alike. The candidates' prefill speeds, decode step times and overheads
-// become their geometric means over the candidates, each scaled by how much slower than the fleet that
-// candidate's own work between scrapes ran, as far as that stands out of the pairs' noise (stepFactor,
-// normalised over the candidates): the estimators of each upstream (its durations' scale, its busy
+// Align prices alike backends alike. The prefill speeds, decode step times and overheads of the
+// candidates whose work between scrapes has been measured (steps: at least minStepPairs scrape pairs
+// with requests running) become their geometric means over those candidates, each scaled by how much
+// slower than the fleet that candidate's work ran, as far as that stands out of the pairs' noise
+// (stepFactor, normalised over them): the estimators of each upstream (its durations' scale, its busy
 // intervals, its first tokens) set the fleet's level, and the one measure whose noise is estimated sets
 // the differences between upstreams. Each estimator alone is noisy: four identical backends each
 // learned from 3-6 busy intervals had prefill speeds 1.3-2.3 us a token apart (their true speed 1.9),
@@ -867,34 +868,45 @@ func (f *Fleet) Add(s Service) {
 // and their histories evicted each other there (fast-prefill agentic: llm's p99 1.2-1.4x least_conn's on
 // one seed in six, docs/bench/align). A backend that is slower stands out of the noise within a few
 // scrapes (hetero's 3x slower one: 2.7x with errors of 2-3%) and stays that much slower.
-// Each candidate's MeanDuration (what its requests hold a slot for, set by their output lengths as much
-// as by its speed) is its own.
+//
+// Candidates without that measure (not scraped yet, metrics off, a backend without vLLM's counters)
+// keep their own estimates: nothing else compares them beyond their noise, and without it a backend
+// measured 3x slower by its responses would be priced like the others. Each candidate's MeanDuration
+// (what its requests hold a slot for, set by their output lengths as much as by its speed) is its own.
 func (f *Fleet) Align(cands []Candidate) {
-	n := len(cands)
-	if n < 2 {
-		return
-	}
-	var prefill, token, overhead, rel float64
+	var prefill, token, overhead, rel, n float64
 	for i := range cands {
 		s := &cands[i].Service
-		if !(s.PrefillSecondsPerToken > 0) || !(s.TokenSeconds > 0) {
-			return // not a learned estimate (a unit test's bare candidate): nothing to align
+		if !alignable(s) {
+			continue
 		}
 		prefill += math.Log(s.PrefillSecondsPerToken)
 		token += math.Log(s.TokenSeconds)
 		overhead += math.Log(max(s.Overhead, minOverhead))
 		rel += math.Log(f.stepFactor(*s))
+		n++
 	}
-	k := float64(n)
-	prefill, token, overhead, rel = math.Exp(prefill/k), math.Exp(token/k), math.Exp(overhead/k), math.Exp(rel/k)
+	if n < 2 {
+		return
+	}
+	prefill, token, overhead, rel = math.Exp(prefill/n), math.Exp(token/n), math.Exp(overhead/n), math.Exp(rel/n)
 	for i := range cands {
 		s := &cands[i].Service
+		if !alignable(s) {
+			continue
+		}
 		r := f.stepFactor(*s) / rel
 		s.PrefillSecondsPerToken, s.TokenSeconds, s.Overhead = prefill*r, token*r, overhead*r
 		if s.SequenceSeconds > 0 {
 			s.SequenceSeconds = min(s.SequenceSeconds, s.TokenSeconds)
 		}
 	}
+}
+
+// alignable reports whether Align compares s with the others: its work between scrapes is measured
+// and it has estimates to align.
+func alignable(s *Service) bool {
+	return s.steps.n >= minStepPairs && s.PrefillSecondsPerToken > 0 && s.TokenSeconds > 0
 }
 
 // minOverhead stands for an overhead of nothing in Align's geometric mean.

@@ -882,16 +882,28 @@ func TestFleetAlign(t *testing.T) {
 			}
 		}
 	}
-	// One candidate, or one without estimates, is left as it is.
-	one := []Candidate{{Service: Service{PrefillSecondsPerToken: 1e-4, TokenSeconds: 0.03}}}
-	var fl Fleet
-	fl.Align(one)
-	if one[0].Service.PrefillSecondsPerToken != 1e-4 {
-		t.Errorf("a lone candidate was changed: %+v", one[0].Service)
+	// Candidates whose work between scrapes is not measured (metrics off: no scrape pairs) keep their
+	// own estimates, a backend measured 3x slower by its responses included; so does a lone measured one.
+	unscraped := func(f float64) Service {
+		m := NewServiceModel(Prior)
+		for range 16 {
+			m.ObserveEnd(500, 64, 0, f*(64*0.03+500/8000.0))
+		}
+		return m.Service()
 	}
-	bare := []Candidate{{Service: Service{PrefillSecondsPerToken: 1e-4, TokenSeconds: 0.03}}, {}}
-	fl.Align(bare)
-	if bare[0].Service.PrefillSecondsPerToken != 1e-4 || bare[1].Service != (Service{}) {
-		t.Errorf("candidates without estimates were changed: %+v", bare)
+	var fl Fleet
+	cands := []Candidate{{Service: unscraped(1)}, {Service: unscraped(1)}, {Service: unscraped(3)}}
+	for _, c := range cands {
+		fl.Add(c.Service)
+	}
+	want := []Service{cands[0].Service, cands[1].Service, cands[2].Service}
+	fl.Align(cands)
+	for i := range cands {
+		if cands[i].Service.PrefillSecondsPerToken != want[i].PrefillSecondsPerToken || cands[i].Service.TokenSeconds != want[i].TokenSeconds {
+			t.Errorf("unscraped candidate %d aligned: %+v, want its own %+v", i, cands[i].Service, want[i])
+		}
+	}
+	if r := cands[2].Service.TokenSeconds / cands[0].Service.TokenSeconds; r < 2 {
+		t.Errorf("the backend measured 3x slower priced %.2fx the others' after Align, want over 2x (its own estimate, 2.45x after 16 responses)", r)
 	}
 }
