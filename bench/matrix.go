@@ -722,19 +722,28 @@ func printSubVerdicts(cells []MatrixCell) {
 	}
 }
 
+// subSection starts the report's section on one kind of sub-verdict: its title, its one-line summary v,
+// what it judges (intro) and its table's header row. It writes nothing and reports false when v is
+// empty (no cell has that verdict).
+func subSection(out io.Writer, title, v, intro string, columns ...string) bool {
+	if v == "" {
+		return false
+	}
+	fmt.Fprintf(out, "\n## %s\n\n**%s**\n\n%s\n\n| %s |\n|%s\n", title, v, intro, strings.Join(columns, " | "), strings.Repeat("---|", len(columns)))
+	return true
+}
+
 // writeLateMarkdown writes the section on the requests sent after each run's first quarter: the
 // verdicts without the start from cold caches and unlearned models.
 func writeLateMarkdown(out io.Writer, mr MatrixResults) {
-	v := lateVerdict(mr.Cells)
-	if v == "" {
+	if !subSection(out, fmt.Sprintf("After the first %.0f%% of each run", 100*lateFraction), lateVerdict(mr.Cells),
+		fmt.Sprintf("Every run starts from cold: empty caches on the backends, and a bare `llm` policy that has learned nothing of them (their slot counts "+
+			"from its scrapes, their speeds from requests that end). Here each run's TTFTs are those of the requests sent after its first %.0f%% (in send order): "+
+			"how the policies compare once each has seen traffic. A run of the matrix's own length spends much of that quarter with queues still forming; "+
+			"`-length` makes the later part longer.", 100*lateFraction),
+		"regime", "workload", "llm p50", "best stock p50", "p50 ratio", "llm p99", "best stock p99", "p99 ratio", "p99 / least_conn", "seeds passing", "verdict") {
 		return
 	}
-	fmt.Fprintf(out, "\n## After the first %.0f%% of each run\n\n**%s**\n\n", 100*lateFraction, v)
-	fmt.Fprintf(out, "Every run starts from cold: empty caches on the backends, and a bare `llm` policy that has learned nothing of them (their slot counts "+
-		"from its scrapes, their speeds from requests that end). Here each run's TTFTs are those of the requests sent after its first %.0f%% (in send order): "+
-		"how the policies compare once each has seen traffic. A run of the matrix's own length spends much of that quarter with queues still forming; "+
-		"`-length` makes the later part longer.\n\n", 100*lateFraction)
-	fmt.Fprintf(out, "| regime | workload | llm p50 | best stock p50 | p50 ratio | llm p99 | best stock p99 | p99 ratio | p99 / least_conn | seeds passing | verdict |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
 	for _, c := range mr.Cells {
 		if c.Late == nil {
 			continue
@@ -752,16 +761,14 @@ func writeLateMarkdown(out io.Writer, mr MatrixResults) {
 
 // writePairedMarkdown writes the section on the verdicts paired by seed.
 func writePairedMarkdown(out io.Writer, mr MatrixResults) {
-	v := pairedVerdict(mr.Cells)
-	if v == "" {
+	if !subSection(out, "Paired by seed", pairedVerdict(mr.Cells),
+		"The table above divides `llm`'s median over the seeds by the best stock policy's median, each taken on its own. "+
+			"Here each seed's figure of `llm` is divided by the same seed's figure of that stock policy (the same workload, arrivals and backends), "+
+			"and the verdict is on the medians of those ratios, with the same thresholds. Where the seeds' loads differ widely, the two medians of the table above "+
+			"can fall on different seeds and disagree with most seeds; where the two verdicts differ, read both.",
+		"regime", "workload", "paired with (p50 / p99)", "paired p50 ratio", "paired p99 ratio", "p99 ratio of medians", "seeds passing", "verdict") {
 		return
 	}
-	fmt.Fprintf(out, "\n## Paired by seed\n\n**%s**\n\n", v)
-	fmt.Fprintf(out, "The table above divides `llm`'s median over the seeds by the best stock policy's median, each taken on its own. "+
-		"Here each seed's figure of `llm` is divided by the same seed's figure of that stock policy (the same workload, arrivals and backends), "+
-		"and the verdict is on the medians of those ratios, with the same thresholds. Where the seeds' loads differ widely, the two medians of the table above "+
-		"can fall on different seeds and disagree with most seeds; where the two verdicts differ, read both.\n\n")
-	fmt.Fprintf(out, "| regime | workload | paired with (p50 / p99) | paired p50 ratio | paired p99 ratio | p99 ratio of medians | seeds passing | verdict |\n|---|---|---|---|---|---|---|---|\n")
 	for _, c := range mr.Cells {
 		if c.Paired == nil {
 			continue
@@ -774,16 +781,14 @@ func writePairedMarkdown(out io.Writer, mr MatrixResults) {
 // writeNetMarkdown writes the section on the harness's time compression: each policy's proxy time and
 // the verdicts on TTFT with that time counted once.
 func writeNetMarkdown(out io.Writer, mr MatrixResults) {
-	v := netVerdict(mr.Cells)
-	if v == "" {
+	if !subSection(out, "Net of the proxy's own time", netVerdict(mr.Cells),
+		fmt.Sprintf("The simulated backends run faster than real time (the time scale), the proxy does not: each wall millisecond from a request's sending to its arrival at the backend "+
+			"(Caddy, and the policy reading and tokenizing the body) counts as time-scale simulated milliseconds in the figures above, where a deployment counts it once. "+
+			"Here each request's TTFT counts that time once; the proxy columns are its median per request in wall milliseconds (the stock policies' lowest). "+
+			"What this does not remove: the policy's CPU is taken from the simulators on the same %s.", mr.Machine),
+		"regime", "workload", "llm proxy ms", "stock proxy ms", "net p50 ratio", "net p99 ratio", "seeds passing", "verdict") {
 		return
 	}
-	fmt.Fprintf(out, "\n## Net of the proxy's own time\n\n**%s**\n\n", v)
-	fmt.Fprintf(out, "The simulated backends run faster than real time (the time scale), the proxy does not: each wall millisecond from a request's sending to its arrival at the backend "+
-		"(Caddy, and the policy reading and tokenizing the body) counts as time-scale simulated milliseconds in the figures above, where a deployment counts it once. "+
-		"Here each request's TTFT counts that time once; the proxy columns are its median per request in wall milliseconds (the stock policies' lowest). "+
-		"What this does not remove: the policy's CPU is taken from the simulators on the same %s.\n\n", mr.Machine)
-	fmt.Fprintf(out, "| regime | workload | llm proxy ms | stock proxy ms | net p50 ratio | net p99 ratio | seeds passing | verdict |\n|---|---|---|---|---|---|---|---|\n")
 	for _, c := range mr.Cells {
 		if c.Net == nil {
 			continue
