@@ -219,6 +219,9 @@ func runWorkload(ctx context.Context, o options, sims []simSettings, w Workload,
 		if s.PredictedCachedRate > 0 {
 			done += fmt.Sprintf(", predicted %.0f%%, precision %.0f%%", 100*s.PredictedCachedRate, 100*s.PredictionPrecision)
 		}
+		if s.Failed > 0 {
+			done += fmt.Sprintf(", %d of %d failed (first: %s)", s.Failed, s.Requests, s.FirstError)
+		}
 		prog.stepDone(done)
 	}
 	return wr

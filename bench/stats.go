@@ -1,8 +1,10 @@
 package main
 
 import (
+	"fmt"
 	"math"
 	"slices"
+	"strings"
 	"time"
 )
 
@@ -106,14 +108,17 @@ type requestResult struct {
 // time multiplied by the simulators' time scale, so they read like a real GPU's) and throughput is
 // per simulated second; lag is in wall milliseconds.
 type Summary struct {
-	Policy    string  `json:"policy"`
-	Requests  int     `json:"requests"`
-	Completed int     `json:"completed"`
-	Failed    int     `json:"failed"`
-	TTFTP50   float64 `json:"ttft_p50_ms"`
-	TTFTP90   float64 `json:"ttft_p90_ms"`
-	TTFTP99   float64 `json:"ttft_p99_ms"`
-	TTFTMean  float64 `json:"ttft_mean_ms"`
+	Policy    string `json:"policy"`
+	Requests  int    `json:"requests"`
+	Completed int    `json:"completed"`
+	Failed    int    `json:"failed"`
+	// FirstError is what the first measured request that failed got (its status and error, cut to
+	// maxFirstError bytes), so that a run whose requests failed says why; empty when none failed.
+	FirstError string  `json:"first_error,omitempty"`
+	TTFTP50    float64 `json:"ttft_p50_ms"`
+	TTFTP90    float64 `json:"ttft_p90_ms"`
+	TTFTP99    float64 `json:"ttft_p99_ms"`
+	TTFTMean   float64 `json:"ttft_mean_ms"`
 	// NetTTFTP50 and NetTTFTP99 are the TTFT percentiles with the proxy's own wall time (Proxy)
 	// counted once, as a deployment counts it, instead of time-scale times: the simulators run that
 	// much faster than real time, but the proxy and the policy in it do not. ProxyP50 and ProxyP99
@@ -157,6 +162,18 @@ type Summary struct {
 	ttft       []float64
 }
 
+// maxFirstError bounds Summary.FirstError.
+const maxFirstError = 300
+
+// firstError describes a failed request for Summary.FirstError: its status (0: no answer) and error.
+func firstError(r requestResult) string {
+	e := fmt.Sprintf("status %d: %s", r.Status, r.Err)
+	if len(e) > maxFirstError {
+		e = strings.ToValidUTF8(e[:maxFirstError], "") + "..."
+	}
+	return e
+}
+
 // summarize computes a policy's figures from its measured (non-warm-up) requests. scale converts
 // wall durations to simulated ones.
 func summarize(policy string, results []requestResult, scale float64) Summary {
@@ -176,6 +193,9 @@ func summarize(policy string, results []requestResult, scale float64) Summary {
 		s.Requests++
 		if r.Failed {
 			s.Failed++
+			if s.FirstError == "" {
+				s.FirstError = firstError(r)
+			}
 			continue
 		}
 		s.Completed++

@@ -2,6 +2,7 @@ package main
 
 import (
 	"math"
+	"strings"
 	"testing"
 	"time"
 )
@@ -42,11 +43,19 @@ func TestSummarize(t *testing.T) {
 			TTFT: 10 * time.Millisecond, E2E: 110 * time.Millisecond, OutputTokens: 11, PromptTokens: 100, CachedTokens: 50},
 		{Seq: 2, Sent: t0.Add(100 * time.Millisecond), End: t0.Add(200 * time.Millisecond),
 			TTFT: 30 * time.Millisecond, E2E: 100 * time.Millisecond, OutputTokens: 9, PromptTokens: 100},
-		{Seq: 3, Failed: true, Sent: t0, End: t0.Add(time.Millisecond), E2E: time.Millisecond},
+		{Seq: 3, Failed: true, Sent: t0, End: t0.Add(time.Millisecond), E2E: time.Millisecond, Status: 502, Err: "bad gateway"},
+		{Seq: 4, Warmup: true, Failed: true, Err: "a warm-up's"},
+		{Seq: 5, Failed: true, Err: strings.Repeat("x", 1000)},
 	}
 	s := summarize("p", res, 10)
-	if s.Requests != 3 || s.Completed != 2 || s.Failed != 1 {
-		t.Errorf("requests/completed/failed = %d/%d/%d, want 3/2/1", s.Requests, s.Completed, s.Failed)
+	if s.Requests != 4 || s.Completed != 2 || s.Failed != 2 {
+		t.Errorf("requests/completed/failed = %d/%d/%d, want 4/2/2", s.Requests, s.Completed, s.Failed)
+	}
+	if s.FirstError != "status 502: bad gateway" {
+		t.Errorf("first error %q, want the first measured failure's status and error", s.FirstError)
+	}
+	if e := firstError(res[5]); len(e) > maxFirstError+3 || !strings.HasSuffix(e, "...") {
+		t.Errorf("a 1000-byte error kept as %d bytes, want at most %d ending in ...", len(e), maxFirstError+3)
 	}
 	if s.TTFTP50 != 200 || s.E2EMean != 1050 {
 		t.Errorf("TTFT p50 = %v, E2E mean = %v (simulated ms), want 200 and 1050", s.TTFTP50, s.E2EMean)
