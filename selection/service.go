@@ -874,16 +874,23 @@ func (f *Fleet) Add(s Service) {
 // measured 3x slower by its responses would be priced like the others. Each candidate's MeanDuration
 // (what its requests hold a slot for, set by their output lengths as much as by its speed) is its own.
 func (f *Fleet) Align(cands []Candidate) {
+	var buf [16]float64
+	factors := buf[:0] // each candidate's stepFactor, 0 where it is not aligned
+	if len(cands) > len(buf) {
+		factors = make([]float64, 0, len(cands))
+	}
 	var prefill, token, overhead, rel, n float64
 	for i := range cands {
 		s := &cands[i].Service
 		if !alignable(s) {
+			factors = append(factors, 0)
 			continue
 		}
+		factors = append(factors, f.stepFactor(*s))
 		prefill += math.Log(s.PrefillSecondsPerToken)
 		token += math.Log(s.TokenSeconds)
 		overhead += math.Log(max(s.Overhead, minOverhead))
-		rel += math.Log(f.stepFactor(*s))
+		rel += math.Log(factors[i])
 		n++
 	}
 	if n < 2 {
@@ -891,11 +898,11 @@ func (f *Fleet) Align(cands []Candidate) {
 	}
 	prefill, token, overhead, rel = math.Exp(prefill/n), math.Exp(token/n), math.Exp(overhead/n), math.Exp(rel/n)
 	for i := range cands {
-		s := &cands[i].Service
-		if !alignable(s) {
+		if factors[i] == 0 {
 			continue
 		}
-		r := f.stepFactor(*s) / rel
+		s := &cands[i].Service
+		r := factors[i] / rel
 		s.PrefillSecondsPerToken, s.TokenSeconds, s.Overhead = prefill*r, token*r, overhead*r
 		if s.SequenceSeconds > 0 {
 			s.SequenceSeconds = min(s.SequenceSeconds, s.TokenSeconds)
