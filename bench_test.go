@@ -65,6 +65,7 @@ func provisionedPolicyWith(tb testing.TB, s *LLMSelection, n int, handler http.H
 		backend := httptest.NewServer(handler)
 		tb.Cleanup(backend.Close) // after the policy's cleanup, which stops its scrapes
 		pool[i] = &reverseproxy.Upstream{Host: new(reverseproxy.Host), Dial: backend.Listener.Addr().String()}
+		freshUpstream(pool[i].Dial)
 	}
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 	tb.Cleanup(cancel)

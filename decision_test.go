@@ -743,9 +743,6 @@ func TestOpenCeiling(t *testing.T) {
 // busy upstream's request and a cost above the chosen one's.
 func TestDecisionDebugLogPricesEveryCandidate(t *testing.T) {
 	s, pool := provisionedPolicy(t, &LLMSelection{})
-	for _, up := range pool {
-		freshUpstream(up.Dial)
-	}
 	core, logs := observer.New(zap.DebugLevel)
 	s.logger = zap.New(core)
 	r1, cancel1 := newProxyRequest(chatRequest20(101))
