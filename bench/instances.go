@@ -459,13 +459,19 @@ func writeInstancesMarkdown(md *strings.Builder, res InstancesResults) {
 }
 
 // writeMarkdownTable writes rows (the first is the header) as a markdown table.
-func writeMarkdownTable(md *strings.Builder, rows [][]string) {
+func writeMarkdownTable(md io.Writer, rows [][]string) {
 	for i, row := range rows {
-		fmt.Fprintf(md, "| %s |\n", strings.Join(row, " | "))
 		if i == 0 {
-			fmt.Fprintf(md, "|%s\n", strings.Repeat("---|", len(row)))
+			writeTableHeader(md, row)
+			continue
 		}
+		fmt.Fprintf(md, "| %s |\n", strings.Join(row, " | "))
 	}
+}
+
+// writeTableHeader writes a markdown table's header row and the rule under it.
+func writeTableHeader(out io.Writer, columns []string) {
+	fmt.Fprintf(out, "| %s |\n|%s\n", strings.Join(columns, " | "), strings.Repeat("---|", len(columns)))
 }
 
 func joinInts(v []int) string {

@@ -729,7 +729,8 @@ func subSection(out io.Writer, title, v, intro string, columns ...string) bool {
 	if v == "" {
 		return false
 	}
-	fmt.Fprintf(out, "\n## %s\n\n**%s**\n\n%s\n\n| %s |\n|%s\n", title, v, intro, strings.Join(columns, " | "), strings.Repeat("---|", len(columns)))
+	fmt.Fprintf(out, "\n## %s\n\n**%s**\n\n%s\n\n", title, v, intro)
+	writeTableHeader(out, columns)
 	return true
 }
 
@@ -868,7 +869,7 @@ func writeMatrixMarkdown(out io.Writer, mr MatrixResults) {
 			"(identical runs of the stock policies move a cell's figures by 10-55%%).\n\n",
 			strings.Join(stockPolicies, ", "), passP50Ratio)
 		header := matrixHeader
-		fmt.Fprintf(out, "| %s |\n|%s\n", strings.Join(header, " | "), strings.Repeat("---|", len(header)))
+		writeTableHeader(out, header)
 		for _, r := range matrixRows(mr.Cells) {
 			fmt.Fprintf(out, "| %s |\n", strings.Join(r, " | "))
 		}

@@ -162,7 +162,7 @@ func writeMarkdown(out io.Writer, res Results) {
 		for i, h := range tableHeader {
 			header[i] = strings.TrimPrefix(h, "| ")
 		}
-		fmt.Fprintf(out, "| %s |\n|%s\n", strings.Join(header, " | "), strings.Repeat("---|", len(header)))
+		writeTableHeader(out, header)
 		for _, r := range tableRows(w) {
 			for i := range r {
 				r[i] = strings.TrimPrefix(r[i], "| ")
