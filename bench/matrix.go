@@ -712,8 +712,8 @@ func writeTargetsMarkdown(out io.Writer, cells []MatrixCell) {
 	}
 }
 
-// printSubVerdicts prints the one-line summaries net of the proxy's time and after each run's first
-// quarter, those the cells have.
+// printSubVerdicts prints the one-line summaries paired by seed, net of the proxy's time and after each
+// run's first quarter, those the cells have.
 func printSubVerdicts(cells []MatrixCell) {
 	for _, v := range []string{pairedVerdict(cells), netVerdict(cells), lateVerdict(cells)} {
 		if v != "" {
