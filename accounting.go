@@ -79,7 +79,9 @@ type upstreamLoad struct {
 	allocTotal   int64
 	// held is how long this proxy's requests there lately took, sent to ended (seconds, EWMA): a prefix
 	// sent with a request is referenced, so not evictable, until about then (evictedSince).
-	held     float64
+	held float64
+	// priced is the service as the last decision that weighed the upstream priced it (notePriced).
+	priced   pricedService
 	gap      float64 // seconds between this proxy's requests sent there (EWMA)
 	gaps     int     // gaps observed, up to minGaps
 	lastSent int64   // unix nanoseconds of the last one
@@ -510,6 +512,24 @@ type upstreamView struct {
 	// open is whether its fresh scrape leaves its ceiling open (openCeiling): the decision of a hot
 	// prefix brings its next scrape forward.
 	open bool
+	// load is the upstream's entry, to note the service as priced (notePriced); nil while it has none.
+	load *upstreamLoad
+}
+
+// pricedService is an upstream's service as a decision priced it: its own model blended with the fleet's
+// where it has few samples, aligned with alike backends and stretched by its overrun (loadSignal.fill).
+// at is when (unix nanoseconds; 0: never priced).
+type pricedService struct {
+	prefillSecondsPerToken, tokenSeconds, overhead float64
+	at                                             int64
+}
+
+// notePriced keeps s as the service the decision at now priced l at, for /llm/upstreams and the metrics:
+// what the decision used, where the learned model is what l's own requests taught.
+func (l *upstreamLoad) notePriced(s selection.Service, now int64) {
+	l.mu.Lock()
+	l.priced = pricedService{prefillSecondsPerToken: s.PrefillSecondsPerToken, tokenSeconds: s.TokenSeconds, overhead: s.Overhead, at: now}
+	l.mu.Unlock()
 }
 
 // viewInto returns dial's state at now for the decision.
@@ -546,6 +566,7 @@ func (t *loadTable) viewInto(dial string, now int64, snap *scraper.Snapshot, hol
 	v := upstreamView{
 		service:  l.model.Service(),
 		requests: float64(l.sequences.Load()),
+		load:     l,
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -1236,6 +1257,7 @@ func (t *loadTable) snapshot(now int64) []upstreamInflight {
 		l.mu.Lock()
 		out[i].Overrun = l.overdueLocked(now, out[i].Service)
 		out[i].TokenScale = l.tokenScaleLocked()
+		out[i].Priced = l.priced
 		for _, r := range l.inflight {
 			if r.prefillingLocked(l, now) {
 				out[i].Prefilling++
@@ -1268,6 +1290,7 @@ type upstreamInflight struct {
 	Overrun              float64 // see overdueLocked
 	TokenScale           float64 // the backend's tokens per token of this proxy's count (tokenScale)
 	Service              selection.Service
+	Priced               pricedService // as the last decision that weighed it priced it
 	Cache                cacheFigures
 }
 

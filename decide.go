@@ -68,6 +68,11 @@ type query struct {
 	settled []float64
 	// own is scratch for each candidate's prefill speed as its own model has it, before the fleet's.
 	own []float64
+	// entries is scratch for each candidate's load-table entry (upstreamView.load; nil: none), to note
+	// the service it was priced at; chosen is the chosen candidate's, noted by commit where its entry
+	// is made by the reservation.
+	entries []*upstreamLoad
+	chosen  selection.Service
 	// hot: the request's prefix is in more demand than half of one upstream can serve (prefixDemand),
 	// so it is to be replicated, not held home.
 	hot bool
@@ -85,9 +90,10 @@ type query struct {
 
 // reset readies q for a new request, keeping its scratch slices' storage (a decision makes none).
 func (q *query) reset(req *tokenize.Request, now int64) {
+	clear(q.entries) // no entry kept alive by a pooled query
 	*q = query{req: req, now: now, cached: q.cached[:0], seen: q.seen[:0], cut: q.cut[:0], avail: q.avail[:0],
 		overdue: q.overdue[:0], full: q.full[:0], settled: q.settled[:0], open: q.open[:0], heldIdx: q.heldIdx[:0], heldKeys: q.heldKeys[:0], held: q.held[:0],
-		heldSeen: q.heldSeen[:0], holds: q.holds[:0], own: q.own[:0]}
+		heldSeen: q.heldSeen[:0], holds: q.holds[:0], own: q.own[:0], entries: q.entries[:0]}
 }
 
 // signal fills its part of each candidate; cands[i] is the upstream keys[i].
@@ -127,6 +133,13 @@ func (d *decider) withLoRA(scrapes *scrapes, slots *loraSlots, loadTime time.Dur
 
 // choose fills the candidates for keys (cands must have len(keys)) and decides among them.
 func (d *decider) choose(q *query, keys []string, cands []selection.Candidate, scratch []float64) selection.Decision {
+	dec := d.decide(q, keys, cands, scratch)
+	q.chosen = cands[dec.Index].Service
+	return dec
+}
+
+// decide is choose without noting the chosen candidate's service.
+func (d *decider) decide(q *query, keys []string, cands []selection.Candidate, scratch []float64) selection.Decision {
 	q.bounds = routeBoundaries(q.req.Boundaries)
 	for i := range cands {
 		cands[i] = selection.Candidate{Key: keys[i]}
@@ -207,7 +220,7 @@ func (d *decider) commit(q *query, dial string, dec selection.Decision) *reserva
 			}
 		}
 	}
-	return d.loads.reserve(dial, work{
+	r := d.loads.reserve(dial, work{
 		prompt:     q.req.PromptTokens,
 		matched:    matched,
 		head:       q.head().Hash,
@@ -219,6 +232,10 @@ func (d *decider) commit(q *query, dial string, dec selection.Decision) *reserva
 		waited:     dec.Wait,
 		prediction: pred,
 	}, q.now)
+	if i := dec.Index; i < len(q.entries) && q.entries[i] == nil {
+		r.load.notePriced(q.chosen, q.now) // priced before it had an entry to note it on (loadSignal.fill)
+	}
+	return r
 }
 
 // outputEstimate is the output tokens a request is expected to generate: its max_tokens when lower than
@@ -243,7 +260,7 @@ type loadSignal struct {
 
 func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 	var fleet selection.Fleet
-	q.overdue, q.full, q.settled, q.open = q.overdue[:0], q.full[:0], q.settled[:0], q.open[:0]
+	q.overdue, q.full, q.settled, q.open, q.entries = q.overdue[:0], q.full[:0], q.settled[:0], q.open[:0], q.entries[:0]
 	for i, key := range keys {
 		var snap *scraper.Snapshot
 		awaited := false // its first scrape is still to come
@@ -270,7 +287,7 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 		// bounded, so that where metrics work the decision is the one the matrix measured.
 		cands[i].Blind = snap == nil && !awaited
 		q.overdue, q.full, q.settled = append(q.overdue, v.overdue), append(q.full, v.full), append(q.settled, v.settled)
-		q.open = append(q.open, v.open)
+		q.open, q.entries = append(q.open, v.open), append(q.entries, v.load)
 		fleet.Add(v.service)
 	}
 	knownArrivals(cands)
@@ -302,6 +319,9 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 		}
 		cands[i].Queued *= scale
 		q.settled[i] *= scale
+		if e := q.entries[i]; e != nil {
+			e.notePriced(cands[i].Service, q.now) // what /llm/upstreams reports as priced
+		}
 	}
 }
 
@@ -661,6 +681,9 @@ func (p pricedCandidates) MarshalLogArray(enc zapcore.ArrayEncoder) error {
 			o.AddFloat64("ttft_seconds", ttft)
 			o.AddInt("cached_tokens", c.CachedTokens)
 			o.AddFloat64("requests", c.Requests)
+			if p := c.Service.PrefillSecondsPerToken; p > 0 {
+				o.AddFloat64("prefill_tokens_per_sec", 1/p) // as priced: see /llm/upstreams' priced
+			}
 			if a := c.Availability; a > 0 && a < 1 {
 				o.AddFloat64("availability", a)
 			}

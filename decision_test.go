@@ -257,6 +257,62 @@ func TestOverrunSlowsAnUpstream(t *testing.T) {
 	}
 }
 
+// TestPricedAsDecided: /llm/upstreams and the metrics report each upstream's service as the decision
+// priced it, beside the learned model: an upstream whose requests overran 3x is priced about 3x slower
+// than its model has learned, and that is what is reported as priced; none before any decision.
+func TestPricedAsDecided(t *testing.T) {
+	t0 := time.Unix(1_700_000_000, 0)
+	at := func(s float64) int64 { return t0.Add(time.Duration(s * float64(time.Second))).UnixNano() }
+	keys := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"}
+	body, _ := json.Marshal(map[string]any{"model": "m", "max_tokens": 64, "messages": []map[string]string{{"role": "user", "content": strings.Repeat("tell me more ", 1000)}}})
+	req, err := tokenize.Parse(body, tokenize.APIChat, tokenize.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lt := &loadTable{m: make(map[string]*upstreamLoad)}
+	dec := newDecider(selection.DefaultConfig(), nil, lt, 256, nil)
+	w := work{uncached: 1000, output: 64}
+	for i, starts := range [][]float64{{0, 0}, {5, 5, 5}, {5, 5, 5}} { // keys[0]'s overran 3x at 6 s
+		for _, s := range starts {
+			lt.reserve(keys[i], w, at(s))
+		}
+	}
+	report := func(now int64) map[string]upstreamInflight {
+		out := map[string]upstreamInflight{}
+		for _, u := range lt.snapshot(now) {
+			out[u.Dial] = u
+		}
+		return out
+	}
+	for dial, u := range report(at(6)) {
+		if p := reportPriced(u.Priced, at(6)); p != nil {
+			t.Errorf("%s reported priced %+v before any decision", dial, *p)
+		}
+	}
+	q := &query{req: req, now: at(6)}
+	cands := make([]selection.Candidate, len(keys))
+	dec.choose(q, keys, cands, nil)
+	got := report(at(7))
+	for i, dial := range keys {
+		p := reportPriced(got[dial].Priced, at(7))
+		if p == nil {
+			t.Fatalf("%s: no priced model reported after a decision weighed it", dial)
+		}
+		want := cands[i].Service
+		if math.Abs(p.PrefillTokensPerSecond*want.PrefillSecondsPerToken-1) > 1e-9 || math.Abs(p.TokenMS-1000*want.TokenSeconds) > 1e-9 ||
+			math.Abs(p.OverheadMS-1000*want.Overhead) > 1e-9 {
+			t.Errorf("%s: reported priced %+v, the decision priced %+v", dial, *p, want)
+		}
+		if math.Abs(p.AgeSeconds-1) > 1e-9 {
+			t.Errorf("%s: priced %v s ago, want 1 (decided at 6 s, reported at 7 s)", dial, p.AgeSeconds)
+		}
+	}
+	learned := 1 / got[keys[0]].Service.PrefillSecondsPerToken
+	if priced := reportPriced(got[keys[0]].Priced, at(7)).PrefillTokensPerSecond; priced > learned/2.5 {
+		t.Errorf("overrun upstream priced at %.0f prefill tokens/s, learned %.0f: want about 3x slower as priced", priced, learned)
+	}
+}
+
 // TestCachedPrefixFreeOnceItsTurnEnded: a cached prefix counts as free space to reuse (its whole prompt
 // takes cache space) once the request that last sent it has ended, and as held (only the uncached part
 // takes space) while it runs; the reservation carries that space.
@@ -798,5 +854,10 @@ func TestDecisionDebugLogPricesEveryCandidate(t *testing.T) {
 	}
 	if w, _ := byDial[busy.Dial]["wait_seconds"].(float64); !(w > 0) {
 		t.Errorf("the busy upstream's wait_seconds = %v, want the first request's prefill ahead", byDial[busy.Dial]["wait_seconds"])
+	}
+	for dial, m := range byDial {
+		if r, _ := m["prefill_tokens_per_sec"].(float64); !(r > 0) {
+			t.Errorf("%s: prefill_tokens_per_sec %v, want the speed it was priced at", dial, m["prefill_tokens_per_sec"])
+		}
 	}
 }

@@ -145,6 +145,9 @@ var (
 	descPrefillRate      = prometheus.NewDesc("caddy_llm_upstream_prefill_tokens_per_second", "Learned prefill rate of the upstream.", []string{"upstream"}, nil)
 	descTokenSeconds     = prometheus.NewDesc("caddy_llm_upstream_output_token_seconds", "Learned time per output token of one sequence on the upstream.", []string{"upstream"}, nil)
 	descSequenceSeconds  = prometheus.NewDesc("caddy_llm_upstream_step_seconds_per_sequence", "Learned time each sequence in the batch adds to an engine step of the upstream (absent until busy intervals between scrapes have taught it).", []string{"upstream"}, nil)
+	descPricedPrefill    = prometheus.NewDesc("caddy_llm_upstream_priced_prefill_tokens_per_second", "Prefill rate of the upstream as the last decision that weighed it priced it (the learned one blended with the fleet's, aligned with alike upstreams, stretched by its overrun).", []string{"upstream"}, nil)
+	descPricedToken      = prometheus.NewDesc("caddy_llm_upstream_priced_output_token_seconds", "Time per output token of the upstream as the last decision that weighed it priced it.", []string{"upstream"}, nil)
+	descPricedOverhead   = prometheus.NewDesc("caddy_llm_upstream_priced_first_token_overhead_seconds", "Time to first token beyond prefill of the upstream as the last decision that weighed it priced it.", []string{"upstream"}, nil)
 	descOverhead         = prometheus.NewDesc("caddy_llm_upstream_first_token_overhead_seconds", "Learned time to first token beyond prefill on the upstream.", []string{"upstream"}, nil)
 	descSlots            = prometheus.NewDesc("caddy_llm_upstream_slots", "Learned number of sequences the upstream runs before it queues (absent while unknown).", []string{"upstream"}, nil)
 	descOverrun          = prometheus.NewDesc("caddy_llm_upstream_overrun", "How many times longer than predicted the requests in flight to the upstream have already run (the second longest; 0 below 1). The decision applies it only while no scrape shows other clients' requests there.", []string{"upstream"}, nil)
@@ -162,7 +165,7 @@ var (
 func (stateCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descInflightTokens, descInflightRequests, descSaturated, descQueue, descRunning, descKV,
 		descScrapeAge, descScrapeErrors, descScrapesForward, descRoutes, descRouteEvictions, descRoutesExpired, descPins,
-		descPhase, descQueuedPrefill, descPrefillRate, descTokenSeconds, descSequenceSeconds, descOverhead, descSlots, descOverrun, descAvailability,
+		descPhase, descQueuedPrefill, descPrefillRate, descTokenSeconds, descSequenceSeconds, descOverhead, descPricedPrefill, descPricedToken, descPricedOverhead, descSlots, descOverrun, descAvailability,
 		descObservedPrompt, descPredictedCached, descObservedCached, descConfirmedCached, descCorrections, descEvictedClaims, descRestarts, descTokenScale} {
 		ch <- d
 	}
@@ -200,6 +203,11 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 			}
 			ch <- prometheus.MustNewConstMetric(descOverrun, prometheus.GaugeValue, m.Overrun, u.Upstream)
 			ch <- prometheus.MustNewConstMetric(descTokenScale, prometheus.GaugeValue, m.TokenScale, u.Upstream)
+		}
+		if m := u.Priced; m != nil {
+			ch <- prometheus.MustNewConstMetric(descPricedPrefill, prometheus.GaugeValue, m.PrefillTokensPerSecond, u.Upstream)
+			ch <- prometheus.MustNewConstMetric(descPricedToken, prometheus.GaugeValue, m.TokenMS/1000, u.Upstream)
+			ch <- prometheus.MustNewConstMetric(descPricedOverhead, prometheus.GaugeValue, m.OverheadMS/1000, u.Upstream)
 		}
 		if m := u.Metrics; m != nil {
 			if m.Fresh {

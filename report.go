@@ -31,6 +31,7 @@ type upstreamStatus struct {
 	// Absent for an upstream only scraped so far.
 	IdleSeconds *float64        `json:"idle_seconds,omitempty"`
 	Model       *serviceModel   `json:"model,omitempty"`
+	Priced      *pricedModel    `json:"priced,omitempty"`
 	Routes      *int            `json:"learned_routes,omitempty"`
 	Metrics     *scrapedMetrics `json:"metrics,omitempty"`
 	// Availability is the upstream's adaptive availability (the lowest, if policies with different
@@ -126,6 +127,30 @@ func reportService(s selection.Service, overrun, tokenScale float64) *serviceMod
 	return m
 }
 
+// pricedModel is an upstream's service as the last decision that weighed it priced it: the learned model
+// (serviceModel) blended with the fleet's while it has few samples of its own, priced at the speed of the
+// alike backends where its work between scrapes is measured (selection.Fleet.Align), and stretched by its
+// overrun. Where it differs from the learned model, this is what the decision used. AgeSeconds is how long
+// ago that decision was; with several policies over one upstream, it is the latest's.
+type pricedModel struct {
+	PrefillTokensPerSecond float64 `json:"prefill_tokens_per_sec"`
+	OverheadMS             float64 `json:"overhead_ms"`
+	TokenMS                float64 `json:"ms_per_output_token"`
+	AgeSeconds             float64 `json:"age_seconds"`
+}
+
+// reportPriced returns p as reported at now; nil if no decision has priced the upstream.
+func reportPriced(p pricedService, now int64) *pricedModel {
+	if p.at == 0 {
+		return nil
+	}
+	m := &pricedModel{OverheadMS: 1000 * p.overhead, TokenMS: 1000 * p.tokenSeconds, AgeSeconds: max(float64(now-p.at)/1e9, 0)}
+	if p.prefillSecondsPerToken > 0 {
+		m.PrefillTokensPerSecond = 1 / p.prefillSecondsPerToken
+	}
+	return m
+}
+
 type scrapedMetrics struct {
 	Flavor     string   `json:"flavor,omitempty"`
 	Running    float64  `json:"running"`
@@ -190,7 +215,8 @@ func upstreamReport(withRoutes bool) []upstreamStatus {
 			Upstream: l.Dial, InflightTokens: l.Tokens, InflightRequests: l.Requests,
 			Saturated: loads.saturated(l.Dial, now), Prefilling: l.Prefilling, Decoding: l.Decoding,
 			PrefillTokens: l.PrefillTokens, QueuedSeconds: l.QueuedSeconds, IdleSeconds: &l.IdleSeconds, Model: reportService(l.Service, l.Overrun, l.TokenScale),
-			Cache: reportCache(l.Cache), cache: &l.Cache,
+			Priced: reportPriced(l.Priced, now),
+			Cache:  reportCache(l.Cache), cache: &l.Cache,
 		})
 	}
 	liveScrapesMu.Lock()

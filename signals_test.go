@@ -331,6 +331,13 @@ func TestAdminEndpointAndMetrics(t *testing.T) {
 	waitInflightZero(t, a.dial, b.dial)
 	// The request's end taught its mean duration; forgotten, the upstream is back at its prior's.
 	learned := *adminUpstreams(t)[dial].Model
+	// The decision priced it: reported beside the learned model, and as gauges.
+	if p := adminUpstreams(t)[dial].Priced; p == nil || !(p.PrefillTokensPerSecond > 0) {
+		t.Errorf("after a decision weighed %s: priced %+v, want its priced speeds", dial, p)
+	}
+	if _, metrics := doRequest(t, http.MethodGet, adminURL+"/metrics"); !strings.Contains(metrics, fmt.Sprintf(`caddy_llm_upstream_priced_prefill_tokens_per_second{upstream=%q} `, dial)) {
+		t.Errorf("/metrics lacks caddy_llm_upstream_priced_prefill_tokens_per_second for %s", dial)
+	}
 	other := a.dial
 	if other == dial {
 		other = b.dial
@@ -353,6 +360,9 @@ func TestAdminEndpointAndMetrics(t *testing.T) {
 	prior := reportService(selection.Prior, 1, 0).MeanDurationSeconds
 	if got := adminUpstreams(t)[dial].Model; got == nil || learned.MeanDurationSeconds == prior || got.MeanDurationSeconds != prior {
 		t.Errorf("mean request seconds %v learned, %+v after DELETE /llm/upstreams; want the prior's %v again", learned.MeanDurationSeconds, got, prior)
+	}
+	if p := adminUpstreams(t)[dial].Priced; p != nil {
+		t.Errorf("after DELETE /llm/upstreams: priced %+v kept, want it forgotten with the model until a decision prices it again", *p)
 	}
 	deadline := time.Now().Add(5 * time.Second)
 	for metricValue(t, "caddy_llm_request_body_bytes_held") > heldInFlight-float64(body) && time.Now().Before(deadline) {
