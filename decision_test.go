@@ -215,16 +215,7 @@ func TestRouteTablesPerSettings(t *testing.T) {
 // long before one of them ends; an overrun every upstream shares (outputs longer than estimated
 // everywhere) changes nothing, and neither does one stalled request.
 func TestOverrunSlowsAnUpstream(t *testing.T) {
-	t0 := time.Unix(1_700_000_000, 0)
-	at := func(s float64) int64 { return t0.Add(time.Duration(s * float64(time.Second))).UnixNano() }
-	keys := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"}
-	body, _ := json.Marshal(map[string]any{"model": "m", "max_tokens": 64, "messages": []map[string]string{{"role": "user", "content": strings.Repeat("tell me more ", 1000)}}})
-	req, err := tokenize.Parse(body, tokenize.APIChat, tokenize.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	// Each request is predicted to take about 2.1 s on the prior (1,000 tokens at 8k/s, 64 at 30 ms).
-	w := work{uncached: 1000, output: 64}
+	at, keys, req := overrunFixture(t)
 	cases := []struct {
 		name string
 		// starts of the requests in flight on each upstream (seconds), decided at 6 s
@@ -239,11 +230,7 @@ func TestOverrunSlowsAnUpstream(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			lt := &loadTable{m: make(map[string]*upstreamLoad)}
 			dec := newDecider(selection.DefaultConfig(), nil, lt, 256, nil)
-			for i, starts := range c.starts {
-				for _, s := range starts {
-					lt.reserve(keys[i], w, at(s))
-				}
-			}
+			reserveStarts(lt, keys, at, c.starts)
 			q := &query{req: req, now: at(6)}
 			cands := make([]selection.Candidate, len(keys))
 			d := dec.choose(q, keys, cands, nil)
@@ -257,26 +244,38 @@ func TestOverrunSlowsAnUpstream(t *testing.T) {
 	}
 }
 
-// TestPricedAsDecided: /llm/upstreams and the metrics report each upstream's service as the decision
-// priced it, beside the learned model: an upstream whose requests overran 3x is priced about 3x slower
-// than its model has learned, and that is what is reported as priced; none before any decision.
-func TestPricedAsDecided(t *testing.T) {
+// overrunFixture is three upstreams, a clock in seconds and a request of 1,000 prompt tokens.
+func overrunFixture(t *testing.T) (at func(float64) int64, keys []string, req *tokenize.Request) {
+	t.Helper()
 	t0 := time.Unix(1_700_000_000, 0)
-	at := func(s float64) int64 { return t0.Add(time.Duration(s * float64(time.Second))).UnixNano() }
-	keys := []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"}
+	at = func(s float64) int64 { return t0.Add(time.Duration(s * float64(time.Second))).UnixNano() }
+	keys = []string{"10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"}
 	body, _ := json.Marshal(map[string]any{"model": "m", "max_tokens": 64, "messages": []map[string]string{{"role": "user", "content": strings.Repeat("tell me more ", 1000)}}})
 	req, err := tokenize.Parse(body, tokenize.APIChat, tokenize.Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	lt := &loadTable{m: make(map[string]*upstreamLoad)}
-	dec := newDecider(selection.DefaultConfig(), nil, lt, 256, nil)
-	w := work{uncached: 1000, output: 64}
-	for i, starts := range [][]float64{{0, 0}, {5, 5, 5}, {5, 5, 5}} { // keys[0]'s overran 3x at 6 s
-		for _, s := range starts {
-			lt.reserve(keys[i], w, at(s))
+	return at, keys, req
+}
+
+// reserveStarts puts requests in flight on each of keys, sent at starts[i] (seconds), each predicted to
+// take about 2.1 s on the prior (1,000 tokens at 8k/s, 64 at 30 ms).
+func reserveStarts(lt *loadTable, keys []string, at func(float64) int64, starts [3][]float64) {
+	for i, ss := range starts {
+		for _, s := range ss {
+			lt.reserve(keys[i], work{uncached: 1000, output: 64}, at(s))
 		}
 	}
+}
+
+// TestPricedAsDecided: /llm/upstreams and the metrics report each upstream's service as the decision
+// priced it, beside the learned model: an upstream whose requests overran 3x is priced about 3x slower
+// than its model has learned, and that is what is reported as priced; none before any decision.
+func TestPricedAsDecided(t *testing.T) {
+	at, keys, req := overrunFixture(t)
+	lt := &loadTable{m: make(map[string]*upstreamLoad)}
+	dec := newDecider(selection.DefaultConfig(), nil, lt, 256, nil)
+	reserveStarts(lt, keys, at, [3][]float64{{0, 0}, {5, 5, 5}, {5, 5, 5}}) // keys[0]'s overran 3x at 6 s
 	report := func(now int64) map[string]upstreamInflight {
 		out := map[string]upstreamInflight{}
 		for _, u := range lt.snapshot(now) {
