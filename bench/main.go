@@ -151,7 +151,7 @@ func parseOptions(args []string) (options, error) {
 	fs.BoolVar(&o.matrix, "matrix", false, "run backend regimes x workloads with round_robin, least_conn, header, llm and oracle, and judge llm per cell")
 	fs.BoolVar(&o.goodput, "goodput", false, "step the load on shared-prefix and report the highest at which TTFT p99 stays under 2 s, least_conn vs llm")
 	fs.BoolVar(&o.faults, "faults", false, "one backend drops 10% of its streams mid-way and fails 3% of requests: complete streams, goodput and TTFT p99 of least_conn + lb_retries, llm, and llm + llm_resume")
-	fs.StringVar(&regimeList, "regimes", "all", "with -matrix or -goodput: comma-separated regimes (with -restart: one): "+strings.Join(regimeNames(), ","))
+	fs.StringVar(&regimeList, "regimes", "all", "with -matrix or -goodput: comma-separated regimes (with -restart: one): "+strings.Join(regimeNames(), ",")+"; extra (beyond the matrix: "+strings.Join(extraRegimeNames(), ",")+") or any of those")
 	fs.IntVar(&o.length, "length", 1, "with -matrix: N times as many sessions (requests) per run at the same offered load, to see what a longer run (more learned, a p99 over more requests) changes; unset, a pool of more than 4 -backends runs ceil(backends/4) times as many (at most 20), as long as a 4-backend run")
 	fs.IntVar(&o.seeds, "seeds", 3, "with -matrix, -goodput or -faults: seeds per cell (medians over them; -faults pools them); 1 with -quick, -goodput or -faults unless set")
 	fs.IntVar(&o.backends, "backends", 4, "number of simulated backends")
@@ -303,6 +303,8 @@ func parseOptions(args []string) (options, error) {
 		}
 	}
 	switch {
+	case regimeList == "extra":
+		o.regimes = extraRegimes
 	case regimeList != "all":
 		for _, name := range strings.Split(regimeList, ",") {
 			r, err := findRegime(name)

@@ -93,6 +93,20 @@ func TestRegimes(t *testing.T) {
 			tt.check(t, b)
 		})
 	}
+	for _, name := range extraRegimeNames() {
+		r, err := findRegime(name)
+		if err != nil || slices.Contains(regimeNames(), name) {
+			t.Errorf("findRegime(%s) = %v; want it found, beyond the matrix's regimes", name, err)
+			continue
+		}
+		b := r.build(4, base)
+		if b[0] == b[1] && b[1] == b[2] && b[2] == b[3] && name != "huge-batch" {
+			t.Errorf("%s: four alike backends, want a mixed pool", name)
+		}
+	}
+	if o, err := parseOptions([]string{"-matrix", "-regimes", "extra"}); err != nil || len(o.regimes) != len(extraRegimes) {
+		t.Errorf("-regimes extra: %d regimes, %v; want the %d beyond the matrix", len(o.regimes), err, len(extraRegimes))
+	}
 	if _, err := findRegime("nope"); err == nil {
 		t.Error("findRegime(nope) = nil error, want an error")
 	}
@@ -111,7 +125,7 @@ func TestCapacityPerRegime(t *testing.T) {
 	if het.BackendRPS[3] > het.BackendRPS[0]/2 {
 		t.Errorf("hetero slow backend capacity %.2f, fast %.2f; want the slow one well below", het.BackendRPS[3], het.BackendRPS[0])
 	}
-	for _, r := range regimes {
+	for _, r := range slices.Concat(regimes, extraRegimes) {
 		for _, name := range matrixWorkloads {
 			w, _ := generateWorkload(name, 1, workloadSize{matrix: true})
 			sims, _ := fitKV(r.build(4, defaultSim), w)
@@ -133,7 +147,7 @@ func TestFitKV(t *testing.T) {
 	for _, r := range w.Requests() {
 		largest = max(largest, templatedTokens(r.Messages)+r.MaxTokens)
 	}
-	for _, r := range regimes {
+	for _, r := range slices.Concat(regimes, extraRegimes) {
 		sims, _ := fitKV(r.build(4, defaultSim), w)
 		for i, s := range sims {
 			// the simulator's 400: prompt + output over the cache, or prompt over cache - 1% watermark

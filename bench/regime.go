@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 )
@@ -102,6 +103,50 @@ var regimes = []regime{
 	},
 }
 
+// extraRegimes are fleets beyond the matrix's seven, run only when named (-regimes extra, or by name):
+// the spread of real fleets the policy was not built on (max_num_seqs 16 to 1024, chunked prefill on or
+// off, GPUs 5x apart, mixed pools), each unlike any of the seven in one more respect. No default of the
+// policy was chosen on them.
+var extraRegimes = []regime{
+	{
+		Name: "mixed-pool",
+		Description: "two kinds of engine in one pool: backends 0 and 2 as small-batch but max_num_seqs 16 " +
+			"(no chunked prefill, 3.3k prefill tok/s, decode step 18 ms), 1 and 3 as large-batch (max_num_seqs 256, chunked, 8k tok/s, 256k-token KV cache)",
+		backend: func(i, n int) simSettings {
+			if i%2 == 0 {
+				return withSim(func(s *simSettings) {
+					s.MaxNumSeqs, s.MaxNumBatchedTokens = 16, -1
+					s.PrefillTokensPerSec, s.DecodeStep = 3300, 18*time.Millisecond
+				})
+			}
+			return withSim(func(s *simSettings) {
+				s.MaxNumSeqs, s.NumGPUBlocks = 256, 16384
+			})
+		},
+	},
+	{
+		Name:        "hetero-5x",
+		Description: "default, but the last two backends 5x slower (1.6k prefill tok/s, decode step 150 ms + 1.25 ms/seq)",
+		backend: func(i, n int) simSettings {
+			if i < n/2 {
+				return defaultSim
+			}
+			return withSim(func(s *simSettings) {
+				s.PrefillTokensPerSec /= 5
+				s.DecodeStep *= 5
+				s.DecodeStepPerSeq *= 5
+			})
+		},
+	},
+	{
+		Name:        "huge-batch",
+		Description: "max_num_seqs 1024, 256k-token KV cache, decode step 30 ms + 0.1 ms/seq",
+		backend: uniform(withSim(func(s *simSettings) {
+			s.MaxNumSeqs, s.NumGPUBlocks, s.DecodeStepPerSeq = 1024, 16384, 100*time.Microsecond
+		})),
+	},
+}
+
 // regimeNames lists the regimes in report order.
 func regimeNames() []string {
 	names := make([]string, len(regimes))
@@ -111,14 +156,23 @@ func regimeNames() []string {
 	return names
 }
 
-// findRegime returns the named regime.
+// extraRegimeNames lists extraRegimes.
+func extraRegimeNames() []string {
+	names := make([]string, len(extraRegimes))
+	for i, r := range extraRegimes {
+		names[i] = r.Name
+	}
+	return names
+}
+
+// findRegime returns the named regime, of the matrix's or extraRegimes.
 func findRegime(name string) (regime, error) {
-	for _, r := range regimes {
+	for _, r := range slices.Concat(regimes, extraRegimes) {
 		if r.Name == name {
 			return r, nil
 		}
 	}
-	return regime{}, fmt.Errorf("unknown regime %q (known: %s)", name, strings.Join(regimeNames(), ","))
+	return regime{}, fmt.Errorf("unknown regime %q (known: %s; beyond the matrix: %s)", name, strings.Join(regimeNames(), ","), strings.Join(extraRegimeNames(), ","))
 }
 
 // uniformCluster returns n copies of s.
