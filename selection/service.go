@@ -869,51 +869,89 @@ func (f *Fleet) Add(s Service) {
 // one seed in six, docs/bench/align). A backend that is slower stands out of the noise within a few
 // scrapes (hetero's 3x slower one: 2.7x with errors of 2-3%) and stays that much slower.
 //
-// Candidates without that measure (not scraped yet, metrics off, a backend without vLLM's counters)
-// keep their own estimates: nothing else compares them beyond their noise, and without it a backend
-// measured 3x slower by its responses would be priced like the others. Each candidate's MeanDuration
-// (what its requests hold a slot for, set by their output lengths as much as by its speed) is its own.
+// Alike means the same KV cache geometry (blocks x block size, in the backend's own tokens, as scraped):
+// the same hardware and engine settings, which may still differ in speed (a GPU that is slower in
+// everything, which the one factor carries). Backends of another geometry are another kind of engine,
+// whose prefill and decode may differ in opposite directions, which one factor cannot carry: in a pool
+// of small engines (max_num_seqs 16, no chunked prefill, 3.3k prefill tokens/s, 18 ms decode steps) and
+// large ones (256, chunked, 8k tokens/s, 30 ms), aligned together, the small ones' faster steps priced
+// their prefill faster than the large ones' (the matrix's mixed-pool: own estimates 23-39k against 69-110k
+// tokens/s, priced 45-58k against 34-44k; multi-turn-think p99 1.6x header's). Each geometry is aligned
+// within itself.
+//
+// Candidates without that measure (not scraped yet, metrics off, a backend without vLLM's counters), with
+// no fresh cache geometry, or alone of their geometry keep their own estimates: nothing else compares them
+// beyond their noise, and without it a backend measured 3x slower by its responses would be priced like
+// the others. Each candidate's MeanDuration (what its requests hold a slot for, set by their output
+// lengths as much as by its speed) is its own.
 func (f *Fleet) Align(cands []Candidate) {
 	var buf [16]float64
-	factors := buf[:0] // each candidate's stepFactor, 0 where it is not aligned
+	factors := buf[:0] // each candidate's stepFactor; 0 where it is not aligned, or aligned already
 	if len(cands) > len(buf) {
 		factors = make([]float64, 0, len(cands))
 	}
-	var prefill, token, overhead, rel, n float64
 	for i := range cands {
-		s := &cands[i].Service
-		if !alignable(s) {
+		if !alignable(&cands[i]) {
 			factors = append(factors, 0)
 			continue
 		}
-		factors = append(factors, f.stepFactor(*s))
-		prefill += math.Log(s.PrefillSecondsPerToken)
-		token += math.Log(s.TokenSeconds)
-		overhead += math.Log(max(s.Overhead, minOverhead))
-		rel += math.Log(factors[i])
-		n++
+		factors = append(factors, f.stepFactor(cands[i].Service))
 	}
-	if n < 2 {
-		return
-	}
-	prefill, token, overhead, rel = math.Exp(prefill/n), math.Exp(token/n), math.Exp(overhead/n), math.Exp(rel/n)
 	for i := range cands {
 		if factors[i] == 0 {
 			continue
 		}
-		s := &cands[i].Service
-		r := factors[i] / rel
-		s.PrefillSecondsPerToken, s.TokenSeconds, s.Overhead = prefill*r, token*r, overhead*r
-		if s.SequenceSeconds > 0 {
-			s.SequenceSeconds = min(s.SequenceSeconds, s.TokenSeconds)
+		g := geometry(&cands[i])
+		var prefill, token, overhead, rel, n float64
+		for j := i; j < len(cands); j++ { // i's kind: the candidates from i on of its geometry, none aligned yet
+			if factors[j] == 0 || !sameGeometry(g, geometry(&cands[j])) {
+				continue
+			}
+			s := &cands[j].Service
+			prefill += math.Log(s.PrefillSecondsPerToken)
+			token += math.Log(s.TokenSeconds)
+			overhead += math.Log(max(s.Overhead, minOverhead))
+			rel += math.Log(factors[j])
+			n++
+		}
+		if n < 2 {
+			continue // alone of its kind
+		}
+		prefill, token, overhead, rel = math.Exp(prefill/n), math.Exp(token/n), math.Exp(overhead/n), math.Exp(rel/n)
+		for j := i; j < len(cands); j++ {
+			if factors[j] == 0 || !sameGeometry(g, geometry(&cands[j])) {
+				continue
+			}
+			s := &cands[j].Service
+			r := factors[j] / rel
+			s.PrefillSecondsPerToken, s.TokenSeconds, s.Overhead = prefill*r, token*r, overhead*r
+			if s.SequenceSeconds > 0 {
+				s.SequenceSeconds = min(s.SequenceSeconds, s.TokenSeconds)
+			}
+			factors[j] = 0
 		}
 	}
 }
 
-// alignable reports whether Align compares s with the others: its work between scrapes is measured
-// and it has estimates to align.
-func alignable(s *Service) bool {
-	return s.steps.n >= minStepPairs && s.PrefillSecondsPerToken > 0 && s.TokenSeconds > 0
+// alignable reports whether Align compares c with the others: its work between scrapes is measured, it
+// has estimates to align and a fresh scrape tells its cache geometry.
+func alignable(c *Candidate) bool {
+	s := &c.Service
+	return s.steps.n >= minStepPairs && s.PrefillSecondsPerToken > 0 && s.TokenSeconds > 0 && c.KVCapacity > 0
+}
+
+// geometry is c's KV cache in the backend's own tokens (blocks x block size, as scraped): KVCapacity is
+// in the prompt counts' tokens, divided by the token scale each upstream learns with its own noise.
+func geometry(c *Candidate) float64 {
+	if c.TokenScale > 0 {
+		return c.KVCapacity * c.TokenScale
+	}
+	return c.KVCapacity
+}
+
+// sameGeometry reports whether two geometries are the same, but for rounding.
+func sameGeometry(a, b float64) bool {
+	return math.Abs(a-b) <= 1e-6*max(a, b)
 }
 
 // minOverhead stands for an overhead of nothing in Align's geometric mean.

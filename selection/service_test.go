@@ -847,6 +847,7 @@ func TestFleetAlign(t *testing.T) {
 		cands := make([]Candidate, 4)
 		for i, m := range models {
 			cands[i].Service = fl.Blend(m.Service())
+			cands[i].KVCapacity = 32768 // one cache geometry: alike hardware, the fourth maybe slower
 		}
 		spread := func(n int) float64 { // the widest ratio of first-token prices among the first n
 			lo, hi := math.Inf(1), 0.0
@@ -905,5 +906,77 @@ func TestFleetAlign(t *testing.T) {
 	}
 	if r := cands[2].Service.TokenSeconds / cands[0].Service.TokenSeconds; r < 2 {
 		t.Errorf("the backend measured 3x slower priced %.2fx the others' after Align, want over 2x (its own estimate, 2.45x after 16 responses)", r)
+	}
+}
+
+// TestFleetAlignKinds: two kinds of engine in one pool, told apart by their cache geometry, each aligned
+// within its kind: small engines that prefill 2.4x slower but step 0.6x the time of the large ones are
+// priced slower to prefill and faster to step than the large ones, as their own estimates have them.
+// Aligned together (one geometry), the one factor their work between scrapes gives put the small ones'
+// prefill faster than the large ones'. A measured candidate without a fresh geometry keeps its own.
+func TestFleetAlignKinds(t *testing.T) {
+	const small, large = 16 * 2048, 16 * 16384 // KV cache tokens
+	build := func(geometry [4]float64) []Candidate {
+		rng := rand.New(rand.NewPCG(3, 3))
+		var fl Fleet
+		models := make([]*ServiceModel, 4)
+		for i := range models {
+			step, perToken := 0.030, 1.0/8000
+			if i%2 == 0 { // a small engine
+				step, perToken = 0.018, 1.0/3300
+			}
+			models[i] = NewServiceModel(Prior)
+			for range 12 {
+				noise := 0.9 + 0.2*rng.Float64()
+				steps, uncached := 64.0, 1000+rng.Float64()*2000
+				models[i].ObserveBusy(noise*(steps*step+uncached*perToken), uncached, steps, 0)
+				models[i].ObserveEnd(500, 64, 0, noise*(64*step+500*perToken))
+			}
+			for range 8 {
+				uncached := 400 * rng.Float64()
+				models[i].ObserveSteps(uncached*perToken+16*step, uncached, 16)
+			}
+			fl.Add(models[i].Service())
+		}
+		cands := make([]Candidate, 4)
+		for i, m := range models {
+			cands[i] = Candidate{Service: fl.Blend(m.Service()), KVCapacity: geometry[i], TokenScale: 1 + 0.01*float64(i)}
+			cands[i].KVCapacity /= cands[i].TokenScale // in the prompt counts' tokens, as the scrape divides it
+		}
+		own := make([]Service, 4)
+		for i := range cands {
+			own[i] = cands[i].Service
+		}
+		if own[0].PrefillSecondsPerToken < 1.5*own[1].PrefillSecondsPerToken || own[0].TokenSeconds > own[1].TokenSeconds {
+			t.Fatalf("own estimates: small %+v, large %+v; want the small one slower to prefill and faster to step", own[0], own[1])
+		}
+		fl.Align(cands)
+		return cands
+	}
+	cands := build([4]float64{small, large, small, large})
+	for _, i := range []int{0, 2} {
+		for _, j := range []int{1, 3} {
+			if r := cands[i].Service.PrefillSecondsPerToken / cands[j].Service.PrefillSecondsPerToken; r < 1.5 {
+				t.Errorf("small engine %d priced to prefill %.2fx the time of large engine %d, want over 1.5x (2.4x true)", i, r, j)
+			}
+			if r := cands[i].Service.TokenSeconds / cands[j].Service.TokenSeconds; r > 0.8 {
+				t.Errorf("small engine %d priced to step %.2fx the time of large engine %d, want under 0.8x (0.6x true)", i, r, j)
+			}
+		}
+	}
+	for _, pair := range [][2]int{{0, 2}, {1, 3}} { // alike within a kind
+		a, b := cands[pair[0]].Service.PrefillSecondsPerToken, cands[pair[1]].Service.PrefillSecondsPerToken
+		if r := max(a, b) / min(a, b); r > 1.05 {
+			t.Errorf("engines %v of one kind priced %.3fx apart to prefill, want alike", pair, r)
+		}
+	}
+	// Without a fresh geometry, candidate 3 keeps its own estimate; 1 is then alone of its kind too.
+	geo := [4]float64{small, large, small, 0}
+	unaligned := build(geo)
+	ref := build([4]float64{})
+	for _, i := range []int{1, 3} {
+		if unaligned[i].Service != ref[i].Service {
+			t.Errorf("candidate %d (geometry %v) aligned: %+v, want its own %+v", i, geo[i], unaligned[i].Service, ref[i].Service)
+		}
 	}
 }
