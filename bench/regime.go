@@ -35,6 +35,16 @@ func uniform(s simSettings) func(i, n int) simSettings {
 	return func(int, int) simSettings { return s }
 }
 
+// slowerSim is defaultSim f times slower in everything: prefill, decode steps and what each sequence
+// adds to a step (a slower GPU running the same engine).
+func slowerSim(f float64) simSettings {
+	return withSim(func(s *simSettings) {
+		s.PrefillTokensPerSec /= f
+		s.DecodeStep = time.Duration(float64(s.DecodeStep) * f)
+		s.DecodeStepPerSeq = time.Duration(float64(s.DecodeStepPerSeq) * f)
+	})
+}
+
 // withSim returns defaultSim changed by f.
 func withSim(f func(*simSettings)) simSettings {
 	s := defaultSim
@@ -73,11 +83,7 @@ var regimes = []regime{
 			if i < n-1 {
 				return defaultSim
 			}
-			return withSim(func(s *simSettings) {
-				s.PrefillTokensPerSec /= 3
-				s.DecodeStep *= 3
-				s.DecodeStepPerSeq *= 3
-			})
+			return slowerSim(3)
 		},
 	},
 	{
@@ -131,11 +137,7 @@ var extraRegimes = []regime{
 			if i < n/2 {
 				return defaultSim
 			}
-			return withSim(func(s *simSettings) {
-				s.PrefillTokensPerSec /= 5
-				s.DecodeStep *= 5
-				s.DecodeStepPerSeq *= 5
-			})
+			return slowerSim(5)
 		},
 	},
 	{
