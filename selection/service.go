@@ -875,7 +875,7 @@ func (f *Fleet) Add(s Service) {
 // whose prefill and decode may differ in opposite directions, which one factor cannot carry: in a pool
 // of small engines (max_num_seqs 16, no chunked prefill, 3.3k prefill tokens/s, 18 ms decode steps) and
 // large ones (256, chunked, 8k tokens/s, 30 ms), aligned together, the small ones' faster steps priced
-// their prefill faster than the large ones' (the matrix's mixed-pool: own estimates 23-39k against 69-110k
+// their prefill faster than the large ones' (the bench's mixed-pool, beyond the matrix: own estimates 23-39k against 69-110k
 // tokens/s, priced 45-58k against 34-44k; multi-turn-think p99 1.6x header's). Each geometry is aligned
 // within itself.
 //
@@ -885,26 +885,28 @@ func (f *Fleet) Add(s Service) {
 // the others. Each candidate's MeanDuration (what its requests hold a slot for, set by their output
 // lengths as much as by its speed) is its own.
 func (f *Fleet) Align(cands []Candidate) {
-	var buf [16]float64
-	factors := buf[:0] // each candidate's stepFactor; 0 where it is not aligned, or aligned already
-	if len(cands) > len(buf) {
-		factors = make([]float64, 0, len(cands))
+	var buf [32]float64
+	// factors is each candidate's stepFactor, 0 where it is not aligned or is aligned already; geos its
+	// geometry.
+	factors, geos := buf[:0:16], buf[16:16]
+	if len(cands) > 16 {
+		factors, geos = make([]float64, 0, len(cands)), make([]float64, 0, len(cands))
 	}
 	for i := range cands {
-		if !alignable(&cands[i]) {
-			factors = append(factors, 0)
-			continue
+		factor := 0.0
+		if alignable(&cands[i]) {
+			factor = f.stepFactor(cands[i].Service)
 		}
-		factors = append(factors, f.stepFactor(cands[i].Service))
+		factors, geos = append(factors, factor), append(geos, geometry(&cands[i]))
 	}
 	for i := range cands {
 		if factors[i] == 0 {
 			continue
 		}
-		g := geometry(&cands[i])
+		kind := func(j int) bool { return factors[j] != 0 && sameGeometry(geos[i], geos[j]) } // i's kind, not aligned yet
 		var prefill, token, overhead, rel, n float64
-		for j := i; j < len(cands); j++ { // i's kind: the candidates from i on of its geometry, none aligned yet
-			if factors[j] == 0 || !sameGeometry(g, geometry(&cands[j])) {
+		for j := i; j < len(cands); j++ {
+			if !kind(j) {
 				continue
 			}
 			s := &cands[j].Service
@@ -919,7 +921,7 @@ func (f *Fleet) Align(cands []Candidate) {
 		}
 		prefill, token, overhead, rel = math.Exp(prefill/n), math.Exp(token/n), math.Exp(overhead/n), math.Exp(rel/n)
 		for j := i; j < len(cands); j++ {
-			if factors[j] == 0 || !sameGeometry(g, geometry(&cands[j])) {
+			if !kind(j) {
 				continue
 			}
 			s := &cands[j].Service
