@@ -868,11 +868,7 @@ func writeMatrixMarkdown(out io.Writer, mr MatrixResults) {
 			"Seeds passing: on how many seeds llm passes against that seed's best stock figures; where the seeds disagree, the verdict on the medians is a tie "+
 			"(identical runs of the stock policies move a cell's figures by 10-55%%).\n\n",
 			strings.Join(stockPolicies, ", "), passP50Ratio)
-		header := matrixHeader
-		writeTableHeader(out, header)
-		for _, r := range matrixRows(mr.Cells) {
-			fmt.Fprintf(out, "| %s |\n", strings.Join(r, " | "))
-		}
+		writeMarkdownTable(out, append([][]string{matrixHeader}, matrixRows(mr.Cells)...))
 		writePairedMarkdown(out, mr)
 		writeNetMarkdown(out, mr)
 		writeLateMarkdown(out, mr)

@@ -7,6 +7,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"text/tabwriter"
 )
@@ -158,17 +159,13 @@ func writeMarkdown(out io.Writer, res Results) {
 	for _, w := range res.Workloads {
 		fmt.Fprintf(out, "## %s\n\n%d requests (%d warm-up), offered %.1f req/s (capacity estimate %.1f req/s)\n\n",
 			w.Workload, w.Requests, w.Warmup, w.RateRPS, w.CapacityRPS)
-		header := make([]string, len(tableHeader))
-		for i, h := range tableHeader {
-			header[i] = strings.TrimPrefix(h, "| ")
-		}
-		writeTableHeader(out, header)
-		for _, r := range tableRows(w) {
+		rows := append([][]string{slices.Clone(tableHeader)}, tableRows(w)...)
+		for _, r := range rows {
 			for i := range r {
 				r[i] = strings.TrimPrefix(r[i], "| ")
 			}
-			fmt.Fprintf(out, "| %s |\n", strings.Join(r, " | "))
 		}
+		writeMarkdownTable(out, rows)
 		fmt.Fprintln(out)
 		for _, s := range w.Policies {
 			if s.Skipped == "" && s.LagP99 > lagRerunMS {
