@@ -288,7 +288,7 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 		cands[i].Blind = snap == nil && !awaited
 		q.overdue, q.full, q.settled = append(q.overdue, v.overdue), append(q.full, v.full), append(q.settled, v.settled)
 		q.open, q.entries = append(q.open, v.open), append(q.entries, v.load)
-		fleet.Add(v.service)
+		fleet.Add(v.service, selection.Geometry(&cands[i]))
 	}
 	knownArrivals(cands)
 	// An upstream whose requests in flight overran their predicted durations by more than the others'
@@ -305,7 +305,7 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 		// first upstream to be measured looks faster (or slower) than the prior of all the others, and
 		// takes every request (or none) until they are measured too.
 		q.own[i] = cands[i].Service.PrefillSecondsPerToken
-		cands[i].Service = fleet.Blend(cands[i].Service)
+		cands[i].Service = fleet.Blend(cands[i].Service, selection.Geometry(&cands[i]))
 	}
 	fleet.Align(cands) // alike backends priced alike (selection.Fleet.Align)
 	for i := range cands {

@@ -756,13 +756,12 @@ func boundCovariance2(p [2][2]float64) [2][2]float64 {
 // measured looks faster (or slower) than all the unmeasured ones, which then get no traffic (or all of
 // it) until they are measured too. The zero value is empty and ready to use.
 type Fleet struct {
-	weight                                 float64
-	overhead, prefill, token, meanDuration float64
-	// ratioWeight and logRatio pool the busy intervals' prefill over the speed-scaled prior (busyRatio),
-	// weighted by busy intervals, as a geometric mean.
-	ratioWeight, logRatio float64
-	// slots is the largest slot count any upstream has shown (0: none has).
-	slots float64
+	pool // every upstream's
+	// kinds pools the same per kind of engine: the upstreams of one KV cache geometry (Geometry), the
+	// first maxKinds geometries met; nKinds is how many. An upstream borrows from its own kind where the
+	// pool holds more than one (Blend).
+	kinds  [maxKinds]kindPool
+	nKinds int
 	// steps holds the work between scrapes (Service.steps) of the upstreams with minStepPairs pairs or
 	// more, with their samples (the first len of them: a pool's upstreams), nSteps how many; stepT and
 	// stepP price it, stepRef is their mean and stepTau2 the variance of their true differences (see
@@ -774,6 +773,67 @@ type Fleet struct {
 	nSteps                          int
 	stepReady                       bool
 	stepT, stepP, stepRef, stepTau2 float64
+}
+
+// pool is what a set of upstreams' models have learned, as Fleet.Blend borrows it.
+type pool struct {
+	weight                                 float64
+	overhead, prefill, token, meanDuration float64
+	// ratioWeight and logRatio pool the busy intervals' prefill over the speed-scaled prior (busyRatio),
+	// weighted by busy intervals, as a geometric mean.
+	ratioWeight, logRatio float64
+	// slots is the largest slot count any upstream has shown (0: none has).
+	slots float64
+}
+
+// kindPool is the pool of the upstreams of one geometry.
+type kindPool struct {
+	geometry float64
+	pool
+}
+
+// maxKinds is how many kinds of engine a Fleet tells apart; the upstreams of any further geometry
+// borrow from the whole pool.
+const maxKinds = 4
+
+// add counts s into p, weighted by its samples.
+func (p *pool) add(s Service) {
+	p.slots = max(p.slots, s.Slots)
+	if r := s.busyRatio(); r > 0 {
+		w := float64(min(s.BusyIntervals, trustedBusy))
+		p.ratioWeight += w
+		p.logRatio += w * math.Log(r)
+	}
+	w := float64(min(s.Samples, trustedSamples))
+	if w == 0 {
+		return
+	}
+	p.weight += w
+	p.overhead += w * s.Overhead
+	p.prefill += w * s.PrefillSecondsPerToken
+	p.token += w * s.TokenSeconds
+	p.meanDuration += w * s.MeanDuration
+}
+
+// kind returns the pool of geometry's upstreams, where the fleet holds more than one kind; nil otherwise,
+// for an unknown geometry (0) and for one past maxKinds.
+func (f *Fleet) kind(geometry float64) *pool {
+	if i := f.findKind(geometry); i >= 0 && f.nKinds >= 2 {
+		return &f.kinds[i].pool
+	}
+	return nil
+}
+
+// findKind returns the index in f.kinds of geometry's kind; -1 when there is none.
+func (f *Fleet) findKind(geometry float64) int {
+	if geometry > 0 {
+		for i := range f.kinds[:f.nKinds] {
+			if sameGeometry(f.kinds[i].geometry, geometry) {
+				return i
+			}
+		}
+	}
+	return -1
 }
 
 // minStepPairs is how many scrape pairs an upstream's work needs to be compared: its noise is measured
@@ -831,28 +891,23 @@ const trustedBusy = 16
 // trustedSamples is how many observations make an upstream's own estimate fully trusted.
 const trustedSamples = 16
 
-// Add counts s into the fleet's estimate, weighted by its samples.
-func (f *Fleet) Add(s Service) {
-	f.slots = max(f.slots, s.Slots)
+// Add counts s, an upstream of the given KV cache geometry (Geometry; 0: unknown), into the fleet's
+// estimate and its kind's, weighted by its samples.
+func (f *Fleet) Add(s Service, geometry float64) {
 	if s.steps.n >= minStepPairs && f.nSteps < len(f.steps) {
 		f.steps[f.nSteps].work, f.steps[f.nSteps].samples = s.steps, s.Samples
 		f.nSteps++
 		f.stepReady = false
 	}
-	if r := s.busyRatio(); r > 0 {
-		w := float64(min(s.BusyIntervals, trustedBusy))
-		f.ratioWeight += w
-		f.logRatio += w * math.Log(r)
+	f.pool.add(s)
+	i := f.findKind(geometry)
+	if i < 0 && geometry > 0 && f.nKinds < maxKinds {
+		i, f.nKinds = f.nKinds, f.nKinds+1
+		f.kinds[i] = kindPool{geometry: geometry}
 	}
-	w := float64(min(s.Samples, trustedSamples))
-	if w == 0 {
-		return
+	if i >= 0 {
+		f.kinds[i].add(s)
 	}
-	f.weight += w
-	f.overhead += w * s.Overhead
-	f.prefill += w * s.PrefillSecondsPerToken
-	f.token += w * s.TokenSeconds
-	f.meanDuration += w * s.MeanDuration
 }
 
 // Align prices alike backends alike. The prefill speeds, decode step times and overheads of the
@@ -897,7 +952,7 @@ func (f *Fleet) Align(cands []Candidate) {
 		if alignable(&cands[i]) {
 			factor = f.stepFactor(cands[i].Service)
 		}
-		factors, geos = append(factors, factor), append(geos, geometry(&cands[i]))
+		factors, geos = append(factors, factor), append(geos, Geometry(&cands[i]))
 	}
 	for i := range cands {
 		if factors[i] == 0 {
@@ -942,9 +997,10 @@ func alignable(c *Candidate) bool {
 	return s.steps.n >= minStepPairs && s.PrefillSecondsPerToken > 0 && s.TokenSeconds > 0 && c.KVCapacity > 0
 }
 
-// geometry is c's KV cache in the backend's own tokens (blocks x block size, as scraped): KVCapacity is
-// in the prompt counts' tokens, divided by the token scale each upstream learns with its own noise.
-func geometry(c *Candidate) float64 {
+// Geometry is c's KV cache in the backend's own tokens (blocks x block size, as scraped; 0: unknown):
+// KVCapacity is in the prompt counts' tokens, divided by the token scale each upstream learns with its
+// own noise. Upstreams of one geometry are one kind of engine (Fleet.Align, Fleet.Blend).
+func Geometry(c *Candidate) float64 {
 	if c.TokenScale > 0 {
 		return c.KVCapacity * c.TokenScale
 	}
@@ -986,23 +1042,37 @@ const minOverhead = 1e-6
 // while another upstream had already learned that these backends run 8 at once. A pool of unlike
 // backends borrows a count that may be too small for some; the first scrape showing one running more
 // than it disproves it there.
-func (f *Fleet) Blend(s Service) Service {
-	if s.Slots == 0 && f.slots > 0 && s.Ceiling <= f.slots {
-		s.Slots = f.slots
+//
+// In a pool of more than one kind of engine (KV cache geometries, Geometry; 0: unknown, which borrows
+// from all), an upstream borrows from its own kind only, nothing where its kind has nothing to lend,
+// and unscaled: the fleet's steps compare unlike engines, whose prefill and decode may differ in opposite
+// directions. Pooled over both kinds, the busy intervals' ratio of the large engines (8k prefill tokens/s
+// against 30 ms steps) priced the small ones' prefill (3.3k against 18 ms) at 1.7-1.8x its speed (the
+// bench's mixed-pool, multi-turn-think: 41-44k tokens/s of wall time against 25k, their own fits 29-35k
+// from 8 intervals each); by their kind alone, 26k.
+func (f *Fleet) Blend(s Service, geometry float64) Service {
+	p, rel := &f.pool, 0.0 // rel 0: stepFactor's, once needed
+	if k := f.kind(geometry); k != nil {
+		p, rel = k, 1 // its kind's, as they are: the fleet's steps compare unlike engines
 	}
-	if f.ratioWeight > 0 && s.scaledPrefill > 0 && (s.BusyIntervals < trustedBusy || !s.fromBusy) {
+	if s.Slots == 0 && p.slots > 0 && s.Ceiling <= p.slots {
+		s.Slots = p.slots
+	}
+	if p.ratioWeight > 0 && s.scaledPrefill > 0 && (s.BusyIntervals < trustedBusy || !s.fromBusy) {
 		own := 0.0
 		if s.fromBusy {
 			own = float64(s.BusyIntervals) / trustedBusy
 		}
-		pooled := s.scaledPrefill * math.Exp(f.logRatio/f.ratioWeight)
+		pooled := s.scaledPrefill * math.Exp(p.logRatio/p.ratioWeight)
 		s.PrefillSecondsPerToken = own*s.PrefillSecondsPerToken + (1-own)*pooled
 	}
 	if s.Samples >= trustedSamples {
 		return s
 	}
-	rel := f.stepFactor(s) // how much slower than the fleet its steps ran, as far as that stands out
-	if f.weight == 0 {
+	if rel == 0 {
+		rel = f.stepFactor(s) // how much slower than the fleet its steps ran, as far as that stands out
+	}
+	if p.weight == 0 {
 		if s.Samples == 0 { // the prior, or what is pooled of busy intervals: nobody has measured more
 			s = s.Slower(rel)
 			s.MeanDuration *= rel
@@ -1011,7 +1081,7 @@ func (f *Fleet) Blend(s Service) Service {
 	}
 	own := float64(s.Samples) / trustedSamples
 	fleet := 1 - own
-	fo, fp, ft, fm := f.overhead/f.weight, f.prefill/f.weight, f.token/f.weight, f.meanDuration/f.weight
+	fo, fp, ft, fm := p.overhead/p.weight, p.prefill/p.weight, p.token/p.weight, p.meanDuration/p.weight
 	if s.Samples == 0 {
 		fo, fp, ft, fm = min(fo, s.Overhead), min(fp, s.PrefillSecondsPerToken), min(ft, s.TokenSeconds), min(fm, s.MeanDuration)
 	}

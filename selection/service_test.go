@@ -229,18 +229,18 @@ func TestServiceModelIgnoresOutliers(t *testing.T) {
 func TestFleetBlend(t *testing.T) {
 	measured := Service{Overhead: 0.01, PrefillSecondsPerToken: 1e-4, TokenSeconds: 0.01, MeanDuration: 1, Samples: 40}
 	var f Fleet
-	f.Add(measured)
-	f.Add(Prior) // the prior has no samples: it does not count
-	if got := f.Blend(Prior); got.PrefillSecondsPerToken != measured.PrefillSecondsPerToken || got.TokenSeconds != measured.TokenSeconds {
+	f.Add(measured, 0)
+	f.Add(Prior, 0) // the prior has no samples: it does not count
+	if got := f.Blend(Prior, 0); got.PrefillSecondsPerToken != measured.PrefillSecondsPerToken || got.TokenSeconds != measured.TokenSeconds {
 		t.Errorf("unmeasured upstream blended to %+v, want the fleet's %+v", got, measured)
 	}
 	own := Service{Overhead: 0.05, PrefillSecondsPerToken: 5e-4, TokenSeconds: 0.05, MeanDuration: 5, Samples: trustedSamples}
-	if got := f.Blend(own); got != own {
+	if got := f.Blend(own, 0); got != own {
 		t.Errorf("measured upstream blended to %+v, want its own %+v", got, own)
 	}
 	half := own
 	half.Samples = trustedSamples / 2
-	if got := f.Blend(half); !within(got.PrefillSecondsPerToken, 3e-4, 1e-9) {
+	if got := f.Blend(half, 0); !within(got.PrefillSecondsPerToken, 3e-4, 1e-9) {
 		t.Errorf("half-measured upstream: prefill %g s/token, want the mean 3e-4", got.PrefillSecondsPerToken)
 	}
 }
@@ -255,24 +255,24 @@ func TestFleetBlendBorrowsNoCongestion(t *testing.T) {
 		congested.ObserveEnd(1000, 100, 0, 10*(Prior.TTFT(1000)+100*Prior.TokenSeconds))
 	}
 	var f Fleet
-	f.Add(congested.Service())
+	f.Add(congested.Service(), 0)
 	if got := congested.Service().TokenSeconds / Prior.TokenSeconds; got < 5 {
 		t.Fatalf("congested upstream learned %.1fx the prior's time per token, want about 10x", got)
 	}
-	if got := f.Blend(Prior); got.Overhead != Prior.Overhead || got.PrefillSecondsPerToken != Prior.PrefillSecondsPerToken ||
+	if got := f.Blend(Prior, 0); got.Overhead != Prior.Overhead || got.PrefillSecondsPerToken != Prior.PrefillSecondsPerToken ||
 		got.TokenSeconds != Prior.TokenSeconds || got.MeanDuration != Prior.MeanDuration {
 		t.Errorf("unmeasured upstream blended to %+v, want its prior %+v", got, Prior)
 	}
 	fast := Service{Overhead: Prior.Overhead / 2, PrefillSecondsPerToken: Prior.PrefillSecondsPerToken / 2,
 		TokenSeconds: Prior.TokenSeconds / 2, MeanDuration: Prior.MeanDuration / 2, Samples: trustedSamples}
 	var g Fleet
-	g.Add(fast)
-	if got := g.Blend(Prior); got.TokenSeconds != fast.TokenSeconds || got.PrefillSecondsPerToken != fast.PrefillSecondsPerToken {
+	g.Add(fast, 0)
+	if got := g.Blend(Prior, 0); got.TokenSeconds != fast.TokenSeconds || got.PrefillSecondsPerToken != fast.PrefillSecondsPerToken {
 		t.Errorf("unmeasured upstream in a 2x faster fleet blended to %+v, want the fleet's %+v", got, fast)
 	}
 	once := Prior
 	once.Samples = 1
-	if got := f.Blend(once); !(got.TokenSeconds > Prior.TokenSeconds) {
+	if got := f.Blend(once, 0); !(got.TokenSeconds > Prior.TokenSeconds) {
 		t.Errorf("upstream with one sample in a slower fleet blended to %g s/token, want slower than its own %g", got.TokenSeconds, Prior.TokenSeconds)
 	}
 }
@@ -288,29 +288,29 @@ func TestFleetBlendBorrowsSlots(t *testing.T) {
 		t.Fatalf("learned slots %v, ceiling %v, want 8 and 8", s.Slots, s.Ceiling)
 	}
 	var f Fleet
-	f.Add(learned.Service())
-	f.Add(Prior)
+	f.Add(learned.Service(), 0)
+	f.Add(Prior, 0)
 
 	burst := NewServiceModel(Prior) // seen running 8 once with others waiting: not yet proof
 	burst.ObserveQueue(8, 6, 0.3)
-	if got := f.Blend(burst.Service()).Slots; got != 8 {
+	if got := f.Blend(burst.Service(), 0).Slots; got != 8 {
 		t.Errorf("upstream not yet sure of its slots, fleet's 8: blended to %v slots, want 8", got)
 	}
-	if got := f.Blend(Prior).Slots; got != 8 {
+	if got := f.Blend(Prior, 0).Slots; got != 8 {
 		t.Errorf("upstream never scraped: blended to %v slots, want the fleet's 8", got)
 	}
 	bigger := NewServiceModel(Prior)
 	bigger.ObserveQueue(12, 0, 0.3)
-	if got := f.Blend(bigger.Service()).Slots; got != 0 {
+	if got := f.Blend(bigger.Service(), 0).Slots; got != 0 {
 		t.Errorf("upstream seen running 12: blended to %v slots, want 0 (8 is disproved there)", got)
 	}
 	own := Service{Slots: 4, Ceiling: 4}
-	if got := f.Blend(own).Slots; got != 4 {
+	if got := f.Blend(own, 0).Slots; got != 4 {
 		t.Errorf("upstream that learned 4 slots: blended to %v, want its own 4", got)
 	}
 	var none Fleet
-	none.Add(burst.Service())
-	if got := none.Blend(Prior).Slots; got != 0 {
+	none.Add(burst.Service(), 0)
+	if got := none.Blend(Prior, 0).Slots; got != 0 {
 		t.Errorf("no upstream knows its slots: blended to %v, want 0 (unknown)", got)
 	}
 }
@@ -335,20 +335,88 @@ func TestFleetPoolsBusyPrefill(t *testing.T) {
 	}
 	var f Fleet
 	for _, m := range []*ServiceModel{measured, slow} {
-		f.Add(m.Service())
+		f.Add(m.Service(), 0)
 	}
 	ratio := measured.Service().PrefillSecondsPerToken / Prior.PrefillSecondsPerToken
 	if !within(ratio, 4, 0.2) {
 		t.Fatalf("measured upstream's prefill %.1fx the prior's, want about 4x", ratio)
 	}
 	s := slow.Service()
-	if got, want := f.Blend(s).PrefillSecondsPerToken, s.PrefillSecondsPerToken*ratio; !within(got, want, 0.05) {
+	if got, want := f.Blend(s, 0).PrefillSecondsPerToken, s.PrefillSecondsPerToken*ratio; !within(got, want, 0.05) {
 		t.Errorf("upstream 3x slower with no busy intervals: prefill %g s/token, want %g (its scaled prior x the fleet's ratio)", got, want)
 	}
 	own := NewServiceModel(Prior)
 	busy(own, trustedBusy)
-	if s := own.Service(); f.Blend(s).PrefillSecondsPerToken != s.PrefillSecondsPerToken {
-		t.Errorf("upstream with %d busy intervals blended to %g, want its own %g", trustedBusy, f.Blend(s).PrefillSecondsPerToken, s.PrefillSecondsPerToken)
+	if s := own.Service(); f.Blend(s, 0).PrefillSecondsPerToken != s.PrefillSecondsPerToken {
+		t.Errorf("upstream with %d busy intervals blended to %g, want its own %g", trustedBusy, f.Blend(s, 0).PrefillSecondsPerToken, s.PrefillSecondsPerToken)
+	}
+}
+
+// TestFleetBlendKinds: in a pool of two kinds of engine (KV cache geometries), an upstream borrows the
+// busy intervals' prefill ratio, the slot count and the measured estimates of its own kind only, and
+// nothing where its kind has none to lend; with one kind, and any number of upstreams of unknown
+// geometry, it borrows from the whole pool exactly as without geometries (the matrix's regimes).
+func TestFleetBlendKinds(t *testing.T) {
+	const small, large = 32768, 262144 // backend tokens: 2048 and 16384 blocks of 16
+	busyAt := func(perToken float64) Service {
+		m := NewServiceModel(Prior)
+		for i := range 8 {
+			steps := 20 + float64(i%5)*10
+			uncached := 1000 + float64(i%3)*1500
+			m.ObserveBusy(steps*0.03+uncached*perToken, uncached, steps, 0)
+		}
+		return m.Service()
+	}
+	slotsAt := func(n float64) Service {
+		m := NewServiceModel(Prior)
+		for range minAtCeiling {
+			m.ObserveQueue(n, 4, 0.3)
+		}
+		return m.Service()
+	}
+	slowSmall, fastLarge := busyAt(4.0/8000), busyAt(0.5/8000)
+	var f Fleet
+	f.Add(slowSmall, small)
+	f.Add(fastLarge, large)
+	f.Add(slotsAt(256), large)
+	fresh := NewServiceModel(Prior).Service() // nothing learned: its speed-scaled prior is the prior
+	f.Add(fresh, 3*small)
+	for _, c := range []struct {
+		name     string
+		geometry float64
+		slots    float64
+		ratio    float64 // of the prefill's to Prior's, about
+	}{
+		{"small", small, 0, 4}, // its kind's ratio; no slots known in its kind: none borrowed
+		{"large", large, 256, 0.5},
+		{"unknown geometry", 0, 256, 1.4}, // the whole pool's: the geometric mean of 4 and 0.5
+		{"a third kind", 3 * small, 0, 1}, // its kind has nothing to lend: its own
+	} {
+		got := f.Blend(fresh, c.geometry)
+		if r := got.PrefillSecondsPerToken / Prior.PrefillSecondsPerToken; !within(r, c.ratio, 0.1) {
+			t.Errorf("%s: prefill %.2fx the prior's, want about %.2fx", c.name, r, c.ratio)
+		}
+		if got.Slots != c.slots {
+			t.Errorf("%s: %v slots, want %v", c.name, got.Slots, c.slots)
+		}
+	}
+
+	// One kind: the same as no geometries at all.
+	var one, none Fleet
+	for _, s := range []Service{slowSmall, fastLarge, slotsAt(8)} {
+		one.Add(s, large)
+		none.Add(s, 0)
+	}
+	for _, s := range []Service{fresh, busyAt(2.0 / 8000)} { // not scraped yet
+		one.Add(s, 0)
+		none.Add(s, 0)
+	}
+	for _, s := range []Service{fresh, slowSmall, slotsAt(8)} {
+		for _, g := range []float64{large, 0} {
+			if a, b := one.Blend(s, g), none.Blend(s, 0); a != b {
+				t.Errorf("one kind, geometry %v: blended to %+v, want %+v as without geometries", g, a, b)
+			}
+		}
 	}
 }
 
@@ -511,8 +579,8 @@ func TestServiceModelFirstBusyIntervalCounts(t *testing.T) {
 			s.BusyIntervals, 1/s.PrefillSecondsPerToken, 1/Prior.PrefillSecondsPerToken)
 	}
 	var f Fleet
-	f.Add(s)
-	if got := f.Blend(NewServiceModel(Prior).Service()).PrefillSecondsPerToken; got < 1.1*Prior.PrefillSecondsPerToken {
+	f.Add(s, 0)
+	if got := f.Blend(NewServiceModel(Prior).Service(), 0).PrefillSecondsPerToken; got < 1.1*Prior.PrefillSecondsPerToken {
 		t.Errorf("an unmeasured upstream beside it: %.0f tokens/s, want the fleet's slower speed", 1/got)
 	}
 }
@@ -570,9 +638,9 @@ func TestFleetBlendScalesBySteps(t *testing.T) {
 		}
 		var fl Fleet
 		for _, m := range models {
-			fl.Add(m.Service())
+			fl.Add(m.Service(), 0)
 		}
-		fast, slow := fl.Blend(models[0].Service()), fl.Blend(models[3].Service())
+		fast, slow := fl.Blend(models[0].Service(), 0), fl.Blend(models[3].Service(), 0)
 		if r := slow.TTFT(1000) / fast.TTFT(1000); math.Abs(r/c.slowest-1) > 0.25 {
 			t.Errorf("%s: the fourth's first token priced %.2fx the others', want about %gx", c.name, r, c.slowest)
 		}
@@ -718,12 +786,12 @@ func TestServiceModelBusyFitOutsideBand(t *testing.T) {
 		good.ObserveBusy(60*0.030+500*2*Prior.PrefillSecondsPerToken, 500, 60, 0)
 	}
 	var f Fleet
-	f.Add(s)
-	f.Add(good.Service())
+	f.Add(s, 0)
+	f.Add(good.Service(), 0)
 	if got, want := math.Exp(f.logRatio/f.ratioWeight), good.Service().busyRatio(); math.Abs(got/want-1) > 1e-9 {
 		t.Errorf("the fleet pools a ratio of %v, want the good upstream's alone, %v", got, want)
 	}
-	if got := f.Blend(s).PrefillSecondsPerToken; got <= Prior.PrefillSecondsPerToken {
+	if got := f.Blend(s, 0).PrefillSecondsPerToken; got <= Prior.PrefillSecondsPerToken {
 		t.Errorf("the bad upstream blended to %v s/token, want slower than the prior's %v, as the good one shows", got, Prior.PrefillSecondsPerToken)
 	}
 }
@@ -842,11 +910,11 @@ func TestFleetAlign(t *testing.T) {
 		}
 		var fl Fleet
 		for _, m := range models {
-			fl.Add(m.Service())
+			fl.Add(m.Service(), 0)
 		}
 		cands := make([]Candidate, 4)
 		for i, m := range models {
-			cands[i].Service = fl.Blend(m.Service())
+			cands[i].Service = fl.Blend(m.Service(), 0)
 			cands[i].KVCapacity = 32768 // one cache geometry: alike hardware, the fourth maybe slower
 		}
 		spread := func(n int) float64 { // the widest ratio of first-token prices among the first n
@@ -895,7 +963,7 @@ func TestFleetAlign(t *testing.T) {
 	var fl Fleet
 	cands := []Candidate{{Service: unscraped(1)}, {Service: unscraped(1)}, {Service: unscraped(3)}}
 	for _, c := range cands {
-		fl.Add(c.Service)
+		fl.Add(c.Service, 0)
 	}
 	want := []Service{cands[0].Service, cands[1].Service, cands[2].Service}
 	fl.Align(cands)
@@ -936,11 +1004,11 @@ func TestFleetAlignKinds(t *testing.T) {
 				uncached := 400 * rng.Float64()
 				models[i].ObserveSteps(uncached*perToken+16*step, uncached, 16)
 			}
-			fl.Add(models[i].Service())
+			fl.Add(models[i].Service(), 0)
 		}
 		cands := make([]Candidate, 4)
 		for i, m := range models {
-			cands[i] = Candidate{Service: fl.Blend(m.Service()), KVCapacity: geometry[i], TokenScale: 1 + 0.01*float64(i)}
+			cands[i] = Candidate{Service: fl.Blend(m.Service(), 0), KVCapacity: geometry[i], TokenScale: 1 + 0.01*float64(i)}
 			cands[i].KVCapacity /= cands[i].TokenScale // in the prompt counts' tokens, as the scrape divides it
 		}
 		own := make([]Service, 4)
