@@ -1039,9 +1039,9 @@ const minOverhead = 1e-6
 // with requests waiting at the same batch size, and until then its slots were taken as unlimited. A burst
 // on the upstream holding a hot prefix was then predicted to wait nothing behind a full batch (small
 // batch regime, 8 slots: 20 requests in flight, first tokens predicted in 0.1 s, answered in 1.5-4 s),
-// while another upstream had already learned that these backends run 8 at once. A pool of unlike
-// backends borrows a count that may be too small for some; the first scrape showing one running more
-// than it disproves it there.
+// while another upstream had already learned that these backends run 8 at once. Backends of one kind
+// may still run different slot counts, and one may borrow a count too small for it; the first scrape
+// showing it running more than that disproves it there.
 //
 // In a pool of more than one kind of engine (KV cache geometries, Geometry; 0: unknown, which borrows
 // from all), an upstream borrows from its own kind only, nothing where its kind has nothing to lend,
