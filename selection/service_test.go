@@ -315,20 +315,23 @@ func TestFleetBlendBorrowsSlots(t *testing.T) {
 	}
 }
 
+// observeBusy gives m n busy intervals of varied mixes (20-60 steps, 1,000-4,000 prompt tokens) on a
+// backend whose steps take the prior's 30 ms and whose prefill takes perToken seconds a token.
+func observeBusy(m *ServiceModel, perToken float64, n int) {
+	for i := range n {
+		steps := 20 + float64(i%5)*10
+		uncached := 1000 + float64(i%3)*1500
+		m.ObserveBusy(steps*0.03+uncached*perToken, uncached, steps, 0)
+	}
+}
+
 // TestFleetPoolsBusyPrefill: one upstream's busy intervals show its kind of backend prefills 4x slower
 // than the prior; an upstream with none takes that ratio on its own speed-scaled prior (one 3x slower
 // overall ends 12x slower to prefill), and one with trustedBusy intervals of its own keeps its figure.
 func TestFleetPoolsBusyPrefill(t *testing.T) {
 	const perToken = 4 * 1.0 / 8000
-	busy := func(m *ServiceModel, n int) {
-		for i := range n {
-			steps := 20 + float64(i%5)*10
-			uncached := 1000 + float64(i%3)*1500
-			m.ObserveBusy(steps*0.03+uncached*perToken, uncached, steps, 0)
-		}
-	}
 	measured := NewServiceModel(Prior)
-	busy(measured, 8)
+	observeBusy(measured, perToken, 8)
 	slow := NewServiceModel(Prior)
 	for range 30 { // every request takes 3x the prior's time
 		slow.ObserveEnd(1000, 100, 0, 3*Prior.TTFT(1000)+3*100*Prior.TokenSeconds)
@@ -346,7 +349,7 @@ func TestFleetPoolsBusyPrefill(t *testing.T) {
 		t.Errorf("upstream 3x slower with no busy intervals: prefill %g s/token, want %g (its scaled prior x the fleet's ratio)", got, want)
 	}
 	own := NewServiceModel(Prior)
-	busy(own, trustedBusy)
+	observeBusy(own, perToken, trustedBusy)
 	if s := own.Service(); f.Blend(s, 0).PrefillSecondsPerToken != s.PrefillSecondsPerToken {
 		t.Errorf("upstream with %d busy intervals blended to %g, want its own %g", trustedBusy, f.Blend(s, 0).PrefillSecondsPerToken, s.PrefillSecondsPerToken)
 	}
@@ -360,11 +363,7 @@ func TestFleetBlendKinds(t *testing.T) {
 	const small, large = 32768, 262144 // backend tokens: 2048 and 16384 blocks of 16
 	busyAt := func(perToken float64) Service {
 		m := NewServiceModel(Prior)
-		for i := range 8 {
-			steps := 20 + float64(i%5)*10
-			uncached := 1000 + float64(i%3)*1500
-			m.ObserveBusy(steps*0.03+uncached*perToken, uncached, steps, 0)
-		}
+		observeBusy(m, perToken, 8)
 		return m.Service()
 	}
 	slotsAt := func(n float64) Service {
