@@ -924,15 +924,15 @@ func (f *Fleet) Add(s Service, geometry float64) {
 // one seed in six, docs/bench/align). A backend that is slower stands out of the noise within a few
 // scrapes (hetero's 3x slower one: 2.7x with errors of 2-3%) and stays that much slower.
 //
-// Alike means the same KV cache geometry (blocks x block size, in the backend's own tokens, as scraped):
-// the same hardware and engine settings, which may still differ in speed (a GPU that is slower in
-// everything, which the one factor carries). Backends of another geometry are another kind of engine,
-// whose prefill and decode may differ in opposite directions, which one factor cannot carry: in a pool
-// of small engines (max_num_seqs 16, no chunked prefill, 3.3k prefill tokens/s, 18 ms decode steps) and
-// large ones (256, chunked, 8k tokens/s, 30 ms), aligned together, the small ones' faster steps priced
-// their prefill faster than the large ones' (the bench's mixed-pool, beyond the matrix: own estimates 23-39k against 69-110k
-// tokens/s, priced 45-58k against 34-44k; multi-turn-think p99 1.6x header's). Each geometry is aligned
-// within itself.
+// Alike means the same KV cache geometry (blocks x block size, in the backend's own tokens, as scraped;
+// within geometryTolerance): the same hardware and engine settings, which may still differ in speed (a
+// GPU that is slower in everything, which the one factor carries). Backends of another geometry are
+// another kind of engine, whose prefill and decode may differ in opposite directions, which one factor
+// cannot carry: in a pool of small engines (max_num_seqs 16, no chunked prefill, 3.3k prefill tokens/s,
+// 18 ms decode steps) and large ones (256, chunked, 8k tokens/s, 30 ms), aligned together, the small
+// ones' faster steps priced their prefill faster than the large ones' (the bench's mixed-pool, beyond
+// the matrix: own estimates 23-39k against 69-110k tokens/s, priced 45-58k against 34-44k;
+// multi-turn-think p99 1.6x header's). Each geometry is aligned within itself.
 //
 // Candidates without that measure (not scraped yet, metrics off, a backend without vLLM's counters), with
 // no fresh cache geometry, or alone of their geometry keep their own estimates: nothing else compares them
@@ -1007,10 +1007,18 @@ func Geometry(c *Candidate) float64 {
 	return c.KVCapacity
 }
 
-// sameGeometry reports whether two geometries are the same, but for rounding.
+// sameGeometry reports whether two geometries are one kind of engine's: within geometryTolerance of each
+// other.
 func sameGeometry(a, b float64) bool {
-	return math.Abs(a-b) <= 1e-6*max(a, b)
+	return math.Abs(a-b) <= geometryTolerance*max(a, b)
 }
+
+// geometryTolerance is how far apart two KV caches may be and still be one kind of engine. Alike GPUs
+// with alike settings report the same block count, or nearly: vLLM sizes the cache from the memory free
+// when it profiles, and gpu_memory_utilization 0.90 against 0.92 moves it a few percent. Told apart
+// exactly, four such backends with four block counts were four kinds, each alone of its kind, aligned
+// with none and borrowing from none. Another kind of engine differs by far more (mixed-pool: 8x).
+const geometryTolerance = 0.1
 
 // minOverhead stands for an overhead of nothing in Align's geometric mean.
 const minOverhead = 1e-6

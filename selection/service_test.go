@@ -377,7 +377,7 @@ func TestFleetBlendKinds(t *testing.T) {
 	var f Fleet
 	f.Add(slowSmall, small)
 	f.Add(fastLarge, large)
-	f.Add(slotsAt(256), large)
+	f.Add(slotsAt(256), 0.97*large)           // a cache a few percent smaller: the same kind
 	fresh := NewServiceModel(Prior).Service() // nothing learned: its speed-scaled prior is the prior
 	f.Add(fresh, 3*small)
 	for _, c := range []struct {
@@ -1035,6 +1035,14 @@ func TestFleetAlignKinds(t *testing.T) {
 		a, b := cands[pair[0]].Service.PrefillSecondsPerToken, cands[pair[1]].Service.PrefillSecondsPerToken
 		if r := max(a, b) / min(a, b); r > 1.05 {
 			t.Errorf("engines %v of one kind priced %.3fx apart to prefill, want alike", pair, r)
+		}
+	}
+	// Caches a few percent apart (gpu_memory_utilization 0.90 against 0.92) are one kind: aligned alike.
+	near := build([4]float64{small, large, 1.03 * small, 0.97 * large})
+	for _, pair := range [][2]int{{0, 2}, {1, 3}} {
+		a, b := near[pair[0]].Service, near[pair[1]].Service
+		if a.PrefillSecondsPerToken/b.PrefillSecondsPerToken != cands[pair[0]].Service.PrefillSecondsPerToken/cands[pair[1]].Service.PrefillSecondsPerToken {
+			t.Errorf("engines %v, caches 3%% apart: priced %+v and %+v, want aligned as with one cache size", pair, a, b)
 		}
 	}
 	// Without a fresh geometry, candidate 3 keeps its own estimate; 1 is then alone of its kind too.
