@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/cespare/xxhash/v2"
@@ -34,6 +35,8 @@ type decider struct {
 	// capacities weigh the tenant chains (with availability); nil: all 1.
 	capacities map[string]float64
 	demand     *prefixDemand
+	// unlikeNoted is set once the log has said that the pool holds several kinds of engine (noteUnlike).
+	unlikeNoted atomic.Bool
 }
 
 // query is one decision's input, shared by the signals.
@@ -84,6 +87,10 @@ type query struct {
 	headAt int
 	// adapter is set by the LoRA signal when the request's model is a LoRA adapter on some candidate.
 	adapter bool
+	// kinds is how many kinds of engine the candidates are by their KV cache geometry (selection.Fleet.Kinds)
+	// and observed whether any of them has had first tokens observed (transport llm), set by loadSignal.
+	kinds    int
+	observed bool
 	// priced is the request as choose priced it, for the decision's debug log (pricedCandidates).
 	priced selection.Request
 }
@@ -197,6 +204,14 @@ func (d *decider) decide(q *query, keys []string, cands []selection.Candidate, s
 	return selection.Choose(cands, req, d.cfg, randIntN, scratch)
 }
 
+// noteUnlike reports, once per decider, whether the decision q just made saw several kinds of engine
+// (KV cache geometries) among its candidates with no first token observed on any: a pool of unlike
+// engines behind a bare lb_policy llm, which prices each by what its own kind measured but sees no
+// first token to learn each one's time to a first token from (README: Fleets beyond the matrix).
+func (d *decider) noteUnlike(q *query) bool {
+	return q.kinds > 1 && !q.observed && !d.unlikeNoted.Load() && d.unlikeNoted.CompareAndSwap(false, true)
+}
+
 // commit records the choice of dial: the route table learns the request's prefixes there, the
 // conversation is pinned there, and the request's work is reserved on it.
 func (d *decider) commit(q *query, dial string, dec selection.Decision) *reservation {
@@ -289,7 +304,9 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 		q.overdue, q.full, q.settled = append(q.overdue, v.overdue), append(q.full, v.full), append(q.settled, v.settled)
 		q.open, q.entries = append(q.open, v.open), append(q.entries, v.load)
 		fleet.Add(v.service, selection.Geometry(&cands[i]))
+		q.observed = q.observed || v.service.FirstTokens > 0
 	}
+	q.kinds = fleet.Kinds()
 	knownArrivals(cands)
 	// An upstream whose requests in flight overran their predicted durations by more than the others'
 	// did is that much slower than its estimate now (a backend slower than the fleet it borrowed from, or

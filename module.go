@@ -433,6 +433,11 @@ func (s *LLMSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, w
 	q.retry = len(lr.tried) > 0
 	sc.cands = slices.Grow(sc.cands[:0], len(sc.keys))[:len(sc.keys)]
 	d := s.decider.choose(q, sc.keys, sc.cands, sc.floats[:0])
+	if s.decider.noteUnlike(q) {
+		s.logger.Info("upstreams of several kinds of engine in one pool; each is priced by what its own kind measured",
+			zap.Int("kinds", q.kinds),
+			zap.String("hint", "their KV caches differ in size (other GPUs, max_num_seqs or engine settings); a bare lb_policy llm sees no first token to learn each one's own time to a first token from: add `transport llm` to the reverse_proxy (README: Observing responses)"))
+	}
 	if storedThere {
 		d.Reason = selection.ReasonConversation
 	}

@@ -20,8 +20,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddytest"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/tokenrouter/caddy-llm/bench/vllmsim"
 	"github.com/tokenrouter/caddy-llm/scraper"
@@ -1060,4 +1064,57 @@ func scrapedPair(t *testing.T, a, b string, metrics ...string) *caddytest.Tester
 }
 `, site, a, b, strings.Join(metrics, "\n\t\t\t\t")), "caddyfile")
 	return tester
+}
+
+// TestUnlikeEnginesNoted: a pool whose scraped KV caches say it holds two kinds of engine, with no first
+// token observed on any (a bare lb_policy llm), is said once in the log at info level, with the number
+// of kinds and where to look; a pool of one kind, its caches a few percent apart, is not.
+func TestUnlikeEnginesNoted(t *testing.T) {
+	for _, c := range []struct {
+		name   string
+		blocks [2]int
+		noted  int
+	}{
+		{"two kinds", [2]int{2048, 16384}, 1},
+		{"one kind", [2]int{16384, 16000}, 0},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			pool := make(reverseproxy.UpstreamPool, 2)
+			for i, blocks := range c.blocks {
+				_, dial := simBackend(t, vllmsim.Config{TimeScale: 1000, Seed: int64(i + 1), NumGPUBlocks: blocks})
+				pool[i] = &reverseproxy.Upstream{Host: new(reverseproxy.Host), Dial: dial}
+			}
+			s := &LLMSelection{Metrics: &MetricsConfig{Interval: caddy.Duration(20 * time.Millisecond)}}
+			ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+			t.Cleanup(cancel)
+			if err := s.Provision(ctx); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = s.Cleanup() })
+			core, logs := observer.New(zap.InfoLevel)
+			s.logger = zap.New(core)
+			s.scrapes.logger, s.scrapes.opts.Logger = zap.NewNop(), zap.NewNop()
+			awaitScrapes(t, s, pool)
+			for i := range 5 {
+				r, cancel := newProxyRequest(chatRequest20(900 + i))
+				if s.Select(pool, r, nil) == nil {
+					t.Fatal("Select returned no upstream")
+				}
+				cancel()
+			}
+			waitInflightZero(t, pool[0].Dial, pool[1].Dial)
+			noted := logs.FilterMessageSnippet("several kinds of engine").AllUntimed()
+			if len(noted) != c.noted {
+				t.Fatalf("caches of %v blocks: %d notes of several kinds of engine, want %d", c.blocks, len(noted), c.noted)
+			}
+			for _, e := range noted {
+				if k := e.ContextMap()["kinds"]; k != int64(2) {
+					t.Errorf("kinds = %v, want 2", k)
+				}
+				if h, _ := e.ContextMap()["hint"].(string); !strings.Contains(h, "transport llm") {
+					t.Errorf("hint %q does not point to transport llm", h)
+				}
+			}
+		})
+	}
 }

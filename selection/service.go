@@ -824,6 +824,10 @@ func (f *Fleet) kind(geometry float64) *pool {
 	return nil
 }
 
+// Kinds is how many kinds of engine (KV cache geometries, Geometry) the upstreams added are, of those
+// whose geometry is known; at most maxKinds.
+func (f *Fleet) Kinds() int { return f.nKinds }
+
 // findKind returns the index in f.kinds of geometry's kind; -1 when there is none.
 func (f *Fleet) findKind(geometry float64) int {
 	if geometry > 0 {
