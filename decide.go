@@ -87,10 +87,11 @@ type query struct {
 	headAt int
 	// adapter is set by the LoRA signal when the request's model is a LoRA adapter on some candidate.
 	adapter bool
-	// kinds is how many kinds of engine the candidates are by their KV cache geometry (selection.Fleet.Kinds)
-	// and observed whether any of them has had first tokens observed (transport llm), set by loadSignal.
-	kinds    int
-	observed bool
+	// kinds is how many kinds of engine the candidates are by their KV cache geometry (selection.Fleet.Kinds),
+	// observed whether any of them has had a first token observed (transport llm) and measured whether
+	// any has unlikeAfterSamples observations; set by loadSignal.
+	kinds              int
+	observed, measured bool
 	// priced is the request as choose priced it, for the decision's debug log (pricedCandidates).
 	priced selection.Request
 }
@@ -205,12 +206,19 @@ func (d *decider) decide(q *query, keys []string, cands []selection.Candidate, s
 }
 
 // noteUnlike reports, once per decider, whether the decision q just made saw several kinds of engine
-// (KV cache geometries) among its candidates with no first token observed on any: a pool of unlike
-// engines behind a bare lb_policy llm, which prices each by what its own kind measured but sees no
-// first token to learn each one's time to a first token from (README: Fleets beyond the matrix).
+// (KV cache geometries) among its candidates, one of them measured by unlikeAfterSamples observations
+// and no first token observed on any: a pool of unlike engines behind a bare lb_policy llm, which
+// prices each by what its own kind measured but sees no first token to learn each one's time to a first
+// token from (README: Fleets beyond the matrix).
 func (d *decider) noteUnlike(q *query) bool {
-	return q.kinds > 1 && !q.observed && !d.unlikeNoted.Load() && d.unlikeNoted.CompareAndSwap(false, true)
+	return q.kinds > 1 && q.measured && !q.observed && !d.unlikeNoted.Load() && d.unlikeNoted.CompareAndSwap(false, true)
 }
+
+// unlikeAfterSamples is how many observations of an upstream (ended requests, busy intervals, first
+// tokens) show that no first token is coming: behind transport llm, each request's first token comes
+// before its end, so some of them would be first tokens. Until then a pool whose scrapes came first is
+// not yet known to lack them.
+const unlikeAfterSamples = 16
 
 // commit records the choice of dial: the route table learns the request's prefixes there, the
 // conversation is pinned there, and the request's work is reserved on it.
@@ -304,7 +312,8 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 		q.overdue, q.full, q.settled = append(q.overdue, v.overdue), append(q.full, v.full), append(q.settled, v.settled)
 		q.open, q.entries = append(q.open, v.open), append(q.entries, v.load)
 		fleet.Add(v.service, selection.Geometry(&cands[i]))
-		q.observed = q.observed || v.service.FirstTokens > 0
+		q.observed = q.observed || v.service.FirstTokens+v.service.SkippedFirstTokens > 0
+		q.measured = q.measured || v.service.Samples >= unlikeAfterSamples
 	}
 	q.kinds = fleet.Kinds()
 	knownArrivals(cands)

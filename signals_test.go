@@ -1066,17 +1066,20 @@ func scrapedPair(t *testing.T, a, b string, metrics ...string) *caddytest.Tester
 	return tester
 }
 
-// TestUnlikeEnginesNoted: a pool whose scraped KV caches say it holds two kinds of engine, with no first
-// token observed on any (a bare lb_policy llm), is said once in the log at info level, with the number
-// of kinds and where to look; a pool of one kind, its caches a few percent apart, is not.
+// TestUnlikeEnginesNoted: a pool whose scraped KV caches say it holds two kinds of engine, measured by
+// ended requests with no first token observed on any (a bare lb_policy llm), is said once in the log at
+// info level, with the number of kinds and where to look; not before anything is measured, not where a
+// first token was seen, and not for a pool of one kind, its caches a few percent apart.
 func TestUnlikeEnginesNoted(t *testing.T) {
 	for _, c := range []struct {
-		name   string
-		blocks [2]int
-		noted  int
+		name        string
+		blocks      [2]int
+		firstTokens bool // seen, as behind transport llm
+		noted       int
 	}{
-		{"two kinds", [2]int{2048, 16384}, 1},
-		{"one kind", [2]int{16384, 16000}, 0},
+		{"two kinds", [2]int{2048, 16384}, false, 1},
+		{"two kinds, first tokens seen", [2]int{2048, 16384}, true, 0},
+		{"one kind", [2]int{16384, 16000}, false, 0},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			pool := make(reverseproxy.UpstreamPool, 2)
@@ -1095,6 +1098,22 @@ func TestUnlikeEnginesNoted(t *testing.T) {
 			s.logger = zap.New(core)
 			s.scrapes.logger, s.scrapes.opts.Logger = zap.NewNop(), zap.NewNop()
 			awaitScrapes(t, s, pool)
+			r, cancel := newProxyRequest(chatRequest20(899))
+			s.Select(pool, r, nil) // priced before anything is measured: too early to tell
+			cancel()
+			waitInflightZero(t, pool[0].Dial, pool[1].Dial)
+			if n := logs.FilterMessageSnippet("several kinds of engine").Len(); n != 0 {
+				t.Fatalf("noted %d times before any upstream was measured, want 0 (first tokens may be on their way)", n)
+			}
+			for _, up := range pool { // ended requests, no first token: a bare lb_policy llm
+				m := loads.entry(up.Dial, time.Now().UnixNano()).model
+				for range unlikeAfterSamples {
+					m.ObserveEnd(1000, 100, 0, 0.5)
+				}
+				if c.firstTokens {
+					m.ObserveFirstToken(1000, 0, 0, 0.2, 0)
+				}
+			}
 			for i := range 5 {
 				r, cancel := newProxyRequest(chatRequest20(900 + i))
 				if s.Select(pool, r, nil) == nil {
