@@ -793,8 +793,8 @@ type kindPool struct {
 }
 
 // maxKinds is how many kinds of engine a Fleet tells apart; the upstreams of any further geometry
-// borrow from the whole pool.
-const maxKinds = 4
+// borrow from the whole pool and are not aligned.
+const maxKinds = 16
 
 // add counts s into p, weighted by its samples.
 func (p *pool) add(s Service) {
@@ -936,33 +936,36 @@ func (f *Fleet) Add(s Service, geometry float64) {
 // 18 ms decode steps) and large ones (256, chunked, 8k tokens/s, 30 ms), aligned together, the small
 // ones' faster steps priced their prefill faster than the large ones' (the bench's mixed-pool, beyond
 // the matrix: own estimates 23-39k against 69-110k tokens/s, priced 45-58k against 34-44k;
-// multi-turn-think p99 1.6x header's). Each geometry is aligned within itself.
+// multi-turn-think p99 1.6x header's). Each kind is aligned within itself: the kinds the fleet holds
+// (Add), which Blend borrows by too.
 //
 // Candidates without that measure (not scraped yet, metrics off, a backend without vLLM's counters), with
-// no fresh cache geometry, or alone of their geometry keep their own estimates: nothing else compares them
+// no fresh cache geometry, of a geometry the fleet holds no kind for, or alone of their kind keep their
+// own estimates: nothing else compares them
 // beyond their noise, and without it a backend measured 3x slower by its responses would be priced like
 // the others. Each candidate's MeanDuration (what its requests hold a slot for, set by their output
 // lengths as much as by its speed) is its own.
 func (f *Fleet) Align(cands []Candidate) {
-	var buf [32]float64
-	// factors is each candidate's stepFactor, 0 where it is not aligned or is aligned already; geos its
-	// geometry.
-	factors, geos := buf[:0:16], buf[16:16]
-	if len(cands) > 16 {
-		factors, geos = make([]float64, 0, len(cands)), make([]float64, 0, len(cands))
+	var buf [16]float64
+	var kbuf [16]int
+	// factors is each candidate's stepFactor, 0 where it is not aligned or is aligned already; kinds its
+	// kind's index in f.kinds (findKind).
+	factors, kinds := buf[:0], kbuf[:0]
+	if len(cands) > len(buf) {
+		factors, kinds = make([]float64, 0, len(cands)), make([]int, 0, len(cands))
 	}
 	for i := range cands {
-		factor := 0.0
-		if alignable(&cands[i]) {
+		k, factor := f.findKind(Geometry(&cands[i])), 0.0
+		if k >= 0 && alignable(&cands[i]) {
 			factor = f.stepFactor(cands[i].Service)
 		}
-		factors, geos = append(factors, factor), append(geos, Geometry(&cands[i]))
+		factors, kinds = append(factors, factor), append(kinds, k)
 	}
 	for i := range cands {
 		if factors[i] == 0 {
 			continue
 		}
-		kind := func(j int) bool { return factors[j] != 0 && sameGeometry(geos[i], geos[j]) } // i's kind, not aligned yet
+		kind := func(j int) bool { return factors[j] != 0 && kinds[j] == kinds[i] } // i's kind, not aligned yet
 		var prefill, token, overhead, rel, n float64
 		for j := i; j < len(cands); j++ {
 			if !kind(j) {

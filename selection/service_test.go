@@ -3,6 +3,7 @@ package selection
 import (
 	"math"
 	"math/rand/v2"
+	"slices"
 	"testing"
 )
 
@@ -907,14 +908,15 @@ func TestFleetAlign(t *testing.T) {
 				models[i].ObserveSteps(0.2, uncached, steps)
 			}
 		}
+		const geometry = 32768 // one cache geometry: alike hardware, the fourth maybe slower
 		var fl Fleet
 		for _, m := range models {
-			fl.Add(m.Service(), 0)
+			fl.Add(m.Service(), geometry)
 		}
 		cands := make([]Candidate, 4)
 		for i, m := range models {
-			cands[i].Service = fl.Blend(m.Service(), 0)
-			cands[i].KVCapacity = 32768 // one cache geometry: alike hardware, the fourth maybe slower
+			cands[i].Service = fl.Blend(m.Service(), geometry)
+			cands[i].KVCapacity = geometry
 		}
 		spread := func(n int) float64 { // the widest ratio of first-token prices among the first n
 			lo, hi := math.Inf(1), 0.0
@@ -983,7 +985,7 @@ func TestFleetAlign(t *testing.T) {
 // prefill faster than the large ones'. A measured candidate without a fresh geometry keeps its own.
 func TestFleetAlignKinds(t *testing.T) {
 	const small, large = 16 * 2048, 16 * 16384 // KV cache tokens
-	build := func(geometry [4]float64) []Candidate {
+	build := func(geometry [4]float64) (aligned, own []Candidate) {
 		rng := rand.New(rand.NewPCG(3, 3))
 		var fl Fleet
 		models := make([]*ServiceModel, 4)
@@ -1003,24 +1005,21 @@ func TestFleetAlignKinds(t *testing.T) {
 				uncached := 400 * rng.Float64()
 				models[i].ObserveSteps(uncached*perToken+16*step, uncached, 16)
 			}
-			fl.Add(models[i].Service(), 0)
+			fl.Add(models[i].Service(), geometry[i])
 		}
 		cands := make([]Candidate, 4)
 		for i, m := range models {
-			cands[i] = Candidate{Service: fl.Blend(m.Service(), 0), KVCapacity: geometry[i], TokenScale: 1 + 0.01*float64(i)}
+			cands[i] = Candidate{Service: fl.Blend(m.Service(), geometry[i]), KVCapacity: geometry[i], TokenScale: 1 + 0.01*float64(i)}
 			cands[i].KVCapacity /= cands[i].TokenScale // in the prompt counts' tokens, as the scrape divides it
 		}
-		own := make([]Service, 4)
-		for i := range cands {
-			own[i] = cands[i].Service
-		}
-		if own[0].PrefillSecondsPerToken < 1.5*own[1].PrefillSecondsPerToken || own[0].TokenSeconds > own[1].TokenSeconds {
-			t.Fatalf("own estimates: small %+v, large %+v; want the small one slower to prefill and faster to step", own[0], own[1])
+		own = slices.Clone(cands)
+		if own[0].Service.PrefillSecondsPerToken < 1.5*own[1].Service.PrefillSecondsPerToken || own[0].Service.TokenSeconds > own[1].Service.TokenSeconds {
+			t.Fatalf("own estimates: small %+v, large %+v; want the small one slower to prefill and faster to step", own[0].Service, own[1].Service)
 		}
 		fl.Align(cands)
-		return cands
+		return cands, own
 	}
-	cands := build([4]float64{small, large, small, large})
+	cands, _ := build([4]float64{small, large, small, large})
 	for _, i := range []int{0, 2} {
 		for _, j := range []int{1, 3} {
 			if r := cands[i].Service.PrefillSecondsPerToken / cands[j].Service.PrefillSecondsPerToken; r < 1.5 {
@@ -1038,7 +1037,7 @@ func TestFleetAlignKinds(t *testing.T) {
 		}
 	}
 	// Caches a few percent apart (gpu_memory_utilization 0.90 against 0.92) are one kind: aligned alike.
-	near := build([4]float64{small, large, 1.03 * small, 0.97 * large})
+	near, _ := build([4]float64{small, large, 1.03 * small, 0.97 * large})
 	for _, pair := range [][2]int{{0, 2}, {1, 3}} {
 		a, b := near[pair[0]].Service, near[pair[1]].Service
 		if a.PrefillSecondsPerToken/b.PrefillSecondsPerToken != cands[pair[0]].Service.PrefillSecondsPerToken/cands[pair[1]].Service.PrefillSecondsPerToken {
@@ -1047,11 +1046,10 @@ func TestFleetAlignKinds(t *testing.T) {
 	}
 	// Without a fresh geometry, candidate 3 keeps its own estimate; 1 is then alone of its kind too.
 	geo := [4]float64{small, large, small, 0}
-	unaligned := build(geo)
-	ref := build([4]float64{})
+	unaligned, own := build(geo)
 	for _, i := range []int{1, 3} {
-		if unaligned[i].Service != ref[i].Service {
-			t.Errorf("candidate %d (geometry %v) aligned: %+v, want its own %+v", i, geo[i], unaligned[i].Service, ref[i].Service)
+		if unaligned[i].Service != own[i].Service {
+			t.Errorf("candidate %d (geometry %v) aligned: %+v, want its own %+v", i, geo[i], unaligned[i].Service, own[i].Service)
 		}
 	}
 }
