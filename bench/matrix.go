@@ -108,6 +108,71 @@ type Verdict struct {
 	// the stock policies move a cell's figures by 10-55%, so a median verdict that one seed of three
 	// carries is a tie, not a win or a loss.
 	SeedsPassing int `json:"seeds_passing"`
+	// P50Interval and P99Interval are 95% confidence intervals of the paired ratios' medians (paired
+	// verdicts only, from intervalSeeds seeds on; medianInterval), and Settled says what they settle:
+	// "pass" where both lie within their thresholds, "fail" where either lies wholly past its own (or llm
+	// failed a request), "tie" otherwise (a threshold inside an interval: these seeds cannot tell which
+	// side the cell is on).
+	P50Interval *Interval `json:"llm_p50_ratio_ci95,omitempty"`
+	P99Interval *Interval `json:"llm_p99_ratio_ci95,omitempty"`
+	Settled     string    `json:"settled_at_95,omitempty"`
+}
+
+// Interval is a confidence interval of a ratio.
+type Interval struct {
+	Low  float64 `json:"low"`
+	High float64 `json:"high"`
+}
+
+// String is iv as the report prints it.
+func (iv Interval) String() string { return fmt.Sprintf("%.2f-%.2f", iv.Low, iv.High) }
+
+// intervalLevel is the confidence of Verdict's intervals, and intervalSeeds the fewest seeds that give
+// one at that level (medianInterval: with 5, the widest interval, the lowest ratio to the highest, holds
+// the median with 94% confidence).
+const (
+	intervalLevel = 0.95
+	intervalSeeds = 6
+)
+
+// medianInterval is a distribution-free confidence interval of at least level for the median of the
+// population xs is a sample of: the k-th lowest and k-th highest of xs, k the largest for which the
+// chance that the median lies outside them, twice a Binomial(n, 1/2) tail, is at most 1-level (the sign
+// test's interval; it assumes independent draws, nothing of their shape). With 12 seeds it is the 3rd
+// lowest to the 3rd highest (96%), with 24 the 7th (98%). ok is false for too few values (5 or fewer at
+// 95%).
+func medianInterval(xs []float64, level float64) (iv Interval, ok bool) {
+	n := len(xs)
+	k, tail, p := 0, 0.0, math.Pow(0.5, float64(n)) // p is P(B = j) for j = k below
+	for j := 0; 2*(j+1) <= n; j++ {
+		tail += p // P(B <= j): the chance the median lies below the (j+1)-th lowest
+		if 1-2*tail < level {
+			break
+		}
+		k = j + 1
+		p *= float64(n-j) / float64(j+1)
+	}
+	if k == 0 {
+		return Interval{}, false
+	}
+	s := slices.Clone(xs)
+	slices.Sort(s)
+	return Interval{Low: round3(s[k-1]), High: round3(s[n-k])}, true
+}
+
+// settle sets what the paired intervals of v settle (Verdict.Settled), of runs in which llm failed
+// failed requests (any is a fail, as for the verdict).
+func (v *Verdict) settle(failed int) {
+	switch {
+	case failed > 0:
+		v.Settled = "fail"
+	case v.P50Interval.High <= passP50Ratio && v.P99Interval.High <= passP99Ratio:
+		v.Settled = "pass"
+	case v.P50Interval.Low > passP50Ratio || v.P99Interval.Low > passP99Ratio:
+		v.Settled = "fail"
+	default:
+		v.Settled = "tie"
+	}
 }
 
 // ttftFigures picks the TTFT p50 and p99 a verdict is on, from one run's summary or from a cell's
@@ -440,6 +505,11 @@ func (v Verdict) paired(runs []MatrixRun, f ttftFigures) Verdict {
 	p := v
 	p.P50Ratio, p.P99Ratio = round3(median(r50)), round3(median(r99))
 	p.Pass = passes(p.P50Ratio, p.P99Ratio, failed)
+	if i50, ok := medianInterval(r50, intervalLevel); ok {
+		i99, _ := medianInterval(r99, intervalLevel) // as many as r50
+		p.P50Interval, p.P99Interval = &i50, &i99
+		p.settle(failed)
+	}
 	return p
 }
 
@@ -587,8 +657,26 @@ func lateVerdict(cells []MatrixCell) string {
 }
 
 // pairedVerdict is the one-line summary of the verdicts paired by seed (empty when no cell has them).
+// It ends with what the cells' 95% intervals settle (Verdict.Settled), where the seeds give them.
 func pairedVerdict(cells []MatrixCell) string {
-	return subVerdict(cells, func(c MatrixCell) *Verdict { return c.Paired }, "paired by seed (medians of the per-seed ratios to the best stock policy)")
+	v := subVerdict(cells, func(c MatrixCell) *Verdict { return c.Paired }, "paired by seed (medians of the per-seed ratios to the best stock policy)")
+	settled := map[string][]string{}
+	n := 0
+	for _, c := range cells {
+		if c.Paired != nil && c.Paired.Settled != "" {
+			settled[c.Paired.Settled] = append(settled[c.Paired.Settled], c.Regime+"/"+c.Workload)
+			n++
+		}
+	}
+	if v == "" || n == 0 {
+		return v
+	}
+	v += fmt.Sprintf(". At %.0f%% confidence (%d cells): %d pass, %d ties, %d fail", 100*intervalLevel, n,
+		len(settled["pass"]), len(settled["tie"]), len(settled["fail"]))
+	if f := settled["fail"]; len(f) > 0 {
+		v += " (" + strings.Join(f, ", ") + ")"
+	}
+	return v
 }
 
 // subVerdict is the one-line summary of the cells' verdicts of one kind, of, said to be on what
@@ -766,16 +854,25 @@ func writePairedMarkdown(out io.Writer, mr MatrixResults) {
 		"The table above divides `llm`'s median over the seeds by the best stock policy's median, each taken on its own. "+
 			"Here each seed's figure of `llm` is divided by the same seed's figure of that stock policy (the same workload, arrivals and backends), "+
 			"and the verdict is on the medians of those ratios, with the same thresholds. Where the seeds' loads differ widely, the two medians of the table above "+
-			"can fall on different seeds and disagree with most seeds; where the two verdicts differ, read both.",
-		"regime", "workload", "paired with (p50 / p99)", "paired p50 ratio", "paired p99 ratio", "p99 ratio of medians", "seeds passing", "verdict") {
+			"can fall on different seeds and disagree with most seeds; where the two verdicts differ, read both. "+
+			fmt.Sprintf("With %d seeds or more, each paired median has a %.0f%% confidence interval (the sign test's: the k-th lowest to the k-th highest ratio, "+
+				"assuming only that the seeds are independent draws), and the last column says what they settle: "+
+				"`pass` where both intervals lie within the thresholds, `fail` where either lies wholly past its own, "+
+				"`tie` where a threshold lies inside an interval (these seeds cannot tell the cell's side; more seeds narrow it).", intervalSeeds, 100*intervalLevel),
+		"regime", "workload", "paired with (p50 / p99)", "paired p50 ratio", "paired p99 ratio", "p99 ratio of medians", "seeds passing", "verdict",
+		fmt.Sprintf("p50 %.0f%% interval", 100*intervalLevel), fmt.Sprintf("p99 %.0f%% interval", 100*intervalLevel), fmt.Sprintf("at %.0f%%", 100*intervalLevel)) {
 		return
 	}
 	for _, c := range mr.Cells {
 		if c.Paired == nil {
 			continue
 		}
-		fmt.Fprintf(out, "| %s | %s | %s / %s | %.2f | %.2f | %.2f | %d/%d | %s |\n", c.Regime, c.Workload, c.Paired.BestP50Policy, c.Paired.BestP99Policy,
-			c.Paired.P50Ratio, c.Paired.P99Ratio, c.P99Ratio, c.Paired.SeedsPassing, c.Seeds, c.Paired.verdictWord())
+		i50, i99, settled := "-", "-", "-"
+		if p := c.Paired; p.P50Interval != nil && p.P99Interval != nil {
+			i50, i99, settled = p.P50Interval.String(), p.P99Interval.String(), p.Settled
+		}
+		fmt.Fprintf(out, "| %s | %s | %s / %s | %.2f | %.2f | %.2f | %d/%d | %s | %s | %s | %s |\n", c.Regime, c.Workload, c.Paired.BestP50Policy, c.Paired.BestP99Policy,
+			c.Paired.P50Ratio, c.Paired.P99Ratio, c.P99Ratio, c.Paired.SeedsPassing, c.Seeds, c.Paired.verdictWord(), i50, i99, settled)
 	}
 }
 

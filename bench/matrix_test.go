@@ -3,6 +3,7 @@ package main
 import (
 	"encoding/json"
 	"encoding/xml"
+	"fmt"
 	"io"
 	"math"
 	"os"
@@ -818,4 +819,93 @@ func TestJudgeCellPaired(t *testing.T) {
 	if c := judgeCell("r", "w", runs); c.Paired != nil || pairedVerdict([]MatrixCell{c}) != "" {
 		t.Errorf("paired verdict %+v without llm, want none", c.Paired)
 	}
+}
+
+// medianInterval is the sign test's interval: the k-th lowest to the k-th highest value, k the largest
+// that leaves at least the level's confidence (twice a Binomial(n, 1/2) tail at most 1-level), none below
+// 6 values at 95%.
+func TestMedianInterval(t *testing.T) {
+	seq := func(n int) []float64 { // n, n-1, ..., 1: unsorted on purpose
+		xs := make([]float64, n)
+		for i := range xs {
+			xs[i] = float64(n - i)
+		}
+		return xs
+	}
+	for _, tc := range []struct {
+		n        int
+		level    float64
+		ok       bool
+		low, top float64
+	}{
+		{n: 3, level: 0.95},                             // 75% at most
+		{n: 5, level: 0.95},                             // 93.75% at most
+		{n: 5, level: 0.9, ok: true, low: 1, top: 5},    // the extremes: 93.75%
+		{n: 6, level: 0.95, ok: true, low: 1, top: 6},   // 96.9%
+		{n: 8, level: 0.95, ok: true, low: 1, top: 8},   // 99.2%; the 2nd: 1 - 2 x 9/256 = 93.0%
+		{n: 12, level: 0.95, ok: true, low: 3, top: 10}, // 1 - 2 x 79/4096 = 96.1%; the 4th: 85.4%
+		{n: 24, level: 0.95, ok: true, low: 7, top: 18}, // 97.7%; the 8th: 93.6%
+	} {
+		iv, ok := medianInterval(seq(tc.n), tc.level)
+		if ok != tc.ok || (ok && (iv.Low != tc.low || iv.High != tc.top)) {
+			t.Errorf("n %d level %v: %+v %v, want %v-%v %v", tc.n, tc.level, iv, ok, tc.low, tc.top, tc.ok)
+		}
+	}
+}
+
+// With enough seeds, the paired verdict carries 95% intervals of its medians and says what they settle:
+// a cell whose ratios scatter around its threshold is a tie, one wholly past it a fail, one wholly within
+// a pass, whatever its median says.
+func TestJudgeCellPairedInterval(t *testing.T) {
+	cell := func(p99 []float64) MatrixCell {
+		var runs []MatrixRun
+		for i, r := range p99 {
+			runs = append(runs, MatrixRun{Seed: int64(i), Policies: []Summary{
+				summaryOf("least_conn", 100, 1000), summaryOf("llm", 100, 1000*r)}})
+		}
+		return judgeCell("r", "w", runs)
+	}
+	for _, tc := range []struct {
+		name    string
+		p99     []float64
+		pass    bool
+		settled string
+	}{
+		// Median 1.01: a loss on the median, but the interval (0.98-1.06) holds 1.
+		{"tie", []float64{0.94, 0.96, 0.98, 0.99, 1.0, 1.01, 1.01, 1.02, 1.04, 1.06, 1.08, 1.2}, false, "tie"},
+		{"fail", []float64{1.02, 1.04, 1.05, 1.06, 1.08, 1.1, 1.1, 1.12, 1.15, 1.2, 1.3, 0.9}, false, "fail"},
+		{"pass", []float64{0.7, 0.75, 0.8, 0.82, 0.85, 0.88, 0.9, 0.92, 0.95, 0.98, 1.1, 1.3}, true, "pass"},
+		{"too few seeds", []float64{0.9, 0.95, 1.1}, true, ""},
+	} {
+		c := cell(tc.p99)
+		p := c.Paired
+		if p == nil || p.Pass != tc.pass || p.Settled != tc.settled {
+			t.Errorf("%s: paired verdict %+v, want pass %v, settled %q", tc.name, p, tc.pass, tc.settled)
+			continue
+		}
+		if tc.settled == "" {
+			if p.P99Interval != nil || strings.Contains(pairedVerdict([]MatrixCell{c}), "confidence") {
+				t.Errorf("%s: an interval from %d seeds: %+v", tc.name, len(tc.p99), p.P99Interval)
+			}
+			continue
+		}
+		if want := fmt.Sprintf("At 95%% confidence (1 cells): %d pass, %d ties, %d fail", b2i(tc.settled == "pass"), b2i(tc.settled == "tie"), b2i(tc.settled == "fail")); !strings.Contains(pairedVerdict([]MatrixCell{c}), want) {
+			t.Errorf("%s: summary %q lacks %q", tc.name, pairedVerdict([]MatrixCell{c}), want)
+		}
+		var md strings.Builder
+		writePairedMarkdown(&md, MatrixResults{Cells: []MatrixCell{c}})
+		if row := fmt.Sprintf("| %s | %s | %s |", p.P50Interval, p.P99Interval, tc.settled); !strings.Contains(md.String(), row) {
+			t.Errorf("%s: paired section lacks %q:\n%s", tc.name, row, md.String())
+		}
+	}
+	if c := cell([]float64{0.94, 0.96, 0.98, 0.99, 1.0, 1.01, 1.01, 1.02, 1.04, 1.06, 1.08, 1.2}); c.Paired.P99Interval.Low != 0.98 || c.Paired.P99Interval.High != 1.06 {
+		t.Errorf("p99 interval %+v, want the 3rd lowest to the 3rd highest of 12: 0.98-1.06", c.Paired.P99Interval)
+	}
+}
+
+func b2i(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }
