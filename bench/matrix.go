@@ -1188,7 +1188,7 @@ func compareMatrices(w io.Writer, base, changed string) error {
 			before[cellKey{c.Regime, c.Workload, p.Policy}] = p
 		}
 	}
-	paired := pairSeeds(a.Runs, b.Runs)
+	paired, runs := pairSeeds(a.Runs, b.Runs)
 	type sums struct {
 		p50, p99, netP50, netP99 float64
 		n, netN                  int
@@ -1237,8 +1237,53 @@ func compareMatrices(w io.Writer, base, changed string) error {
 			fmt.Fprintf(w, "; net of the proxy's time p50 %.3fx  p99 %.3fx  over %d", math.Exp(m.netP50/float64(m.netN)), math.Exp(m.netP99/float64(m.netN)), m.netN)
 		}
 		fmt.Fprintln(w)
+		if r := runs[p]; r != nil {
+			if g50, ok := meanInterval(r.p50); ok {
+				g99, _ := meanInterval(r.p99) // as many as r.p50
+				fmt.Fprintf(w, "  %-24s paired by seed: p50 %s  p99 %s  over %d runs\n", "", g50, g99, len(r.p50))
+			}
+		}
 	}
 	return nil
+}
+
+// geoMean is a geometric mean of ratios with its 95% confidence interval.
+type geoMean struct{ mean, low, high float64 }
+
+func (g geoMean) String() string { return fmt.Sprintf("%.3fx (95%% %.3f-%.3f)", g.mean, g.low, g.high) }
+
+// meanInterval is the geometric mean of the ratios whose logs are logs, with a 95% confidence interval
+// from Student's t on those logs: runs paired by seed, every cell pooled, as independent draws of how a
+// change moves a run. ok is false for fewer than two. Two runs of one binary over the seven regimes'
+// 105 runs put llm's geometric means 0.99-1.01x apart (docs/bench/geometry), and an interval that holds
+// 1 says the change moved nothing these runs can tell from that.
+func meanInterval(logs []float64) (g geoMean, ok bool) {
+	n := len(logs)
+	if n < 2 {
+		return g, false
+	}
+	var sum, sq float64
+	for _, x := range logs {
+		sum += x
+	}
+	mean := sum / float64(n)
+	for _, x := range logs {
+		sq += (x - mean) * (x - mean)
+	}
+	half := tQuantile975(n-1) * math.Sqrt(sq/float64(n-1)/float64(n))
+	return geoMean{mean: math.Exp(mean), low: math.Exp(mean - half), high: math.Exp(mean + half)}, true
+}
+
+// tQuantile975 is Student's t distribution's 97.5th percentile at df degrees of freedom (df >= 1): the
+// table's for 1-4, else the Cornish-Fisher expansion around the normal's 1.96 (within 0.2% from 5 on).
+func tQuantile975(df int) float64 {
+	if df >= 1 && df <= 4 {
+		return [...]float64{12.706, 4.303, 3.182, 2.776}[df-1]
+	}
+	const z = 1.959964
+	v := float64(df)
+	z3, z5 := z*z*z, z*z*z*z*z
+	return z + (z3+z)/(4*v) + (5*z5+16*z3+3*z)/(96*v*v) + (3*z5*z*z+19*z5+17*z3-15*z)/(384*v*v*v)
 }
 
 // cellKey names one policy's figures in one cell.
@@ -1250,8 +1295,13 @@ type cellKey struct{ regime, workload, policy string }
 // falls on: two runs of one decision move single seeds by tens of percent.
 type pairedRatio struct{ p50, p99 string }
 
-// pairSeeds pairs the runs of changed with those of base on the same regime, workload, policy and seed.
-func pairSeeds(base, changed []MatrixRun) map[cellKey]pairedRatio {
+// runLogs are the logs of one policy's per-run ratios of a new run over a base run, paired by seed, every
+// cell pooled.
+type runLogs struct{ p50, p99 []float64 }
+
+// pairSeeds pairs the runs of changed with those of base on the same regime, workload, policy and seed:
+// each cell's and policy's paired ratios, and each policy's per-run logs.
+func pairSeeds(base, changed []MatrixRun) (map[cellKey]pairedRatio, map[string]*runLogs) {
 	type seedKey struct {
 		cellKey
 		seed int64
@@ -1268,6 +1318,7 @@ func pairSeeds(base, changed []MatrixRun) map[cellKey]pairedRatio {
 		n                int
 	}
 	sums := map[cellKey]*acc{}
+	runs := map[string]*runLogs{}
 	for _, r := range changed {
 		for _, p := range r.Policies {
 			k := cellKey{r.Regime, r.Workload, p.Policy}
@@ -1280,8 +1331,13 @@ func pairSeeds(base, changed []MatrixRun) map[cellKey]pairedRatio {
 				a = &acc{}
 				sums[k] = a
 			}
-			a.log50 += math.Log(p.TTFTP50 / q.TTFTP50)
-			a.log99 += math.Log(p.TTFTP99 / q.TTFTP99)
+			l50, l99 := math.Log(p.TTFTP50/q.TTFTP50), math.Log(p.TTFTP99/q.TTFTP99)
+			a.log50 += l50
+			a.log99 += l99
+			if runs[p.Policy] == nil {
+				runs[p.Policy] = &runLogs{}
+			}
+			runs[p.Policy].p50, runs[p.Policy].p99 = append(runs[p.Policy].p50, l50), append(runs[p.Policy].p99, l99)
 			a.worse50 += btoi(p.TTFTP50 > q.TTFTP50)
 			a.worse99 += btoi(p.TTFTP99 > q.TTFTP99)
 			a.n++
@@ -1295,7 +1351,7 @@ func pairSeeds(base, changed []MatrixRun) map[cellKey]pairedRatio {
 			p99: fmt.Sprintf("%.2f (%d/%d worse)", math.Exp(a.log99/n), a.worse99, a.n),
 		}
 	}
-	return out
+	return out, runs
 }
 
 // writeMatrixOutputs writes results.json, report.md and (for -matrix) matrix.svg into dir.

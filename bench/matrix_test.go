@@ -697,6 +697,11 @@ func TestCompare(t *testing.T) {
 	if got := strings.Join(strings.Fields(out.String()), " "); !strings.Contains(got, "1.00 (1/2 worse) 1.00 (0/2 worse)") {
 		t.Errorf("paired figures over two seeds missing:\n%s", got)
 	}
+	// ... and over the runs pooled, the geometric mean with its 95% interval: logs +-ln 2, mean 0, standard
+	// error ln 2, t at one degree of freedom 12.706 (p99 did not move: an interval of nothing).
+	if got := strings.Join(strings.Fields(out.String()), " "); !strings.Contains(got, fmt.Sprintf("paired by seed: p50 1.000x (95%% %.3f-%.3f) p99 1.000x (95%% 1.000-1.000) over 2 runs", math.Exp(-12.706*math.Ln2), math.Exp(12.706*math.Ln2))) {
+		t.Errorf("paired means over the runs missing:\n%s", got)
+	}
 	if strings.Contains(got, "only-base") {
 		t.Errorf("a cell only the base holds was compared:\n%s", got)
 	}
@@ -908,4 +913,33 @@ func b2i(b bool) int {
 		return 1
 	}
 	return 0
+}
+
+// tQuantile975 is Student's t at 97.5%: the table's values within 0.2%, the normal's far out.
+func TestTQuantile975(t *testing.T) {
+	for df, want := range map[int]float64{1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 10: 2.228, 30: 2.042, 104: 1.983, 100000: 1.960} {
+		if got := tQuantile975(df); math.Abs(got-want) > 0.002*want {
+			t.Errorf("t(0.975, %d) = %.4f, want %.3f", df, got, want)
+		}
+	}
+}
+
+// meanInterval is the geometric mean of the ratios with a t interval on their logs; none from one run.
+func TestMeanInterval(t *testing.T) {
+	logs := []float64{math.Log(0.9), math.Log(1.0), math.Log(1.1), math.Log(1.2)}
+	g, ok := meanInterval(logs)
+	mean, sd := 0.0, 0.0
+	for _, x := range logs {
+		mean += x / 4
+	}
+	for _, x := range logs {
+		sd += (x - mean) * (x - mean) / 3
+	}
+	half := 3.182 * math.Sqrt(sd/4)
+	if !ok || math.Abs(g.mean-math.Exp(mean)) > 1e-9 || math.Abs(g.low-math.Exp(mean-half)) > 0.002 || math.Abs(g.high-math.Exp(mean+half)) > 0.002 {
+		t.Errorf("meanInterval = %+v %v, want %.4f (%.4f-%.4f)", g, ok, math.Exp(mean), math.Exp(mean-half), math.Exp(mean+half))
+	}
+	if _, ok := meanInterval(logs[:1]); ok {
+		t.Error("an interval from one run")
+	}
 }
