@@ -1254,9 +1254,10 @@ func (g geoMean) String() string { return fmt.Sprintf("%.3fx (95%% %.3f-%.3f)", 
 
 // meanInterval is the geometric mean of the ratios whose logs are logs, with a 95% confidence interval
 // from Student's t on those logs: runs paired by seed, every cell pooled, as independent draws of how a
-// change moves a run. ok is false for fewer than two. Two runs of one binary over the seven regimes'
-// 105 runs put llm's geometric means 0.99-1.01x apart (docs/bench/geometry), and an interval that holds
-// 1 says the change moved nothing these runs can tell from that.
+// change moves a run. ok is false for fewer than two. An interval that holds 1 says these runs cannot
+// tell the change from none; one that barely excludes it may still be the VM: two runs of one decision
+// over the seven regimes' 105 runs, an hour apart, gave p99 1.053x (0.999-1.111; docs/bench/intervals),
+// runs of one time sharing that time's noise, which the interval does not see.
 func meanInterval(logs []float64) (g geoMean, ok bool) {
 	n := len(logs)
 	if n < 2 {
