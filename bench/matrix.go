@@ -1263,16 +1263,12 @@ func meanInterval(logs []float64) (g geoMean, ok bool) {
 	if n < 2 {
 		return g, false
 	}
-	var sum, sq float64
+	m, sq := mean(logs), 0.0
 	for _, x := range logs {
-		sum += x
-	}
-	mean := sum / float64(n)
-	for _, x := range logs {
-		sq += (x - mean) * (x - mean)
+		sq += (x - m) * (x - m)
 	}
 	half := tQuantile975(n-1) * math.Sqrt(sq/float64(n-1)/float64(n))
-	return geoMean{mean: math.Exp(mean), low: math.Exp(mean - half), high: math.Exp(mean + half)}, true
+	return geoMean{mean: math.Exp(m), low: math.Exp(m - half), high: math.Exp(m + half)}, true
 }
 
 // tQuantile975 is Student's t distribution's 97.5th percentile at df degrees of freedom (df >= 1): the
@@ -1335,10 +1331,12 @@ func pairSeeds(base, changed []MatrixRun) (map[cellKey]pairedRatio, map[string]*
 			l50, l99 := math.Log(p.TTFTP50/q.TTFTP50), math.Log(p.TTFTP99/q.TTFTP99)
 			a.log50 += l50
 			a.log99 += l99
-			if runs[p.Policy] == nil {
-				runs[p.Policy] = &runLogs{}
+			rl := runs[p.Policy]
+			if rl == nil {
+				rl = &runLogs{}
+				runs[p.Policy] = rl
 			}
-			runs[p.Policy].p50, runs[p.Policy].p99 = append(runs[p.Policy].p50, l50), append(runs[p.Policy].p99, l99)
+			rl.p50, rl.p99 = append(rl.p50, l50), append(rl.p99, l99)
 			a.worse50 += btoi(p.TTFTP50 > q.TTFTP50)
 			a.worse99 += btoi(p.TTFTP99 > q.TTFTP99)
 			a.n++

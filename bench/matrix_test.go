@@ -894,7 +894,7 @@ func TestJudgeCellPairedInterval(t *testing.T) {
 			}
 			continue
 		}
-		if want := fmt.Sprintf("At 95%% confidence (1 cells): %d pass, %d ties, %d fail", b2i(tc.settled == "pass"), b2i(tc.settled == "tie"), b2i(tc.settled == "fail")); !strings.Contains(pairedVerdict([]MatrixCell{c}), want) {
+		if want := fmt.Sprintf("At 95%% confidence (1 cells): %d pass, %d ties, %d fail", btoi(tc.settled == "pass"), btoi(tc.settled == "tie"), btoi(tc.settled == "fail")); !strings.Contains(pairedVerdict([]MatrixCell{c}), want) {
 			t.Errorf("%s: summary %q lacks %q", tc.name, pairedVerdict([]MatrixCell{c}), want)
 		}
 		var md strings.Builder
@@ -906,13 +906,6 @@ func TestJudgeCellPairedInterval(t *testing.T) {
 	if c := cell([]float64{0.94, 0.96, 0.98, 0.99, 1.0, 1.01, 1.01, 1.02, 1.04, 1.06, 1.08, 1.2}); c.Paired.P99Interval.Low != 0.98 || c.Paired.P99Interval.High != 1.06 {
 		t.Errorf("p99 interval %+v, want the 3rd lowest to the 3rd highest of 12: 0.98-1.06", c.Paired.P99Interval)
 	}
-}
-
-func b2i(b bool) int {
-	if b {
-		return 1
-	}
-	return 0
 }
 
 // tQuantile975 is Student's t at 97.5%: the table's values within 0.2%, the normal's far out.
