@@ -20,6 +20,10 @@ type simSettings struct {
 	PrefillTokensPerSec float64       `json:"prefill_tokens_per_sec"`
 	DecodeStep          time.Duration `json:"decode_step_ns"`
 	DecodeStepPerSeq    time.Duration `json:"decode_step_per_seq_ns"`
+	// AttentionTokens and DecodeStepPerKToken make prefill and decode cost grow with context (the
+	// simulator's fields of those names); 0: off.
+	AttentionTokens     int           `json:"attention_tokens,omitempty"`
+	DecodeStepPerKToken time.Duration `json:"decode_step_per_ktoken_ns,omitempty"`
 	TimeScale           float64       `json:"time_scale"`
 	TokensPerChunk      int           `json:"tokens_per_chunk"`
 	// ErrorRate and DropMidStreamRate are the simulator's faults (-faults): the fraction of requests
@@ -37,8 +41,12 @@ func (s simSettings) describe() string {
 		c.Metrics = ""
 		return c.describe() + ", /metrics as " + s.Metrics
 	}
-	return fmt.Sprintf("%.0f prefill tok/s, decode step %v + %v/seq, max_num_seqs %d, %d KV blocks of %d tokens, time scale %gx, %d tokens per SSE chunk",
-		s.PrefillTokensPerSec, s.DecodeStep, s.DecodeStepPerSeq, s.MaxNumSeqs, s.NumGPUBlocks, s.BlockSize, s.TimeScale, s.TokensPerChunk)
+	context := ""
+	if s.AttentionTokens > 0 || s.DecodeStepPerKToken > 0 {
+		context = fmt.Sprintf(", attention doubling a prefill token's cost at position %d, decode %v per 1k tokens of context", s.AttentionTokens, s.DecodeStepPerKToken)
+	}
+	return fmt.Sprintf("%.0f prefill tok/s, decode step %v + %v/seq%s, max_num_seqs %d, %d KV blocks of %d tokens, time scale %gx, %d tokens per SSE chunk",
+		s.PrefillTokensPerSec, s.DecodeStep, s.DecodeStepPerSeq, context, s.MaxNumSeqs, s.NumGPUBlocks, s.BlockSize, s.TimeScale, s.TokensPerChunk)
 }
 
 // simBytesPerToken is the simulator's tokenizer: 4 bytes of templated prompt per token.
@@ -108,8 +116,12 @@ func estimateCapacity(w Workload, sims []simSettings) capacityEstimate {
 	// (its prefill, then its output at the batch's step), for a mean U tokens to prefill.
 	perRequest := func(sim simSettings, u float64) (perRequest, latency float64) {
 		b := batch(sim)
-		step := sim.DecodeStep.Seconds() + sim.DecodeStepPerSeq.Seconds()*b
-		return u/sim.PrefillTokensPerSec + m.output*step/b, u/sim.PrefillTokensPerSec + m.output*step
+		step := sim.DecodeStep.Seconds() + sim.DecodeStepPerSeq.Seconds()*b + sim.DecodeStepPerKToken.Seconds()*b*m.context/1000
+		prefill := u / sim.PrefillTokensPerSec
+		if sim.AttentionTokens > 0 { // the uncached tokens are the prompt's last: at mean position prompt - u/2
+			prefill *= 1 + max(m.prompt-u/2, 0)/float64(sim.AttentionTokens)
+		}
+		return prefill + m.output*step/b, prefill + m.output*step
 	}
 	// at returns the estimate when a fraction h of the sessions in flight keep their context cached,
 	// and how many sessions are in flight at the rate it sustains.

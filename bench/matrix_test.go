@@ -101,7 +101,7 @@ func TestRegimes(t *testing.T) {
 			continue
 		}
 		b := r.build(4, base)
-		if b[0] == b[1] && b[1] == b[2] && b[2] == b[3] && name != "huge-batch" {
+		if b[0] == b[1] && b[1] == b[2] && b[2] == b[3] && name != "huge-batch" && name != "long-context" {
 			t.Errorf("%s: four alike backends, want a mixed pool", name)
 		}
 	}
@@ -134,6 +134,12 @@ func TestCapacityPerRegime(t *testing.T) {
 				t.Errorf("%s/%s: capacity %.2f req/s, want 0.5-200", r.Name, name, e.ClusterRPS)
 			}
 		}
+	}
+	agentic, _ := generateWorkload("agentic", 1, workloadSize{matrix: true})
+	flat, _ := fitKV(mustRegime("default").build(4, defaultSim), agentic)
+	long, _ := fitKV(mustRegime("long-context").build(4, defaultSim), agentic)
+	if f, l := estimateCapacity(agentic, flat), estimateCapacity(agentic, long); !(l.ClusterRPS < 0.8*f.ClusterRPS) {
+		t.Errorf("agentic capacity %.2f req/s with costs growing with context, %.2f without; want well below", l.ClusterRPS, f.ClusterRPS)
 	}
 	fast := estimateCapacity(w, mustRegime("fast-prefill").build(4, defaultSim))
 	slow := estimateCapacity(w, mustRegime("slow-prefill").build(4, defaultSim))

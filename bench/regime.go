@@ -141,6 +141,14 @@ var extraRegimes = []regime{
 		},
 	},
 	{
+		Name: "long-context",
+		Description: "default, with costs that grow with context as a GPU's do: a prefill token at position p costs " +
+			"1 + p/32768 times the linear one (an 8B model's attention), and a decode step takes 0.25 ms more per 1k tokens of context it reads",
+		backend: uniform(withSim(func(s *simSettings) {
+			s.AttentionTokens, s.DecodeStepPerKToken = 32768, 250*time.Microsecond
+		})),
+	},
+	{
 		Name:        "huge-batch",
 		Description: "max_num_seqs 1024, 256k-token KV cache, decode step 30 ms + 0.1 ms/seq",
 		backend: uniform(withSim(func(s *simSettings) {

@@ -73,6 +73,8 @@ func startCluster(sims []simSettings, seed int64, run string) (*cluster, error) 
 			PrefillTokensPerSec: sim.PrefillTokensPerSec,
 			DecodeStep:          sim.DecodeStep,
 			DecodeStepPerSeq:    sim.DecodeStepPerSeq,
+			AttentionTokens:     sim.AttentionTokens,
+			DecodeStepPerKToken: sim.DecodeStepPerKToken,
 			TimeScale:           sim.TimeScale,
 			TokensPerChunk:      sim.TokensPerChunk,
 			ErrorRate:           sim.ErrorRate,

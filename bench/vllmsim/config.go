@@ -52,6 +52,19 @@ type Config struct {
 	// chunked prefill): decodes take one token each, prefills share the rest, and a long prompt is
 	// prefilled over several steps while running sequences keep decoding. Default 8192; -1 = unlimited.
 	MaxNumBatchedTokens int
+
+	// AttentionTokens makes prefill cost grow with context, as attention's does on a GPU: a prompt token
+	// at position p costs (1 + p/AttentionTokens) times 1/PrefillTokensPerSec, so with 32768 a 32k-token
+	// prompt prefilled whole takes 1.5x its linear time and 2k tokens appended behind 30k of cached
+	// context 1.9x. A token at position p costs attention about 4·L·D·p FLOPs (L layers of width D) and
+	// the rest of the model 2N (N parameters): equal at p = N/(2·L·D), ~30k tokens for an 8B model and
+	// ~50k for a 70B one. 0 = off: every prompt token costs the same.
+	AttentionTokens int
+	// DecodeStepPerKToken is added to a step for every 1,000 tokens of context its decodes read: a decode
+	// reads its sequence's whole KV cache, so a memory-bound step slows with the batch's context, not only
+	// with its size (an 8B model's 128 KB of KV per token is ~0.25 ms per 1k tokens at the 0.5 TB/s a 30 ms
+	// step implies). 0 = off.
+	DecodeStepPerKToken time.Duration
 }
 
 // Faults are the failure knobs that can change while a server runs (see Server.SetFaults).
@@ -135,6 +148,10 @@ func (cfg Config) withDefaults() (Config, error) {
 	positive("tokens_per_chunk", cfg.TokensPerChunk)
 	positive("cut_stream_after", cfg.CutStreamAfter)
 	positive("max_loras", cfg.MaxLoRAs)
+	positive("attention_tokens", cfg.AttentionTokens)
+	if cfg.DecodeStepPerKToken < 0 {
+		errs = append(errs, errors.New("decode_step_per_ktoken must not be negative"))
+	}
 	if cfg.LoRALoadTime < 0 {
 		errs = append(errs, errors.New("lora_load_time must not be negative"))
 	}

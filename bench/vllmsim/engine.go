@@ -414,11 +414,14 @@ func (s *Server) preemptLocked(r *request) {
 // otherwise) within the step's token budget; a decode that needs a new block and finds none preempts
 // the most recently admitted running request. Then waiting requests are admitted in FIFO order while
 // a sequence slot, the budget and their blocks allow. It returns the batch and the step's simulated
-// duration: prefill tokens / PrefillTokensPerSec + DecodeStep + DecodeStepPerSeq * batch size.
+// duration: prefill tokens / PrefillTokensPerSec + DecodeStep + DecodeStepPerSeq * batch size, each
+// prefill token weighed by its position and each decode's context read where AttentionTokens and
+// DecodeStepPerKToken say.
 func (s *Server) planLocked(batch []stepItem) ([]stepItem, time.Duration) {
 	budget := s.cfg.MaxNumBatchedTokens
 	unlimited := budget < 0
 	prefill := 0
+	positions, context := 0.0, 0.0 // the prefill tokens' positions, summed, and the decodes' contexts
 	take := func(r *request) {
 		n := r.knownTokens() - r.computed
 		if r.computed < r.target {
@@ -434,6 +437,9 @@ func (s *Server) planLocked(batch []stepItem) ([]stepItem, time.Duration) {
 		budget -= n
 		if r.computed < r.target {
 			prefill += n
+			positions += float64(n) * (float64(r.computed) + float64(n-1)/2)
+		} else {
+			context += float64(r.computed)
 		}
 	}
 	for i := 0; i < len(s.running) && (unlimited || budget > 0); i++ {
@@ -491,8 +497,13 @@ func (s *Server) planLocked(batch []stepItem) ([]stepItem, time.Duration) {
 	if len(batch) == 0 {
 		return batch, 0
 	}
-	d := time.Duration(float64(prefill)/s.cfg.PrefillTokensPerSec*float64(time.Second)) +
+	work := float64(prefill)
+	if a := s.cfg.AttentionTokens; a > 0 {
+		work += positions / float64(a)
+	}
+	d := time.Duration(work/s.cfg.PrefillTokensPerSec*float64(time.Second)) +
 		s.cfg.DecodeStep + s.cfg.DecodeStepPerSeq*time.Duration(len(batch)) +
+		time.Duration(float64(s.cfg.DecodeStepPerKToken)*context/1000) +
 		s.cfg.LoRALoadTime*time.Duration(loads)
 	return batch, d
 }

@@ -288,6 +288,44 @@ func TestStepTimeGrowsWithBatch(t *testing.T) {
 	}
 }
 
+// TestAttentionCostsGrowWithContext: with AttentionTokens a prefill token's cost grows with its position
+// (a prompt's later tokens, and tokens appended behind a cached history, cost more than its first), and
+// with DecodeStepPerKToken a decode step grows with the context its decodes read.
+func TestAttentionCostsGrowWithContext(t *testing.T) {
+	const rate, attention = 1000.0, 800
+	cfg := Config{PrefillTokensPerSec: rate, AttentionTokens: attention, MaxNumBatchedTokens: -1,
+		DecodeStep: 10 * time.Millisecond, DecodeStepPerKToken: time.Millisecond}
+	s := manualServer(t, cfg)
+	s.cfg.DecodeStepPerSeq = 0 // withDefaults set its default; this test weighs context alone
+	prompt := blocksText("a", 100)
+	r := submit(t, s, prompt, 2)
+	p := float64(r.promptTokens)
+	d, _ := step(s)
+	want := 10*time.Millisecond + time.Duration(p/rate*(1+(p-1)/2/attention)*float64(time.Second))
+	if diff := d - want; diff < -time.Microsecond || diff > time.Microsecond {
+		t.Errorf("cold prefill of %v tokens took %v, want %v (linear: %v)", p, d, want,
+			10*time.Millisecond+time.Duration(p/rate*float64(time.Second)))
+	}
+	d, _ = step(s)
+	if want := 10*time.Millisecond + time.Duration(p/1000*float64(time.Millisecond)); d != want {
+		t.Errorf("decode step over %v tokens of context took %v, want %v", p, d, want)
+	}
+	drain(t, s, 10)
+
+	// The same tokens appended behind the cached prompt cost more than they did at its start.
+	r2 := submit(t, s, prompt+longText("b-", 64*50), 1)
+	behind, _ := step(s)
+	appended := r2.promptTokens - int(r2.cached.Load())
+	s2 := manualServer(t, cfg)
+	s2.cfg.DecodeStepPerSeq = 0
+	r3 := submit(t, s2, longText("b-", 64*50), 1)
+	alone, _ := step(s2)
+	if r2.cached.Load() == 0 || r3.promptTokens+16 < appended || behind <= alone {
+		t.Errorf("%d tokens appended behind %d cached took %v, %d alone %v: want longer behind",
+			appended, r2.cached.Load(), behind, r3.promptTokens, alone)
+	}
+}
+
 func TestPrefillTimeCountsOnlyUncachedTokens(t *testing.T) {
 	s := manualServer(t, Config{})
 	prompt := blocksText("q", 100)

@@ -75,6 +75,12 @@ type Handler struct {
 	DecodeStep caddy.Duration `json:"decode_step,omitempty"`
 	// DecodeStepPerSeq is added to the step time per running sequence. Default: 250µs.
 	DecodeStepPerSeq caddy.Duration `json:"decode_step_per_seq,omitempty"`
+	// AttentionTokens makes a prefill token's cost grow with its position p, 1 + p/AttentionTokens times
+	// the linear one, as attention's does (~30000 for an 8B model). Default: 0, off.
+	AttentionTokens int `json:"attention_tokens,omitempty"`
+	// DecodeStepPerKToken is added to a step for every 1,000 tokens of context its decodes read.
+	// Default: 0, off.
+	DecodeStepPerKToken caddy.Duration `json:"decode_step_per_ktoken,omitempty"`
 	// TimeScale divides every simulated duration: 10 runs ten times faster than real time. Default: 1.
 	TimeScale float64 `json:"time_scale,omitempty"`
 	// TokensPerChunk is the number of output tokens per streamed chunk. Default: 1, like vLLM.
@@ -128,6 +134,8 @@ func (h *Handler) Config() vllmsim.Config {
 		PrefillTokensPerSec: h.PrefillTokensPerSec,
 		DecodeStep:          time.Duration(h.DecodeStep),
 		DecodeStepPerSeq:    time.Duration(h.DecodeStepPerSeq),
+		AttentionTokens:     h.AttentionTokens,
+		DecodeStepPerKToken: time.Duration(h.DecodeStepPerKToken),
 		TimeScale:           h.TimeScale,
 		TokensPerChunk:      h.TokensPerChunk,
 		Metrics:             h.Metrics,
@@ -226,6 +234,8 @@ func parseCaddyfile(helper httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, e
 //		prefill_tokens_per_sec <tokens/s>
 //		decode_step            <duration>
 //		decode_step_per_seq    <duration>
+//		attention_tokens       <tokens>
+//		decode_step_per_ktoken <duration>
 //		time_scale             <factor>
 //		tokens_per_chunk       <n>
 //		metrics                vllm|vllm-legacy|sglang|llamacpp|nim|tgi
@@ -322,6 +332,10 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			err = durationArg(&h.DecodeStep)
 		case "decode_step_per_seq":
 			err = durationArg(&h.DecodeStepPerSeq)
+		case "attention_tokens":
+			err = intArg(&h.AttentionTokens)
+		case "decode_step_per_ktoken":
+			err = durationArg(&h.DecodeStepPerKToken)
 		case "time_scale":
 			err = floatArg(&h.TimeScale)
 		case "tokens_per_chunk":

@@ -38,6 +38,8 @@ func TestUnmarshalCaddyfile(t *testing.T) {
 				prefill_tokens_per_sec 12000.5
 				decode_step 25ms
 				decode_step_per_seq 500us
+				attention_tokens 32768
+				decode_step_per_ktoken 250us
 				time_scale 10
 				tokens_per_chunk 4
 				metrics sglang
@@ -55,6 +57,7 @@ func TestUnmarshalCaddyfile(t *testing.T) {
 				Model: "m", MaxNumSeqs: 32, MaxQueue: 100, BlockSize: 32, NumGPUBlocks: 2048,
 				MaxNumBatchedTokens: 4096, PrefillTokensPerSec: 12000.5,
 				DecodeStep: caddy.Duration(25 * time.Millisecond), DecodeStepPerSeq: caddy.Duration(500 * time.Microsecond),
+				AttentionTokens: 32768, DecodeStepPerKToken: caddy.Duration(250 * time.Microsecond),
 				TimeScale: 10, TokensPerChunk: 4, Metrics: "sglang", ErrorRate: 0.01, DropMidStreamRate: 0.02,
 				CutStreamAfter: 7, MetricsDelay: caddy.Duration(2 * time.Second), MetricsFail: true, Seed: 42,
 				LoRAAdapters: []string{"fin", "legal"}, MaxLoRAs: 2, LoRALoadTime: caddy.Duration(time.Second),
