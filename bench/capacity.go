@@ -24,8 +24,12 @@ type simSettings struct {
 	// simulator's fields of those names); 0: off.
 	AttentionTokens     int           `json:"attention_tokens,omitempty"`
 	DecodeStepPerKToken time.Duration `json:"decode_step_per_ktoken_ns,omitempty"`
-	TimeScale           float64       `json:"time_scale"`
-	TokensPerChunk      int           `json:"tokens_per_chunk"`
+	// Schedule and SeparatePrefill are the simulator's scheduler (its fields of those names): "" or
+	// "fcfs" and mixed steps are vLLM's, "lpm" and separate prefill steps SGLang's.
+	Schedule        string  `json:"schedule,omitempty"`
+	SeparatePrefill bool    `json:"separate_prefill,omitempty"`
+	TimeScale       float64 `json:"time_scale"`
+	TokensPerChunk  int     `json:"tokens_per_chunk"`
 	// ErrorRate and DropMidStreamRate are the simulator's faults (-faults): the fraction of requests
 	// answered 500 and of streams whose connection drops mid-way.
 	ErrorRate         float64 `json:"error_rate,omitempty"`
@@ -44,6 +48,12 @@ func (s simSettings) describe() string {
 	context := ""
 	if s.AttentionTokens > 0 || s.DecodeStepPerKToken > 0 {
 		context = fmt.Sprintf(", attention doubling a prefill token's cost at position %d, decode %v per 1k tokens of context", s.AttentionTokens, s.DecodeStepPerKToken)
+	}
+	if s.Schedule == vllmsim.ScheduleLPM {
+		context += ", longest-prefix-match admission"
+	}
+	if s.SeparatePrefill {
+		context += ", prefill steps apart from decode steps"
 	}
 	return fmt.Sprintf("%.0f prefill tok/s, decode step %v + %v/seq%s, max_num_seqs %d, %d KV blocks of %d tokens, time scale %gx, %d tokens per SSE chunk",
 		s.PrefillTokensPerSec, s.DecodeStep, s.DecodeStepPerSeq, context, s.MaxNumSeqs, s.NumGPUBlocks, s.BlockSize, s.TimeScale, s.TokensPerChunk)

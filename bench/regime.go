@@ -5,6 +5,8 @@ import (
 	"slices"
 	"strings"
 	"time"
+
+	"github.com/tokenrouter/caddy-llm/bench/vllmsim"
 )
 
 // regime is a named backend configuration of the matrix: the engine parameters of every backend
@@ -19,12 +21,15 @@ type regime struct {
 }
 
 // build returns the settings of n backends under the regime, running at base's time scale and
-// SSE chunking, with base's /metrics dialect.
+// SSE chunking, with base's /metrics dialect unless the regime names its engine's own.
 func (r regime) build(n int, base simSettings) []simSettings {
 	out := make([]simSettings, n)
 	for i := range out {
 		s := r.backend(i, n)
-		s.TimeScale, s.TokensPerChunk, s.Metrics = base.TimeScale, base.TokensPerChunk, base.Metrics
+		s.TimeScale, s.TokensPerChunk = base.TimeScale, base.TokensPerChunk
+		if s.Metrics == "" { // a regime of another engine keeps that engine's /metrics
+			s.Metrics = base.Metrics
+		}
 		out[i] = s
 	}
 	return out
@@ -146,6 +151,14 @@ var extraRegimes = []regime{
 			"1 + p/32768 times the linear one (an 8B model's attention), and a decode step takes 0.25 ms more per 1k tokens of context it reads",
 		backend: uniform(withSim(func(s *simSettings) {
 			s.AttentionTokens, s.DecodeStepPerKToken = 32768, 250*time.Microsecond
+		})),
+	},
+	{
+		Name: "sglang",
+		Description: "default's speed and cache on SGLang's scheduler: the waiting queue admitted longest cached prefix first " +
+			"(schedule lpm), prefill steps apart from decode steps (no mixed chunks), /metrics as SGLang's",
+		backend: uniform(withSim(func(s *simSettings) {
+			s.Schedule, s.SeparatePrefill, s.Metrics = vllmsim.ScheduleLPM, true, vllmsim.MetricsSGLang
 		})),
 	},
 	{

@@ -75,6 +75,8 @@ func startCluster(sims []simSettings, seed int64, run string) (*cluster, error) 
 			DecodeStepPerSeq:    sim.DecodeStepPerSeq,
 			AttentionTokens:     sim.AttentionTokens,
 			DecodeStepPerKToken: sim.DecodeStepPerKToken,
+			Schedule:            sim.Schedule,
+			SeparatePrefill:     sim.SeparatePrefill,
 			TimeScale:           sim.TimeScale,
 			TokensPerChunk:      sim.TokensPerChunk,
 			ErrorRate:           sim.ErrorRate,

@@ -65,7 +65,29 @@ type Config struct {
 	// with its size (an 8B model's 128 KB of KV per token is ~0.25 ms per 1k tokens at the 0.5 TB/s a 30 ms
 	// step implies). 0 = off.
 	DecodeStepPerKToken time.Duration
+
+	// Schedule orders the waiting queue: "fcfs" (default, vLLM's) admits in arrival order; "lpm"
+	// (SGLang's --schedule-policy lpm, longest prefix match, the default of its earlier releases) admits
+	// the requests with the longest prefix cached first, arrival order among equals, and falls back to
+	// arrival order while more than LPMQueueLimit wait (SGLang does the same: sorting a long queue costs
+	// more than it saves).
+	Schedule string
+	// SeparatePrefill runs prefill steps apart from decode steps, as SGLang does without
+	// --enable-mixed-chunk: while a prompt waits to be admitted or a chunked prefill is unfinished, a step
+	// prefills only and the running sequences decode nothing. Default false: vLLM's steps mix decodes
+	// and prefill chunks.
+	SeparatePrefill bool
 }
+
+// Waiting-queue orders accepted in Config.Schedule.
+const (
+	ScheduleFCFS = "fcfs"
+	ScheduleLPM  = "lpm"
+)
+
+// LPMQueueLimit is the longest waiting queue Schedule "lpm" sorts (SGLang's
+// _schedule_policy cut-off, 128): beyond it, arrival order.
+const LPMQueueLimit = 128
 
 // Faults are the failure knobs that can change while a server runs (see Server.SetFaults).
 type Faults struct {
@@ -128,6 +150,9 @@ func (cfg Config) withDefaults() (Config, error) {
 	if cfg.Metrics == "" {
 		cfg.Metrics = MetricsVLLM
 	}
+	if cfg.Schedule == "" {
+		cfg.Schedule = ScheduleFCFS
+	}
 	if len(cfg.LoRAAdapters) > 0 {
 		setInt(&cfg.MaxLoRAs, 1)
 		if cfg.LoRALoadTime == 0 {
@@ -149,6 +174,9 @@ func (cfg Config) withDefaults() (Config, error) {
 	positive("cut_stream_after", cfg.CutStreamAfter)
 	positive("max_loras", cfg.MaxLoRAs)
 	positive("attention_tokens", cfg.AttentionTokens)
+	if cfg.Schedule != ScheduleFCFS && cfg.Schedule != ScheduleLPM {
+		errs = append(errs, fmt.Errorf("schedule must be %s or %s, got %q", ScheduleFCFS, ScheduleLPM, cfg.Schedule))
+	}
 	if cfg.DecodeStepPerKToken < 0 {
 		errs = append(errs, errors.New("decode_step_per_ktoken must not be negative"))
 	}

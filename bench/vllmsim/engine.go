@@ -52,6 +52,7 @@ type request struct {
 	target     int     // tokens to compute before the next sample while prefilling, else 0
 	pendingEst int     // contribution to Server.pendingPrefill
 	loraHeld   bool    // holds a reference on its adapter's slot (while running)
+	arrival    int64   // order of enqueueing: Schedule "lpm" breaks ties by it
 }
 
 // stepItem is one request's share of a planned engine step.
@@ -87,7 +88,9 @@ type Server struct {
 	mu             sync.Mutex
 	closed         bool
 	kv             *kvCache
-	waiting        []*request // FIFO; entries in stateDone are tombstones skipped on pop
+	waiting        []*request // FIFO (Schedule "lpm": longest cached prefix first); entries in stateDone are tombstones skipped on pop
+	arrivals       int64      // requests enqueued (request.arrival)
+	lpm            []lpmEntry // scratch of sortWaitingLocked
 	waitHead       int
 	numWaiting     int
 	running        []*request
@@ -297,6 +300,8 @@ func (s *Server) enqueue(r *request) error {
 		return errQueueFull
 	}
 	r.state = stateWaiting
+	s.arrivals++
+	r.arrival = s.arrivals
 	s.setPendingLocked(r)
 	s.waiting = append(s.waiting, r)
 	s.numWaiting++
@@ -417,7 +422,22 @@ func (s *Server) preemptLocked(r *request) {
 // duration: prefill tokens / PrefillTokensPerSec + DecodeStep + DecodeStepPerSeq * batch size, each
 // prefill token weighed by its position and each decode's context read where AttentionTokens and
 // DecodeStepPerKToken say.
+//
+// With SeparatePrefill (SGLang's steps), a step that can prefill (a chunked prefill unfinished, a
+// waiting request admitted) prefills only; the running sequences decode in the steps between.
 func (s *Server) planLocked(batch []stepItem) ([]stepItem, time.Duration) {
+	if !s.cfg.SeparatePrefill {
+		return s.planStepLocked(batch, true, true)
+	}
+	if b, d := s.planStepLocked(batch, false, true); len(b) > 0 {
+		return b, d
+	}
+	return s.planStepLocked(batch, true, false)
+}
+
+// planStepLocked plans a step of the running requests' decodes (when decodes), their prefill chunks and
+// the waiting requests' admission (when prefills); see planLocked.
+func (s *Server) planStepLocked(batch []stepItem, decodes, prefills bool) ([]stepItem, time.Duration) {
 	budget := s.cfg.MaxNumBatchedTokens
 	unlimited := budget < 0
 	prefill := 0
@@ -444,6 +464,9 @@ func (s *Server) planLocked(batch []stepItem) ([]stepItem, time.Duration) {
 	}
 	for i := 0; i < len(s.running) && (unlimited || budget > 0); i++ {
 		r := s.running[i]
+		if decoding := r.computed >= r.target; decoding && !decodes || !decoding && !prefills {
+			continue
+		}
 		if r.computed >= r.target {
 			// A decode: the block for the token it computes must exist.
 			for s.blocksFor(r.computed+1) > len(r.blocks) && r.state == stateRunning {
@@ -460,39 +483,44 @@ func (s *Server) planLocked(batch []stepItem) ([]stepItem, time.Duration) {
 		take(r)
 	}
 	loads := 0
-	for i := s.waitHead; s.numWaiting > 0 && i < len(s.waiting) && len(s.running) < s.cfg.MaxNumSeqs && (unlimited || budget > 0); {
-		r := s.waiting[i]
-		if r.state == stateDone { // aborted while waiting
+	if prefills {
+		if s.cfg.Schedule == ScheduleLPM && s.numWaiting > 1 && s.numWaiting <= LPMQueueLimit && len(s.running) < s.cfg.MaxNumSeqs {
+			s.sortWaitingLocked()
+		}
+		for i := s.waitHead; s.numWaiting > 0 && i < len(s.waiting) && len(s.running) < s.cfg.MaxNumSeqs && (unlimited || budget > 0); {
+			r := s.waiting[i]
+			if r.state == stateDone { // aborted while waiting
+				if i == s.waitHead {
+					s.popWaitingLocked()
+					i = s.waitHead
+				} else {
+					i++
+				}
+				continue
+			}
+			if !s.loraAdmissibleLocked(r) {
+				i++ // its adapter has no slot: skipped, like vLLM's scheduler does
+				continue
+			}
+			if !s.admitLocked(r) {
+				break // head-of-line blocking, like vLLM's FCFS scheduler
+			}
+			if s.takeLoRALocked(r) {
+				loads++
+			}
 			if i == s.waitHead {
 				s.popWaitingLocked()
 				i = s.waitHead
 			} else {
-				i++
+				s.waiting = slices.Delete(s.waiting, i, i+1)
 			}
-			continue
+			s.numWaiting--
+			s.running = append(s.running, r)
+			take(r)
 		}
-		if !s.loraAdmissibleLocked(r) {
-			i++ // its adapter has no slot: skipped, like vLLM's scheduler does
-			continue
-		}
-		if !s.admitLocked(r) {
-			break // head-of-line blocking, like vLLM's FCFS scheduler
-		}
-		if s.takeLoRALocked(r) {
-			loads++
-		}
-		if i == s.waitHead {
+		for s.numWaiting == 0 && s.waitHead < len(s.waiting) { // drop trailing tombstones
 			s.popWaitingLocked()
-			i = s.waitHead
-		} else {
-			s.waiting = slices.Delete(s.waiting, i, i+1)
 		}
-		s.numWaiting--
-		s.running = append(s.running, r)
-		take(r)
-	}
-	for s.numWaiting == 0 && s.waitHead < len(s.waiting) { // drop trailing tombstones
-		s.popWaitingLocked()
 	}
 	if len(batch) == 0 {
 		return batch, 0
@@ -506,6 +534,38 @@ func (s *Server) planLocked(batch []stepItem) ([]stepItem, time.Duration) {
 		time.Duration(float64(s.cfg.DecodeStepPerKToken)*context/1000) +
 		s.cfg.LoRALoadTime*time.Duration(loads)
 	return batch, d
+}
+
+// lpmEntry is a waiting request and the prompt blocks it finds cached (-1: a tombstone).
+type lpmEntry struct {
+	r    *request
+	hits int
+}
+
+// sortWaitingLocked orders the waiting queue by the prefix each request finds cached, longest first,
+// in arrival order among equals: SGLang's longest-prefix-match schedule, which admits the requests
+// that cost least to prefill first.
+func (s *Server) sortWaitingLocked() {
+	q := s.waiting[s.waitHead:]
+	keys := s.lpm[:0]
+	for _, r := range q {
+		hits := -1
+		if r.state != stateDone {
+			hits, _ = s.kv.lookup(r.hashes, s.maxHitBlocks(r))
+		}
+		keys = append(keys, lpmEntry{r, hits})
+	}
+	slices.SortFunc(keys, func(a, b lpmEntry) int {
+		if a.hits != b.hits {
+			return b.hits - a.hits
+		}
+		return int(a.r.arrival - b.r.arrival)
+	})
+	for i, k := range keys {
+		q[i] = k.r
+	}
+	clear(keys)
+	s.lpm = keys[:0]
 }
 
 func (s *Server) popWaitingLocked() {

@@ -449,3 +449,68 @@ func TestParsePromptMatchesCached(t *testing.T) {
 		t.Errorf("mismatched block size: err = %v", err)
 	}
 }
+
+// TestScheduleLPM: with SGLang's longest-prefix-match order, a waiting request whose prefix is cached
+// is admitted before one that came earlier and finds nothing; in arrival order (vLLM's) the earlier one
+// goes first.
+func TestScheduleLPM(t *testing.T) {
+	for _, tt := range []struct {
+		schedule string
+		first    string // the waiting request admitted first
+	}{{ScheduleFCFS, "cold"}, {ScheduleLPM, "warm"}} {
+		t.Run(tt.schedule, func(t *testing.T) {
+			s := manualServer(t, Config{MaxNumSeqs: 1, Schedule: tt.schedule})
+			shared := blocksText("shared", 40)
+			submit(t, s, shared, 1)
+			drain(t, s, 10) // shared's blocks now cached
+			submit(t, s, longText("busy-", 64), 3)
+			step(s) // busy takes the one slot
+			cold := submit(t, s, blocksText("cold", 40), 1)
+			warm := submit(t, s, shared+longText("more", 64), 1)
+			for range 10 {
+				if cold.state != stateWaiting || warm.state != stateWaiting {
+					break
+				}
+				step(s)
+			}
+			got := map[bool]string{true: "cold", false: "warm"}[cold.state != stateWaiting]
+			if cold.state != stateWaiting && warm.state != stateWaiting {
+				t.Fatal("both admitted in one step on one slot")
+			}
+			if got != tt.first {
+				t.Errorf("%s admitted first, want %s", got, tt.first)
+			}
+		})
+	}
+}
+
+// TestSeparatePrefill: SGLang's steps prefill apart from decodes, so a prompt arriving beside a running
+// sequence gets a step of its own; vLLM's mixed steps decode and prefill together.
+func TestSeparatePrefill(t *testing.T) {
+	for _, separate := range []bool{false, true} {
+		s := manualServer(t, Config{SeparatePrefill: separate})
+		submit(t, s, "first prompt", 5)
+		step(s) // its prefill
+		second := submit(t, s, longText("second-", 256), 5)
+		_, n := step(s)
+		want := 2 // the first one's decode and the second's prefill
+		if separate {
+			want = 1
+		}
+		if n != want || second.state != stateRunning {
+			t.Errorf("separate %v: a step of %d (second %v), want %d with the second admitted", separate, n, second.state, want)
+		}
+		if _, n := step(s); separate && n != 2 {
+			t.Errorf("separate: the step after the prefill ran %d sequences, want both decoding", n)
+		}
+	}
+}
+
+func TestScheduleValidated(t *testing.T) {
+	if _, err := New(Config{Schedule: "sjf"}); err == nil || !strings.Contains(err.Error(), "schedule") {
+		t.Errorf("New(schedule sjf) error = %v, want one naming schedule", err)
+	}
+	if _, err := New(Config{AttentionTokens: -1}); err == nil || !strings.Contains(err.Error(), "attention_tokens") {
+		t.Errorf("New(attention_tokens -1) error = %v, want one naming attention_tokens", err)
+	}
+}

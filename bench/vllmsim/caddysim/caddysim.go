@@ -81,6 +81,11 @@ type Handler struct {
 	// DecodeStepPerKToken is added to a step for every 1,000 tokens of context its decodes read.
 	// Default: 0, off.
 	DecodeStepPerKToken caddy.Duration `json:"decode_step_per_ktoken,omitempty"`
+	// Schedule orders the waiting queue: "fcfs" (vLLM's) or "lpm" (SGLang's longest prefix match).
+	// Default: fcfs.
+	Schedule string `json:"schedule,omitempty"`
+	// SeparatePrefill runs prefill steps apart from decode steps, as SGLang does without mixed chunks.
+	SeparatePrefill bool `json:"separate_prefill,omitempty"`
 	// TimeScale divides every simulated duration: 10 runs ten times faster than real time. Default: 1.
 	TimeScale float64 `json:"time_scale,omitempty"`
 	// TokensPerChunk is the number of output tokens per streamed chunk. Default: 1, like vLLM.
@@ -136,6 +141,8 @@ func (h *Handler) Config() vllmsim.Config {
 		DecodeStepPerSeq:    time.Duration(h.DecodeStepPerSeq),
 		AttentionTokens:     h.AttentionTokens,
 		DecodeStepPerKToken: time.Duration(h.DecodeStepPerKToken),
+		Schedule:            h.Schedule,
+		SeparatePrefill:     h.SeparatePrefill,
 		TimeScale:           h.TimeScale,
 		TokensPerChunk:      h.TokensPerChunk,
 		Metrics:             h.Metrics,
@@ -236,6 +243,8 @@ func parseCaddyfile(helper httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, e
 //		decode_step_per_seq    <duration>
 //		attention_tokens       <tokens>
 //		decode_step_per_ktoken <duration>
+//		schedule               fcfs|lpm
+//		separate_prefill
 //		time_scale             <factor>
 //		tokens_per_chunk       <n>
 //		metrics                vllm|vllm-legacy|sglang|llamacpp|nim|tgi
@@ -264,11 +273,11 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			return d.Errf("%s already specified", opt)
 		}
 		seen[opt] = true
-		if opt == "metrics_fail" {
+		if flag := map[string]*bool{"metrics_fail": &h.MetricsFail, "separate_prefill": &h.SeparatePrefill}[opt]; flag != nil {
 			if d.NextArg() {
 				return d.ArgErr()
 			}
-			h.MetricsFail = true
+			*flag = true
 			continue
 		}
 		if opt == "lora_adapters" {
@@ -336,6 +345,8 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			err = intArg(&h.AttentionTokens)
 		case "decode_step_per_ktoken":
 			err = durationArg(&h.DecodeStepPerKToken)
+		case "schedule":
+			h.Schedule = arg
 		case "time_scale":
 			err = floatArg(&h.TimeScale)
 		case "tokens_per_chunk":

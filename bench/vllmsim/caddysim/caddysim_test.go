@@ -40,6 +40,8 @@ func TestUnmarshalCaddyfile(t *testing.T) {
 				decode_step_per_seq 500us
 				attention_tokens 32768
 				decode_step_per_ktoken 250us
+				schedule lpm
+				separate_prefill
 				time_scale 10
 				tokens_per_chunk 4
 				metrics sglang
@@ -58,6 +60,7 @@ func TestUnmarshalCaddyfile(t *testing.T) {
 				MaxNumBatchedTokens: 4096, PrefillTokensPerSec: 12000.5,
 				DecodeStep: caddy.Duration(25 * time.Millisecond), DecodeStepPerSeq: caddy.Duration(500 * time.Microsecond),
 				AttentionTokens: 32768, DecodeStepPerKToken: caddy.Duration(250 * time.Microsecond),
+				Schedule: "lpm", SeparatePrefill: true,
 				TimeScale: 10, TokensPerChunk: 4, Metrics: "sglang", ErrorRate: 0.01, DropMidStreamRate: 0.02,
 				CutStreamAfter: 7, MetricsDelay: caddy.Duration(2 * time.Second), MetricsFail: true, Seed: 42,
 				LoRAAdapters: []string{"fin", "legal"}, MaxLoRAs: 2, LoRALoadTime: caddy.Duration(time.Second),
@@ -79,16 +82,17 @@ func TestUnmarshalCaddyfile(t *testing.T) {
 
 func TestUnmarshalCaddyfileErrors(t *testing.T) {
 	bad := map[string]string{
-		"unknown option":  `vllm_sim { nonsense 1 }`,
-		"two arguments":   `vllm_sim a b`,
-		"missing value":   `vllm_sim { max_num_seqs }`,
-		"extra value":     `vllm_sim { max_num_seqs 1 2 }`,
-		"not an integer":  `vllm_sim { num_gpu_blocks many }`,
-		"not a number":    `vllm_sim { time_scale fast }`,
-		"bad duration":    `vllm_sim { decode_step soon }`,
-		"bad seed":        `vllm_sim { seed x }`,
-		"bad cut":         `vllm_sim { cut_stream_after 1.5 }`,
-		"flag with value": `vllm_sim { metrics_fail yes }`,
+		"unknown option":    `vllm_sim { nonsense 1 }`,
+		"two arguments":     `vllm_sim a b`,
+		"missing value":     `vllm_sim { max_num_seqs }`,
+		"extra value":       `vllm_sim { max_num_seqs 1 2 }`,
+		"not an integer":    `vllm_sim { num_gpu_blocks many }`,
+		"not a number":      `vllm_sim { time_scale fast }`,
+		"bad duration":      `vllm_sim { decode_step soon }`,
+		"bad seed":          `vllm_sim { seed x }`,
+		"bad cut":           `vllm_sim { cut_stream_after 1.5 }`,
+		"flag with value":   `vllm_sim { metrics_fail yes }`,
+		"flag with a value": `vllm_sim { separate_prefill yes }`,
 		"repeated option": `vllm_sim { max_queue 1
 			max_queue 2 }`,
 		"model twice":       `vllm_sim a { model b }`,
