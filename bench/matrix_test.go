@@ -229,6 +229,20 @@ func TestJudgeCell(t *testing.T) {
 	if h, _ := c.policy("header"); h.MaxShare != 1.5 {
 		t.Errorf("header max share = %v, want 1.5 (15 of 20 requests on one of 2 backends)", h.MaxShare)
 	}
+	// The busiest backend's TTFT median over the run's, where the runs name each backend's: the median
+	// over seeds of 40/80 and 60/80 (the busiest is the second backend, 3 of 4 requests).
+	busy := func(p50, busiest float64) MatrixRun {
+		s := summaryOf("llm", p50, 800)
+		s.BackendRequests, s.BackendTTFTP50 = []int{1, 3}, []float64{200, busiest}
+		return MatrixRun{Policies: []Summary{summaryOf("least_conn", 100, 1000), s}}
+	}
+	c = judgeCell("r", "w", []MatrixRun{busy(80, 40), busy(80, 60)})
+	if l, _ := c.policy("llm"); l.BusiestTTFT != 0.625 {
+		t.Errorf("llm busiest TTFT ratio = %v, want 0.625 (the median of 0.5 and 0.75)", l.BusiestTTFT)
+	}
+	if lc, _ := c.policy("least_conn"); lc.BusiestTTFT != 0 {
+		t.Errorf("least_conn busiest TTFT ratio = %v without backend figures, want 0", lc.BusiestTTFT)
+	}
 }
 
 // The verdicts net of the proxy's time and after each run's first quarter are judged like the main one,
@@ -295,17 +309,18 @@ func TestMaxShare(t *testing.T) {
 		requests []int
 		capacity []float64
 		want     float64
+		busiest  int
 	}{
-		{"even", []int{25, 25, 25, 25}, nil, 1},
-		{"one hot", []int{70, 10, 10, 10}, nil, 2.8},
-		{"weighted by capacity", []int{30, 30, 30, 10}, []float64{3, 3, 3, 1}, 1},
-		{"slow backend overloaded", []int{25, 25, 25, 25}, []float64{3, 3, 3, 1}, 2.5},
-		{"capacity of another length ignored", []int{50, 50}, []float64{1}, 1},
-		{"nothing sent", []int{0, 0}, nil, 0},
+		{"even", []int{25, 25, 25, 25}, nil, 1, 0},
+		{"one hot", []int{10, 70, 10, 10}, nil, 2.8, 1},
+		{"weighted by capacity", []int{30, 30, 30, 10}, []float64{3, 3, 3, 1}, 1, 0},
+		{"slow backend overloaded", []int{25, 25, 25, 25}, []float64{3, 3, 3, 1}, 2.5, 3},
+		{"capacity of another length ignored", []int{50, 50}, []float64{1}, 1, 0},
+		{"nothing sent", []int{0, 0}, nil, 0, -1},
 	}
 	for _, tt := range tests {
-		if got := maxShare(tt.requests, tt.capacity); math.Abs(got-tt.want) > 1e-9 {
-			t.Errorf("%s: maxShare(%v, %v) = %v, want %v", tt.name, tt.requests, tt.capacity, got, tt.want)
+		if got, i := maxShare(tt.requests, tt.capacity); math.Abs(got-tt.want) > 1e-9 || i != tt.busiest {
+			t.Errorf("%s: maxShare(%v, %v) = %v, %d; want %v, %d", tt.name, tt.requests, tt.capacity, got, i, tt.want, tt.busiest)
 		}
 	}
 }
@@ -746,6 +761,10 @@ func TestTargetRows(t *testing.T) {
 		cell("a", "mixed", PolicyMedian{MaxShare: 1.1}, PolicyMedian{}),
 		cell("b", "shared-prefix", PolicyMedian{TTFTP50: 31}, PolicyMedian{TTFTP50: 100}),
 		{Regime: "c", Workload: "hot-prefix", Policies: []PolicyMedian{{Policy: judgedPolicy, TTFTP99: 50, MaxShare: 1}}},
+		// over the share, but the busiest backend answered its requests sooner than the run's median, and
+		// later: a pass, then a miss
+		{Regime: "d", Workload: "hot-prefix", Policies: []PolicyMedian{{Policy: judgedPolicy, MaxShare: 1.7, BusiestTTFT: 0.8}}},
+		{Regime: "e", Workload: "mixed", Policies: []PolicyMedian{{Policy: judgedPolicy, MaxShare: 2, BusiestTTFT: 1.3}}},
 	}
 	hot := cell("a", "hot-prefix", PolicyMedian{TTFTP99: 90, MaxShare: 1.6}, PolicyMedian{TTFTP99: 100})
 	hot.Policies = append(hot.Policies, PolicyMedian{Policy: "oracle", TTFTP99: 85})
@@ -755,13 +774,16 @@ func TestTargetRows(t *testing.T) {
 		{regime: "a", sharedP50: 0.30, hotP99: 0.90, oracleHotP99: 0.85, maxShare: 1.6, maxShareCell: "hot-prefix", sharedPass: true},
 		{regime: "b", sharedP50: 0.31},
 		{regime: "c", maxShare: 1, maxShareCell: "hot-prefix"}, // no least_conn: no ratio
+		{regime: "d", maxShare: 1.7, maxShareCell: "hot-prefix", busiestTTFT: 0.8},
+		{regime: "e", maxShare: 2, maxShareCell: "mixed", busiestTTFT: 1.3},
 	}
 	if !reflect.DeepEqual(got, want) {
 		t.Errorf("targetRows() =\n%+v\nwant\n%+v", got, want)
 	}
 	var b strings.Builder
 	writeTargetsMarkdown(&b, cells)
-	for _, s := range []string{"| a | 0.30 | **0.90** (0.85) | **1.60 (hot-prefix)** |", "| b | **0.31** | - | - |", "| c | - | - | 1.00 (hot-prefix) |"} {
+	for _, s := range []string{"| a | 0.30 | **0.90** (0.85) | **1.60 (hot-prefix)** |", "| b | **0.31** | - | - |", "| c | - | - | 1.00 (hot-prefix) |",
+		"| d | - | - | 1.70 (hot-prefix; its p50 0.80x the run's) |", "| e | - | - | **2.00 (mixed; its p50 1.30x the run's)** |"} {
 		if !strings.Contains(b.String(), s) {
 			t.Errorf("targets section lacks %q:\n%s", s, b.String())
 		}

@@ -459,6 +459,7 @@ func runPolicyResults(ctx context.Context, o options, sims []simSettings, w Work
 	if queries > 0 {
 		s.CacheHitRate = round3(float64(hits)/float64(queries)*1e3) / 1e3
 	}
+	s.BackendTTFTP50 = backendTTFTP50(results, c.dials, o.sim.TimeScale)
 	s.WallSeconds = round3(s.WallSeconds)
 	return s, results, nil
 }

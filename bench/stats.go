@@ -151,10 +151,14 @@ type Summary struct {
 	PredictedCachedRate float64 `json:"predicted_cached_rate,omitempty"`
 	PredictionPrecision float64 `json:"prediction_precision,omitempty"`
 	BackendRequests     []int   `json:"backend_requests"`
-	LagP50              float64 `json:"sched_lag_p50_wall_ms"`
-	LagP99              float64 `json:"sched_lag_p99_wall_ms"`
-	LagMax              float64 `json:"sched_lag_max_wall_ms"`
-	WallSeconds         float64 `json:"wall_seconds"`
+	// BackendTTFTP50 is, for each backend in BackendRequests' order, the TTFT median of the measured
+	// requests it answered (0: none, or the responses did not name it): whether the requests a policy
+	// concentrated on one backend were answered sooner or later than the rest.
+	BackendTTFTP50 []float64 `json:"backend_ttft_p50_ms,omitempty"`
+	LagP50         float64   `json:"sched_lag_p50_wall_ms"`
+	LagP99         float64   `json:"sched_lag_p99_wall_ms"`
+	LagMax         float64   `json:"sched_lag_max_wall_ms"`
+	WallSeconds    float64   `json:"wall_seconds"`
 	// CPUPercent is the CPU time of the whole benchmark process (Caddy, simulators and load
 	// generator) during the run, in percent of one core.
 	CPUPercent float64 `json:"cpu_percent_of_one_core"`
@@ -172,6 +176,24 @@ func firstError(r requestResult) string {
 		e = strings.ToValidUTF8(e[:maxFirstError], "") + "..."
 	}
 	return e
+}
+
+// backendTTFTP50 returns Summary.BackendTTFTP50 of results for the backends at dials (the addresses the
+// responses name in X-Upstream); scale converts wall durations to simulated ones.
+func backendTTFTP50(results []requestResult, dials []string, scale float64) []float64 {
+	by := make(map[string][]float64, len(dials))
+	for _, r := range results {
+		if !r.Warmup && !r.Failed && r.Upstream != "" {
+			by[r.Upstream] = append(by[r.Upstream], ms(r.TTFT)*scale)
+		}
+	}
+	out := make([]float64, len(dials))
+	for i, d := range dials {
+		if xs := by[d]; len(xs) > 0 {
+			out[i] = round3(newDistribution(xs).P50)
+		}
+	}
+	return out
 }
 
 // summarize computes a policy's figures from its measured (non-warm-up) requests. scale converts

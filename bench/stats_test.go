@@ -2,6 +2,7 @@ package main
 
 import (
 	"math"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -123,5 +124,23 @@ func TestSummarizeEmptyIsValidJSON(t *testing.T) {
 		if math.IsNaN(v) {
 			t.Errorf("%s of no requests is NaN, want 0", name)
 		}
+	}
+}
+
+// TestBackendTTFTP50: each backend's TTFT median is of the measured requests it answered, in the dials'
+// order and the simulated time; warm-up and failed requests do not count, and a backend no response
+// named has none.
+func TestBackendTTFTP50(t *testing.T) {
+	ms := func(n int) time.Duration { return time.Duration(n) * time.Millisecond }
+	results := []requestResult{
+		{Upstream: "a:1", TTFT: ms(10)}, {Upstream: "a:1", TTFT: ms(30)}, {Upstream: "a:1", TTFT: ms(20)},
+		{Upstream: "b:2", TTFT: ms(5)},
+		{Upstream: "b:2", TTFT: ms(500), Warmup: true},
+		{Upstream: "b:2", TTFT: ms(900), Failed: true},
+		{TTFT: ms(1)}, // no X-Upstream
+	}
+	got := backendTTFTP50(results, []string{"b:2", "a:1", "c:3"}, 10)
+	if want := []float64{50, 200, 0}; !slices.Equal(got, want) {
+		t.Errorf("backendTTFTP50() = %v, want %v", got, want)
 	}
 }
