@@ -237,6 +237,9 @@ type streamChunk struct {
 // errNoDone is a stream that ended without "data: [DONE]" (a dropped connection).
 var errNoDone = errors.New("stream ended without [DONE]")
 
+// maxErrorBody is how much of a failed response's body a request's error keeps.
+const maxErrorBody = 200
+
 // send posts one streaming request and measures it the way vLLM's bench serve does: TTFT at the
 // first chunk with content, end-to-end latency at [DONE], output tokens from the usage chunk.
 func (d *driver) send(ctx context.Context, req Request) requestResult {
@@ -281,8 +284,12 @@ func (d *driver) send(ctx context.Context, req Request) requestResult {
 	r.PredictedTTFT, _ = strconv.ParseFloat(resp.Header.Get("X-LLM-Predicted-TTFT"), 64)
 	r.Reason = resp.Header.Get("X-LLM-Reason")
 	if resp.StatusCode != http.StatusOK {
+		// What answered, for Summary.FirstError: the start of the body, the server and the upstream
+		// (a run once lost 128 requests to 404s whose source nothing recorded).
+		body, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
 		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<16))
-		return fail(fmt.Errorf("status %d", resp.StatusCode))
+		return fail(fmt.Errorf("status %d from %q (server %q, upstream %q): %q", resp.StatusCode, resp.Request.URL.Host,
+			resp.Header.Get("Server"), r.Upstream, body))
 	}
 	br := bufio.NewReader(resp.Body)
 	chunks, done := 0, false

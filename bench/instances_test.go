@@ -153,6 +153,32 @@ func TestDriverRetriesUnanswered(t *testing.T) {
 	}
 }
 
+// TestDriverSaysWhatFailed: a request answered other than 200 fails with what answered it: the
+// status, the address, the Server header and the start of the body, no more of it than maxErrorBody.
+func TestDriverSaysWhatFailed(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Server", "somebody-else")
+		w.WriteHeader(http.StatusNotFound)
+		fmt.Fprint(w, `{"detail":"Not Found"}`+strings.Repeat("x", 1000))
+	}))
+	defer srv.Close()
+	d := &driver{targets: []string{srv.URL}, client: newClient(), model: "m", rate: 1e6, seed: 1}
+	w := Workload{Sessions: []Session{{Requests: []Request{{Messages: []Message{{Role: "user", Content: "hi"}}, MaxTokens: 1}}}}}
+	res := d.run(context.Background(), w)
+	if len(res) != 1 || !res[0].Failed || res[0].Status != http.StatusNotFound {
+		t.Fatalf("results %+v, want one request failed with 404", res)
+	}
+	e := res[0].Err
+	for _, want := range []string{"status 404", strings.TrimPrefix(srv.URL, "http://"), "somebody-else", `Not Found`} {
+		if !strings.Contains(e, want) {
+			t.Errorf("error %q lacks %q", e, want)
+		}
+	}
+	if strings.Count(e, "x") > maxErrorBody {
+		t.Errorf("error keeps %d bytes of the body, want at most %d", strings.Count(e, "x"), maxErrorBody)
+	}
+}
+
 func TestInstancesMediansAndVerdict(t *testing.T) {
 	setups := []frontSetup{{"one", 1, false}, {"shared", 3, true}, {"unshared", 3, false}}
 	w := InstancesWorkload{Workload: "w"}
