@@ -45,18 +45,18 @@ func (s simSettings) describe() string {
 		c.Metrics = ""
 		return c.describe() + ", /metrics as " + s.Metrics
 	}
-	context := ""
+	engine := ""
 	if s.AttentionTokens > 0 || s.DecodeStepPerKToken > 0 {
-		context = fmt.Sprintf(", attention doubling a prefill token's cost at position %d, decode %v per 1k tokens of context", s.AttentionTokens, s.DecodeStepPerKToken)
+		engine = fmt.Sprintf(", attention doubling a prefill token's cost at position %d, decode %v per 1k tokens of context", s.AttentionTokens, s.DecodeStepPerKToken)
 	}
 	if s.Schedule == vllmsim.ScheduleLPM {
-		context += ", longest-prefix-match admission"
+		engine += ", longest-prefix-match admission"
 	}
 	if s.SeparatePrefill {
-		context += ", prefill steps apart from decode steps"
+		engine += ", prefill steps apart from decode steps"
 	}
 	return fmt.Sprintf("%.0f prefill tok/s, decode step %v + %v/seq%s, max_num_seqs %d, %d KV blocks of %d tokens, time scale %gx, %d tokens per SSE chunk",
-		s.PrefillTokensPerSec, s.DecodeStep, s.DecodeStepPerSeq, context, s.MaxNumSeqs, s.NumGPUBlocks, s.BlockSize, s.TimeScale, s.TokensPerChunk)
+		s.PrefillTokensPerSec, s.DecodeStep, s.DecodeStepPerSeq, engine, s.MaxNumSeqs, s.NumGPUBlocks, s.BlockSize, s.TimeScale, s.TokensPerChunk)
 }
 
 // simBytesPerToken is the simulator's tokenizer: 4 bytes of templated prompt per token.

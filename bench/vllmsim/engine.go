@@ -417,8 +417,8 @@ func (s *Server) preemptLocked(r *request) {
 // planLocked chooses the next step's batch, like vLLM's scheduler: running requests first, in order,
 // each computing the tokens it still lacks before its next sample (one for a decode, a prefill chunk
 // otherwise) within the step's token budget; a decode that needs a new block and finds none preempts
-// the most recently admitted running request. Then waiting requests are admitted in FIFO order while
-// a sequence slot, the budget and their blocks allow. It returns the batch and the step's simulated
+// the most recently admitted running request. Then waiting requests are admitted in FIFO order
+// (Schedule "lpm": longest cached prefix first) while a sequence slot, the budget and their blocks allow. It returns the batch and the step's simulated
 // duration: prefill tokens / PrefillTokensPerSec + DecodeStep + DecodeStepPerSeq * batch size, each
 // prefill token weighed by its position and each decode's context read where AttentionTokens and
 // DecodeStepPerKToken say.
@@ -441,7 +441,7 @@ func (s *Server) planStepLocked(batch []stepItem, decodes, prefills bool) ([]ste
 	budget := s.cfg.MaxNumBatchedTokens
 	unlimited := budget < 0
 	prefill := 0
-	positions, context := 0.0, 0.0 // the prefill tokens' positions, summed, and the decodes' contexts
+	positions, read := 0.0, 0.0 // the prefill tokens' positions, summed, and the context the decodes read
 	take := func(r *request) {
 		n := r.knownTokens() - r.computed
 		if r.computed < r.target {
@@ -459,7 +459,7 @@ func (s *Server) planStepLocked(batch []stepItem, decodes, prefills bool) ([]ste
 			prefill += n
 			positions += float64(n) * (float64(r.computed) + float64(n-1)/2)
 		} else {
-			context += float64(r.computed)
+			read += float64(r.computed)
 		}
 	}
 	for i := 0; i < len(s.running) && (unlimited || budget > 0); i++ {
@@ -531,7 +531,7 @@ func (s *Server) planStepLocked(batch []stepItem, decodes, prefills bool) ([]ste
 	}
 	d := time.Duration(work/s.cfg.PrefillTokensPerSec*float64(time.Second)) +
 		s.cfg.DecodeStep + s.cfg.DecodeStepPerSeq*time.Duration(len(batch)) +
-		time.Duration(float64(s.cfg.DecodeStepPerKToken)*context/1000) +
+		time.Duration(float64(s.cfg.DecodeStepPerKToken)*read/1000) +
 		s.cfg.LoRALoadTime*time.Duration(loads)
 	return batch, d
 }
