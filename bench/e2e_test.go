@@ -10,6 +10,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/tokenrouter/caddy-llm/bench/vllmsim"
 )
 
 // TestEndToEnd runs a small shared-prefix workload on 2 backends through Caddy with round_robin
@@ -228,6 +230,10 @@ func TestMatrixEndToEnd(t *testing.T) {
 			t.Errorf("%s: proxy p50 %v wall ms, net TTFT p50 %v p99 %v against %v %v; want a proxy time and net figures at most the measured",
 				s.Policy, s.ProxyP50, s.NetTTFTP50, s.NetTTFTP99, s.TTFTP50, s.TTFTP99)
 		}
+		// Each backend's TTFT median, in the backends' order, for the share target.
+		if len(s.BackendTTFTP50) != 2 || max(s.BackendTTFTP50[0], s.BackendTTFTP50[1]) <= 0 {
+			t.Errorf("%s: backend TTFT medians %v, want one per backend, some positive", s.Policy, s.BackendTTFTP50)
+		}
 		// -dump wrote every request of the run, each with the backend that answered.
 		f, err := os.ReadFile(filepath.Join(o.dump, dumpName(run.Regime+"/"+run.Workload+"/seed 3/load 0.50", s.Policy)))
 		if err != nil {
@@ -266,5 +272,37 @@ func TestMatrixEndToEnd(t *testing.T) {
 				t.Errorf("%s: %s seen restarted %d times: it started from an earlier policy's state", s.Policy, u.Upstream, u.Cache.Restarts)
 			}
 		}
+	}
+}
+
+// TestEngineFleetsEndToEnd runs the fleets whose engines work otherwise than the policy's model (costs
+// growing with context; SGLang's scheduler and /metrics) through Caddy: each backend is built as its
+// regime says, and both policies complete every request.
+func TestEngineFleetsEndToEnd(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts Caddy and simulated backends")
+	}
+	t.Setenv("XDG_DATA_HOME", t.TempDir())
+	t.Setenv("XDG_CONFIG_HOME", t.TempDir())
+	o := options{matrix: true, backends: 2, load: 0.5, seed: 5, seeds: 1, out: t.TempDir(), sim: defaultSim, timeScaleSet: true}
+	o.sim.TimeScale = 20
+	o.policies = policiesNamed([]string{"least_conn", "llm"})
+	w := sharedPrefix(rand.New(rand.NewPCG(5, 5)), 4, 5, 1500, 100, 16)
+	for _, name := range []string{"long-context", "sglang"} {
+		prog := newProgress(os.Stderr, 2*w.NumRequests())
+		run := runMatrixJob(context.Background(), o, matrixJob{regime: mustRegime(name), workload: w, seed: 5, load: o.load}, prog)
+		prog.finish()
+		if len(run.Policies) != 2 {
+			t.Fatalf("%s: %d policies run, want 2", name, len(run.Policies))
+		}
+		for _, s := range run.Policies {
+			if s.Skipped != "" || s.Failed != 0 || s.Completed != s.Requests || s.TTFTP50 <= 0 {
+				t.Errorf("%s/%s: skipped %q, %d of %d failed (%s), TTFT p50 %v", name, s.Policy, s.Skipped, s.Failed, s.Requests, s.FirstError, s.TTFTP50)
+			}
+		}
+	}
+	sims := mustRegime("sglang").build(2, defaultSim)
+	if sims[0].Metrics != vllmsim.MetricsSGLang || sims[0].Schedule != vllmsim.ScheduleLPM || !sims[0].SeparatePrefill {
+		t.Errorf("sglang backends %+v, want SGLang's metrics and scheduler", sims[0])
 	}
 }
