@@ -10,6 +10,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 
 	"github.com/tokenrouter/caddy-llm/internal/freeport"
+	"github.com/tokenrouter/caddy-llm/selection"
 )
 
 // policy is one load-balancing configuration under test: a name for the reports and the JSON of
@@ -21,6 +22,10 @@ type policy struct {
 	// Transport is the reverse_proxy transport module: "" is Caddy's http transport, "llm" this
 	// plugin's, which shows the llm policy every response (first tokens, cached tokens).
 	Transport string
+	// TellSpeeds sets each upstream's capacity to its simulator's prefill speed relative to the
+	// policy's prior (times the time scale): what a user who writes `capacity` for unlike engines
+	// tells the policy (tellSpeeds).
+	TellSpeeds bool
 }
 
 // allPolicies are the policies the benchmark compares, in report order. least_conn is the
@@ -60,6 +65,9 @@ var extraPolicies = []policy{
 	// llm given the conversation ID the header policy hashes (conversation_header): the same knowledge
 	// as header, against llm's bare default, which infers conversations from their prefixes.
 	{Name: "llm-conversation", JSON: `{"policy":"llm","conversation_header":"X-Conversation-ID"}`},
+	// llm told each backend's relative speed with capacity, as a user of a pool of unlike engines can:
+	// against llm, what learning them costs where an engine that always queues learns slowly.
+	{Name: "llm-told", JSON: `{"policy":"llm"}`, TellSpeeds: true},
 }
 
 // matrixPolicies are the policies of -matrix: Caddy's stock policies (stockPolicies), this
@@ -252,6 +260,26 @@ func scalePrior(p policy, timeScale float64, dials []string) policy {
 	caps := make(map[string]float64, len(dials))
 	for _, d := range dials {
 		caps[d] = timeScale
+	}
+	cfg["capacities"] = caps
+	b, err := json.Marshal(cfg)
+	if err != nil {
+		return p
+	}
+	return policy{Name: p.Name, JSON: string(b), Transport: p.Transport}
+}
+
+// tellSpeeds returns p with each upstream's capacity set to its prefill speed over the policy's prior's
+// (selection.Prior: what a capacity of 1 stands for), times timeScale, when p.TellSpeeds (speeds[i] is dials[i]'s prefill tokens a simulated second);
+// p unchanged otherwise.
+func tellSpeeds(p policy, timeScale float64, dials []string, speeds []float64) policy {
+	var cfg map[string]any
+	if !p.TellSpeeds || len(speeds) != len(dials) || json.Unmarshal([]byte(p.JSON), &cfg) != nil {
+		return p
+	}
+	caps := make(map[string]float64, len(dials))
+	for i, d := range dials {
+		caps[d] = max(timeScale, 1) * speeds[i] * selection.Prior.PrefillSecondsPerToken
 	}
 	cfg["capacities"] = caps
 	b, err := json.Marshal(cfg)

@@ -964,3 +964,20 @@ func TestMeanInterval(t *testing.T) {
 		t.Error("an interval from one run")
 	}
 }
+
+// TestTellSpeeds: llm-told's capacities are each backend's prefill speed over the prior's, times the
+// time scale; a policy that does not ask is unchanged, and scalePrior leaves the told ones alone.
+func TestTellSpeeds(t *testing.T) {
+	told := policiesNamed([]string{"llm-told"})[0]
+	dials := []string{"a:1", "b:2"}
+	got := scalePrior(tellSpeeds(told, 5, dials, []float64{8000, 3300}), 5, dials)
+	var cfg struct {
+		Capacities map[string]float64 `json:"capacities"`
+	}
+	if err := json.Unmarshal([]byte(got.JSON), &cfg); err != nil || math.Abs(cfg.Capacities["a:1"]-5) > 1e-9 || math.Abs(cfg.Capacities["b:2"]-5*3300.0/8000) > 1e-9 {
+		t.Errorf("llm-told config %s (%v), want capacities 5 and %v", got.JSON, err, 5*3300.0/8000)
+	}
+	if p := policiesNamed([]string{"llm"})[0]; tellSpeeds(p, 5, dials, []float64{8000, 3300}).JSON != p.JSON {
+		t.Error("tellSpeeds changed a policy that does not ask for it")
+	}
+}

@@ -398,7 +398,12 @@ func runPolicyResults(ctx context.Context, o options, sims []simSettings, w Work
 			upstreamsDump = filepath.Join(o.dump, upstreamsDumpName(w.Name, p.Name))
 		}
 	}
-	url, err := startCaddy(c.dials, scalePrior(scaleScrapes(p, o.sim.TimeScale), o.sim.TimeScale, c.dials), extras)
+	speeds := make([]float64, len(c.sims))
+	for i, s := range c.sims {
+		speeds[i] = s.Config().PrefillTokensPerSec
+	}
+	told := tellSpeeds(p, o.sim.TimeScale, c.dials, speeds)
+	url, err := startCaddy(c.dials, scalePrior(scaleScrapes(told, o.sim.TimeScale), o.sim.TimeScale, c.dials), extras)
 	if err != nil {
 		return Summary{}, nil, err
 	}
