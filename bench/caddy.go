@@ -24,7 +24,7 @@ type policy struct {
 	Transport string
 	// TellSpeeds sets each upstream's capacity to its simulator's prefill speed relative to the
 	// policy's prior (times the time scale): what a user who writes `capacity` for unlike engines
-	// tells the policy (tellSpeeds).
+	// tells the policy (scalePrior).
 	TellSpeeds bool
 }
 
@@ -251,42 +251,41 @@ func isolateCaddyDirs() (cleanup func(), err error) {
 // policy that sets no capacities: the policy's prior is a mid-range GPU in real time (8k prefill tokens/s,
 // 30 ms steps), and the simulated backends run timeScale times faster in wall time, so without it the
 // policy would start every run timeScale times wrong about every backend, which no real deployment does.
-// Relative speeds (a slower backend) are still the policy's to learn. Other policies are unchanged.
-func scalePrior(p policy, timeScale float64, dials []string) policy {
+// Relative speeds (a slower backend) are still the policy's to learn, unless p.TellSpeeds: then each
+// capacity is also its backend's prefill speed over the prior's (selection.Prior: what a capacity of 1
+// stands for; speeds[i] is dials[i]'s prefill tokens a simulated second), what a user who writes
+// `capacity` for unlike engines tells the policy. Other policies are unchanged.
+func scalePrior(p policy, timeScale float64, dials []string, speeds []float64) policy {
+	told := p.TellSpeeds && len(speeds) == len(dials)
+	if timeScale <= 1 {
+		if !told {
+			return p
+		}
+		timeScale = 1
+	}
 	var cfg map[string]any
-	if timeScale <= 1 || json.Unmarshal([]byte(p.JSON), &cfg) != nil || cfg["policy"] != "llm" || cfg["capacities"] != nil {
-		return p
-	}
-	caps := make(map[string]float64, len(dials))
-	for _, d := range dials {
-		caps[d] = timeScale
-	}
-	cfg["capacities"] = caps
-	b, err := json.Marshal(cfg)
-	if err != nil {
-		return p
-	}
-	return policy{Name: p.Name, JSON: string(b), Transport: p.Transport}
-}
-
-// tellSpeeds returns p with each upstream's capacity set to its prefill speed over the policy's prior's
-// (selection.Prior: what a capacity of 1 stands for), times timeScale, when p.TellSpeeds (speeds[i] is dials[i]'s prefill tokens a simulated second);
-// p unchanged otherwise.
-func tellSpeeds(p policy, timeScale float64, dials []string, speeds []float64) policy {
-	var cfg map[string]any
-	if !p.TellSpeeds || len(speeds) != len(dials) || json.Unmarshal([]byte(p.JSON), &cfg) != nil {
+	if json.Unmarshal([]byte(p.JSON), &cfg) != nil || cfg["policy"] != "llm" || cfg["capacities"] != nil {
 		return p
 	}
 	caps := make(map[string]float64, len(dials))
 	for i, d := range dials {
-		caps[d] = max(timeScale, 1) * speeds[i] * selection.Prior.PrefillSecondsPerToken
+		caps[d] = timeScale
+		if told {
+			caps[d] *= speeds[i] * selection.Prior.PrefillSecondsPerToken
+		}
 	}
 	cfg["capacities"] = caps
+	return p.withJSON(cfg)
+}
+
+// withJSON returns p with cfg as its JSON, every other field kept (p itself when cfg does not encode).
+func (p policy) withJSON(cfg map[string]any) policy {
 	b, err := json.Marshal(cfg)
 	if err != nil {
 		return p
 	}
-	return policy{Name: p.Name, JSON: string(b), Transport: p.Transport}
+	p.JSON = string(b)
+	return p
 }
 
 // scaleScrapes returns p with the llm policy's default scrape interval (1 s of wall time) divided by the
@@ -308,9 +307,5 @@ func scaleScrapes(p policy, timeScale float64) policy {
 	}
 	metrics["interval"] = (time.Duration(float64(time.Second) / timeScale)).String()
 	cfg["metrics"] = metrics
-	b, err := json.Marshal(cfg)
-	if err != nil {
-		return p
-	}
-	return policy{Name: p.Name, JSON: string(b), Transport: p.Transport}
+	return p.withJSON(cfg)
 }

@@ -128,11 +128,7 @@ func scaleAvailability(p policy, timeScale float64) policy {
 	}
 	av["interval"] = (time.Duration(float64(30*time.Second) / timeScale)).String()
 	cfg["availability"] = av
-	b, err := json.Marshal(cfg)
-	if err != nil {
-		return p
-	}
-	return policy{Name: p.Name, JSON: string(b), Transport: p.Transport}
+	return p.withJSON(cfg)
 }
 
 // runFaults runs every fault row on every seed and writes faults.json and faults.md to o.out.

@@ -235,7 +235,7 @@ func runFront(ctx context.Context, o options, sims []simSettings, w Workload, ra
 		return run, err
 	}
 	defer c.close()
-	p := scalePrior(scaleScrapes(o.policies[0], o.sim.TimeScale), o.sim.TimeScale, c.dials)
+	p := scalePrior(scaleScrapes(o.policies[0], o.sim.TimeScale), o.sim.TimeScale, c.dials, c.prefillSpeeds())
 	if setup.Share {
 		p = withOption(p, "share", map[string]any{"url": redisURL, "prefix": prefix, "flush_interval": o.shareFlushInterval().String()})
 	}

@@ -538,7 +538,7 @@ func TestScalePrior(t *testing.T) {
 		{`{"policy":"llm","capacities":{"127.0.0.1:1":2}}`, `{"policy":"llm","capacities":{"127.0.0.1:1":2}}`},
 		{`{"policy":"least_conn"}`, `{"policy":"least_conn"}`},
 	} {
-		if got := scalePrior(policy{Name: "p", JSON: tc.in}, 10, dials).JSON; got != tc.want {
+		if got := scalePrior(policy{Name: "p", JSON: tc.in}, 10, dials, nil).JSON; got != tc.want {
 			t.Errorf("scalePrior(%s) = %s, want %s", tc.in, got, tc.want)
 		}
 	}
@@ -966,18 +966,26 @@ func TestMeanInterval(t *testing.T) {
 }
 
 // TestTellSpeeds: llm-told's capacities are each backend's prefill speed over the prior's, times the
-// time scale; a policy that does not ask is unchanged, and scalePrior leaves the told ones alone.
+// time scale; a policy that does not ask gets the time scale alone whatever the speeds, and the told
+// one keeps asking through scaleScrapes.
 func TestTellSpeeds(t *testing.T) {
 	told := policiesNamed([]string{"llm-told"})[0]
 	dials := []string{"a:1", "b:2"}
-	got := scalePrior(tellSpeeds(told, 5, dials, []float64{8000, 3300}), 5, dials)
-	var cfg struct {
-		Capacities map[string]float64 `json:"capacities"`
+	speeds := []float64{8000, 3300}
+	capacities := func(p policy) map[string]float64 {
+		var cfg struct {
+			Capacities map[string]float64 `json:"capacities"`
+		}
+		if err := json.Unmarshal([]byte(p.JSON), &cfg); err != nil {
+			t.Fatalf("%s: %v", p.JSON, err)
+		}
+		return cfg.Capacities
 	}
-	if err := json.Unmarshal([]byte(got.JSON), &cfg); err != nil || math.Abs(cfg.Capacities["a:1"]-5) > 1e-9 || math.Abs(cfg.Capacities["b:2"]-5*3300.0/8000) > 1e-9 {
-		t.Errorf("llm-told config %s (%v), want capacities 5 and %v", got.JSON, err, 5*3300.0/8000)
+	got := capacities(scalePrior(scaleScrapes(told, 5), 5, dials, speeds))
+	if math.Abs(got["a:1"]-5) > 1e-9 || math.Abs(got["b:2"]-5*3300.0/8000) > 1e-9 {
+		t.Errorf("llm-told capacities %v, want 5 and %v", got, 5*3300.0/8000)
 	}
-	if p := policiesNamed([]string{"llm"})[0]; tellSpeeds(p, 5, dials, []float64{8000, 3300}).JSON != p.JSON {
-		t.Error("tellSpeeds changed a policy that does not ask for it")
+	if got := capacities(scalePrior(policiesNamed([]string{"llm"})[0], 5, dials, speeds)); got["a:1"] != 5 || got["b:2"] != 5 {
+		t.Errorf("llm capacities %v with speeds given, want the time scale for both", got)
 	}
 }

@@ -297,5 +297,6 @@ func withOption(p policy, name string, value any) policy {
 	if err != nil {
 		panic(err)
 	}
-	return policy{Name: p.Name, JSON: string(b), Transport: p.Transport}
+	p.JSON = string(b)
+	return p
 }

@@ -191,7 +191,7 @@ func runRestart(ctx context.Context, o options, sims []simSettings, name, keep, 
 		return run, err
 	}
 	defer c.close()
-	p := scalePrior(scaleScrapes(o.policies[0], o.sim.TimeScale), o.sim.TimeScale, c.dials)
+	p := scalePrior(scaleScrapes(o.policies[0], o.sim.TimeScale), o.sim.TimeScale, c.dials, c.prefillSpeeds())
 	switch keep {
 	case "persist":
 		p = withOption(p, "persist", map[string]any{})

@@ -33,6 +33,15 @@ type cluster struct {
 	dials   []string
 }
 
+// prefillSpeeds returns each backend's prefill tokens a simulated second, in dials' order.
+func (c *cluster) prefillSpeeds() []float64 {
+	speeds := make([]float64, len(c.sims))
+	for i, s := range c.sims {
+		speeds[i] = s.Config().PrefillTokensPerSec
+	}
+	return speeds
+}
+
 // simBackend adapts a simulator to what the oracle reads.
 type simBackend struct{ s *vllmsim.Server }
 
@@ -398,12 +407,7 @@ func runPolicyResults(ctx context.Context, o options, sims []simSettings, w Work
 			upstreamsDump = filepath.Join(o.dump, upstreamsDumpName(w.Name, p.Name))
 		}
 	}
-	speeds := make([]float64, len(c.sims))
-	for i, s := range c.sims {
-		speeds[i] = s.Config().PrefillTokensPerSec
-	}
-	told := tellSpeeds(p, o.sim.TimeScale, c.dials, speeds)
-	url, err := startCaddy(c.dials, scalePrior(scaleScrapes(told, o.sim.TimeScale), o.sim.TimeScale, c.dials), extras)
+	url, err := startCaddy(c.dials, scalePrior(scaleScrapes(p, o.sim.TimeScale), o.sim.TimeScale, c.dials, c.prefillSpeeds()), extras)
 	if err != nil {
 		return Summary{}, nil, err
 	}
