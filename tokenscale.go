@@ -80,7 +80,10 @@ func (s *tokenScale) fromScrape(snap *scraper.Snapshot, ended, endedPrompt int64
 	valid := s.fromValid && ok && observed == s.fromObserved
 	s.fromFinished, s.fromFinishedPrompt = snap.FinishedRequests, snap.FinishedPrompt
 	s.fromEnded, s.fromEndedPrompt = ended, endedPrompt
-	s.fromValid, s.fromObserved = ok && snap.FinishedRequests > 0, observed
+	// A scrape before the backend finished anything is a baseline like any other (no finished
+	// requests, and none of this proxy's ended): taken for none, it threw away the interval of every
+	// upstream's first ends, and a young upstream kept the scale of 1 a scrape longer.
+	s.fromValid, s.fromObserved = ok, observed
 	if valid && dReq > 0 && dReq == float64(dEnded) {
 		s.add(dPrompt, float64(dEndedPrompt))
 	}

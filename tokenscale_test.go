@@ -115,6 +115,34 @@ func TestTokenScaleFromScrapes(t *testing.T) {
 	}
 }
 
+// TestTokenScaleFromFirstEnds: a scrape taken before the backend finished any request is the baseline
+// of the interval its first requests finish in, which teaches the scale at the next scrape.
+func TestTokenScaleFromFirstEnds(t *testing.T) {
+	const dial = "10.0.0.1:8000"
+	lt := newTestLoads()
+	now := time.Now().UnixNano()
+	view := func(finished, prompt float64) {
+		now += int64(time.Millisecond)
+		lt.view(dial, now, &scraper.Snapshot{At: time.Unix(0, now), FinishedRequests: finished, FinishedPrompt: prompt,
+			BlockSize: 16, NumBlocks: 1000, Running: 1})
+	}
+	view(0, 0) // a young backend: nothing finished yet
+	for range 5 {
+		now += int64(time.Millisecond)
+		r := lt.reserve(dial, work{uncached: 1000, prompt: 1000, prediction: prediction{prompt: 1000}}, now)
+		now += int64(time.Millisecond)
+		r.release(now, true)
+	}
+	view(5, 6700)
+	l := lt.lookup(dial)
+	l.mu.Lock()
+	got := l.tokenScaleLocked()
+	l.mu.Unlock()
+	if math.Abs(got-1.34) > 1e-9 {
+		t.Fatalf("scale after the first requests finished = %v, want 1.34", got)
+	}
+}
+
 // TestTokenScaleFromUsage: a response's usage.prompt_tokens teaches the scale, and a report without it
 // teaches nothing; while reports come, scrapes do not count the same requests again.
 func TestTokenScaleFromUsage(t *testing.T) {
