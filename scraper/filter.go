@@ -8,9 +8,9 @@ var readFamilies = func() map[string]bool {
 	set := make(map[string]bool)
 	for _, names := range [][]string{
 		vllmRunning, vllmWaiting, vllmKV, vllmPrefixHits, vllmPrefixQueries, vllmGenerated, vllmSteps, vllmPrefilled,
-		{vllmRequestPrompt, vllmLoRAInfo, vllmCacheConfig},
+		{vllmRequestPrompt, vllmLoRAInfo, vllmCacheConfig, vllmFirstToken},
 		sglangRunning, sglangWaiting, sglangKV, sglangGenerated, sglangFinished, sglangPrompt,
-		{sglangCacheConfig, sglangPageSize}, sglangNumPages, sglangPoolTokens,
+		{sglangCacheConfig, sglangPageSize, sglangFirstToken}, sglangNumPages, sglangPoolTokens,
 		llamacppRunning, llamacppWaiting, llamacppKV, llamacppGenerated, llamacppPrefilled, llamacppSteps,
 		nimRunning, nimWaiting, nimKV, nimGenerated, {nimRequestPrompt}, nimMaxRunning,
 		tgiRunning, tgiWaiting, tgiSteps, {tgiGenerated},

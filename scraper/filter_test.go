@@ -71,8 +71,10 @@ func TestKeepLine(t *testing.T) {
 		{"vllm:iteration_tokens_total_sum 120\n", true},
 		{"vllm:iteration_tokens_total_bucket{le=\"+Inf\"} 8\n", false},
 		{"vllm:time_to_first_token_seconds_bucket{le=\"0.1\"} 3\n", false},
-		{"vllm:time_to_first_token_seconds_count 3\n", false},
-		{"# HELP vllm:time_to_first_token_seconds Histogram of time to first token.\n", false},
+		{"vllm:time_to_first_token_seconds_count 3\n", true},
+		{"# HELP vllm:time_to_first_token_seconds Histogram of time to first token.\n", true},
+		{"vllm:e2e_request_latency_seconds_count 3\n", false},
+		{"# HELP vllm:e2e_request_latency_seconds Histogram of end to end request latency.\n", false},
 		{"# TYPE python_gc_objects_collected_total counter\n", false},
 		{"python_info{implementation=\"CPython\" 1\n", false}, // malformed, in a family not read
 		{"# a plain comment\n", false},

@@ -98,6 +98,13 @@ type Snapshot struct {
 	// --metrics), FlavorNIM (NVIDIA NIM for LLMs, at /v1/metrics) or FlavorTGI (Hugging Face's
 	// text-generation-inference). A text carrying several families is read as the first of these.
 	Flavor string
+	// FirstTokens and FirstTokenSeconds are how many requests the target has sampled a first token for
+	// and their times to first token summed, in seconds from their arrival at the engine (its queue
+	// included): the count and sum of vLLM's vllm:time_to_first_token_seconds histogram or SGLang's
+	// sglang:time_to_first_token_seconds, both observed as each first token is sampled, summed over
+	// engines; zeros when absent. Between two snapshots they give the mean time to first token of the
+	// requests that got one, as the backend measured it.
+	FirstTokens, FirstTokenSeconds float64
 	// At is when the scrape that produced this snapshot started (Parse leaves it zero).
 	At time.Time
 }
@@ -118,6 +125,8 @@ var (
 	vllmRequestPrompt = "vllm:request_prompt_tokens"
 	vllmPrefilled     = []string{"vllm:prompt_tokens_total", "vllm:prompt_tokens"}
 	vllmCacheConfig   = "vllm:cache_config_info"
+	vllmFirstToken    = "vllm:time_to_first_token_seconds"
+	sglangFirstToken  = "sglang:time_to_first_token_seconds"
 	sglangGenerated   = []string{"sglang:generation_tokens_total", "sglang:generation_tokens"}
 	sglangFinished    = []string{"sglang:num_requests_total", "sglang:num_requests"}
 	sglangPrompt      = []string{"sglang:prompt_tokens_total", "sglang:prompt_tokens"}
@@ -255,6 +264,7 @@ func extractVLLM(families map[string]*dto.MetricFamily, model string, s *Snapsho
 	s.GenerationTokens, _ = sum(families, vllmGenerated, model)
 	s.Steps, _ = sum(families, vllmSteps, model)
 	s.FinishedRequests, s.FinishedPrompt = histogramTotals(families[vllmRequestPrompt], model)
+	s.FirstTokens, s.FirstTokenSeconds = histogramTotals(families[vllmFirstToken], model)
 	s.PrefilledPrompt, _ = sum(families, vllmPrefilled, model)
 	s.BlockSize, s.NumBlocks = geometryFromLabels(families[vllmCacheConfig], model, "block_size", "num_gpu_blocks")
 	s.Model = modelName(families, vllmRunning[0], model)
@@ -322,6 +332,7 @@ func extractSGLang(families map[string]*dto.MetricFamily, model string, s *Snaps
 	}
 	s.Running, s.Waiting, s.KVUsage, s.KVReported = running, waiting, kv, okK
 	s.GenerationTokens, _ = sum(families, sglangGenerated, model)
+	s.FirstTokens, s.FirstTokenSeconds = histogramTotals(families[sglangFirstToken], model)
 	// SGLang counts a request and its prompt tokens in these two when the request finishes (its tokenizer
 	// manager's observe_one_finished_request): what vLLM's prompt histogram counts.
 	finished, okF := finiteTotal(families, sglangFinished, model)

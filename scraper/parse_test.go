@@ -183,6 +183,26 @@ vllm:iteration_tokens_total_count{engine="1",model_name="m"} 200
 	}
 }
 
+// TestParseFirstTokens: vLLM's and SGLang's time-to-first-token histograms give the first tokens sampled
+// and their times summed (count and sum), over engines, in recorded texts of each; a text without the
+// histogram gives neither.
+func TestParseFirstTokens(t *testing.T) {
+	for _, tt := range []struct {
+		file         string
+		count, total float64
+	}{
+		{"vllm_v1_two_engines.txt", 314 + 313, 45.25 + 52.5},
+		{"vllm_legacy.txt", 100, 21.5},
+		{"sglang.txt", 320, 150.5},
+		{"llamacpp.txt", 0, 0},
+	} {
+		got, err := Parse(strings.NewReader(string(readTestdata(t, tt.file))), "")
+		if err != nil || got.FirstTokens != tt.count || math.Abs(got.FirstTokenSeconds-tt.total) > 1e-9 {
+			t.Errorf("%s: %v first tokens in %v s, %v; want %v in %v", tt.file, got.FirstTokens, got.FirstTokenSeconds, err, tt.count, tt.total)
+		}
+	}
+}
+
 // TestParseFinishedPrompts: vllm:request_prompt_tokens gives the finished requests and their prompt
 // tokens (its count and sum), summed over engines, for the model asked for only; a sum that is not a
 // finite count gives neither. vllm:prompt_tokens_total gives the prompt tokens prefilled (counted at a

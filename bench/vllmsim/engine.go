@@ -45,14 +45,15 @@ type request struct {
 
 	// guarded by Server.mu
 	state      int
-	blocks     []int32 // KV blocks in token order
-	registered int     // prompt blocks published in the prefix cache
-	computed   int     // tokens whose KV is computed (cache hits included)
-	admittedAt int     // computed at its latest admission: the cache hits it started from
-	target     int     // tokens to compute before the next sample while prefilling, else 0
-	pendingEst int     // contribution to Server.pendingPrefill
-	loraHeld   bool    // holds a reference on its adapter's slot (while running)
-	arrival    int64   // order of enqueueing: Schedule "lpm" breaks ties by it
+	blocks     []int32   // KV blocks in token order
+	registered int       // prompt blocks published in the prefix cache
+	computed   int       // tokens whose KV is computed (cache hits included)
+	admittedAt int       // computed at its latest admission: the cache hits it started from
+	target     int       // tokens to compute before the next sample while prefilling, else 0
+	pendingEst int       // contribution to Server.pendingPrefill
+	loraHeld   bool      // holds a reference on its adapter's slot (while running)
+	arrival    int64     // order of enqueueing: Schedule "lpm" breaks ties by it
+	enqueued   time.Time // wall time of enqueueing: its time to first token counts from it
 }
 
 // stepItem is one request's share of a planned engine step.
@@ -104,13 +105,17 @@ type Server struct {
 	finished       int64
 	finishedPrompt int64 // prompt tokens of the finished requests (vllm:request_prompt_tokens' sum)
 	finishedOutput int64 // output tokens of the finished requests (tgi_request_generated_tokens' sum)
-	prefilled      int64 // tokens computed by finished prefills (llamacpp:prompt_tokens_total)
-	steps          int64
-	busy           time.Duration // simulated time spent in steps
-	lastStep       time.Duration
-	loras          []loraSlot // resident LoRA adapters, at most MaxLoRAs
-	loraLoads      int64      // adapters loaded into a slot
-	started        time.Time  // the simulated process's start (process_start_time_seconds); Restart moves it
+	// firstTokens counts the first tokens sampled and firstTokenSeconds their times from enqueueing, in
+	// wall seconds (vllm:time_to_first_token_seconds' count and sum: a real server's clock).
+	firstTokens       int64
+	firstTokenSeconds float64
+	prefilled         int64 // tokens computed by finished prefills (llamacpp:prompt_tokens_total)
+	steps             int64
+	busy              time.Duration // simulated time spent in steps
+	lastStep          time.Duration
+	loras             []loraSlot // resident LoRA adapters, at most MaxLoRAs
+	loraLoads         int64      // adapters loaded into a slot
+	started           time.Time  // the simulated process's start (process_start_time_seconds); Restart moves it
 
 	stored responseStore // the Responses API's stored responses
 }
@@ -301,7 +306,7 @@ func (s *Server) enqueue(r *request) error {
 	}
 	r.state = stateWaiting
 	s.arrivals++
-	r.arrival = s.arrivals
+	r.arrival, r.enqueued = s.arrivals, time.Now()
 	s.setPendingLocked(r)
 	s.waiting = append(s.waiting, r)
 	s.numWaiting++
@@ -585,6 +590,7 @@ func (s *Server) popWaitingLocked() {
 // sample one output token; finished requests retire. Requests aborted or preempted during the step
 // are skipped (a preempted one recomputes later).
 func (s *Server) applyLocked(batch []stepItem, d time.Duration) {
+	now := time.Now()
 	s.steps++
 	s.busy += d
 	s.lastStep = d
@@ -616,6 +622,11 @@ func (s *Server) applyLocked(batch []stepItem, d time.Duration) {
 		}
 		n := r.generated.Add(1)
 		s.outputTotal++
+		if n == 1 {
+			// Like vLLM v1: each request's time to first token is observed when the token is sampled.
+			s.firstTokens++
+			s.firstTokenSeconds += now.Sub(r.enqueued).Seconds()
+		}
 		s.setPendingLocked(r)
 		if int(n) == r.maxTokens {
 			s.releaseLoRALocked(r)
@@ -738,6 +749,7 @@ func (s *Server) Restart() {
 	s.pendingPrefill = 0
 	s.preemptions, s.prefixQueries, s.prefixHits, s.promptTotal, s.outputTotal, s.finished = 0, 0, 0, 0, 0, 0
 	s.finishedPrompt, s.finishedOutput, s.prefilled = 0, 0, 0
+	s.firstTokens, s.firstTokenSeconds = 0, 0
 	s.steps, s.busy, s.lastStep = 0, 0, 0
 	// A new start time, even if the clock has not moved on since the last one.
 	if now := time.Now(); now.After(s.started) {

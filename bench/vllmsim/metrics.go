@@ -48,19 +48,20 @@ func (s *Server) metricsText() []byte {
 			strconv.FormatFloat(v, 'g', -1, 64))
 	}
 	// histogram writes a histogram with only its +Inf bucket, its sum and its count.
-	histogram := func(name, help, labels string, count, sum int64) {
+	histogram := func(name, help, labels string, count int64, sum float64) {
 		bucket, series := `le="+Inf"`, ""
 		if labels != "" {
 			bucket, series = labels+","+bucket, "{"+labels+"}"
 		}
-		fmt.Fprintf(&b, "# HELP %s %s\n# TYPE %s histogram\n%s_bucket{%s} %d\n%s_sum%s %d\n%s_count%s %d\n",
-			name, help, name, name, bucket, count, name, series, sum, name, series, count)
+		fmt.Fprintf(&b, "# HELP %s %s\n# TYPE %s histogram\n%s_bucket{%s} %d\n%s_sum%s %s\n%s_count%s %d\n",
+			name, help, name, name, bucket, count, name, series, strconv.FormatFloat(sum, 'f', -1, 64), name, series, count)
 	}
 	// The counters every flavour exports, read together under one lock.
 	s.mu.Lock()
 	started := s.started
 	promptTotal, outputTotal, finished, finishedPrompt, finishedOutput := s.promptTotal, s.outputTotal, s.finished, s.finishedPrompt, s.finishedOutput
 	prefilled := s.prefilled
+	firstTokens, firstTokenSeconds := s.firstTokens, s.firstTokenSeconds
 	s.mu.Unlock()
 	if s.cfg.Metrics != MetricsLlamaCpp && s.cfg.Metrics != MetricsTGI {
 		// Like prometheus_client's process collector, which vLLM, SGLang and NIM export (llama.cpp's C++
@@ -87,7 +88,7 @@ func (s *Server) metricsText() []byte {
 		metric("tgi_queue_size", "gauge", "Current queue size", "", float64(st.Waiting))
 		fmt.Fprintf(&b, "# HELP tgi_batch_inference_count Inference calls per method (prefill or decode)\n# TYPE tgi_batch_inference_count counter\n"+
 			"tgi_batch_inference_count{method=\"prefill\"} 0\ntgi_batch_inference_count{method=\"decode\"} %d\n", st.Steps)
-		histogram("tgi_request_generated_tokens", "Generated tokens per request", "", finished, finishedOutput)
+		histogram("tgi_request_generated_tokens", "Generated tokens per request", "", finished, float64(finishedOutput))
 	case MetricsNIM:
 		labels := "model_name=" + model
 		metric("num_requests_running", "gauge", "Number of requests currently running on GPU.", labels, float64(st.Running))
@@ -96,7 +97,7 @@ func (s *Server) metricsText() []byte {
 		metric("gpu_cache_usage_perc", "gauge", "GPU KV-cache usage. 1 means 100 percent usage.", labels, usage)
 		metric("prompt_tokens_total", "counter", "Number of prefill tokens processed.", labels, float64(promptTotal))
 		metric("generation_tokens_total", "counter", "Number of generation tokens processed.", labels, float64(outputTotal))
-		histogram("request_prompt_tokens", "Histogram of number of prefill tokens processed.", labels, finished, finishedPrompt)
+		histogram("request_prompt_tokens", "Histogram of number of prefill tokens processed.", labels, finished, float64(finishedPrompt))
 	case MetricsSGLang:
 		labels := "model_name=" + model
 		metric("sglang:num_running_reqs", "gauge", "The number of running requests.", labels, float64(st.Running))
@@ -113,6 +114,7 @@ func (s *Server) metricsText() []byte {
 		metric("sglang:prompt_tokens_total", "counter", "Number of prefill tokens processed.", labels, float64(finishedPrompt))
 		metric("sglang:num_requests_total", "counter", "Number of requests processed.", labels, float64(finished))
 		metric("sglang:generation_tokens_total", "counter", "Number of generation tokens processed.", labels, float64(outputTotal))
+		histogram("sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.", labels, firstTokens, firstTokenSeconds)
 	default:
 		labels := "engine=\"0\",model_name=" + model
 		metric("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", labels, float64(st.Running))
@@ -132,9 +134,11 @@ func (s *Server) metricsText() []byte {
 		metric("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", labels, float64(outputTotal))
 		// Like vLLM: a histogram of the tokens each engine step processed, one observation a step
 		// (only its count and sum here, with the +Inf bucket).
-		histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", labels, st.Steps, promptTotal+outputTotal)
+		histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", labels, st.Steps, float64(promptTotal+outputTotal))
 		// Like vLLM: each finished request's prompt tokens (count and sum only, with the +Inf bucket).
-		histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", labels, finished, finishedPrompt)
+		histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", labels, finished, float64(finishedPrompt))
+		// Like vLLM: each request's time to first token, observed at the token (count and sum only).
+		histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", labels, firstTokens, firstTokenSeconds)
 		metric("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig.",
 			fmt.Sprintf("block_size=\"%d\",engine=\"0\",model_name=%s,num_gpu_blocks=\"%d\"", s.cfg.BlockSize, model, st.NumBlocks), 1)
 		if len(s.cfg.LoRAAdapters) > 0 {
