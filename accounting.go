@@ -56,7 +56,8 @@ type upstreamLoad struct {
 	// completedPrompt count every completed request there and their prompt tokens (tokenScale).
 	endedPrompt                [endRing]int64
 	completed, completedPrompt int64
-	scale                      tokenScale // the backend's tokens per token of this proxy's count
+	scale                      tokenScale      // the backend's tokens per token of this proxy's count
+	firstTokens                firstTokenCheck // how late its first tokens come, by its own count
 	// foreign is the requests its last scrape showed beyond this proxy's own, computed once per scrape.
 	foreignAt    int64
 	foreign      float64
@@ -202,6 +203,7 @@ type work struct {
 	prompt, matched  int     // its prompt tokens and those predicted cached there
 	head             uint64  // the hash of its first message's boundary (query.head); 0: none
 	waited           float64 // predicted seconds before its prefill can start (from the decision)
+	ttft             float64 // its predicted time to first token, unstretched by lateness (firstTokenCheck)
 	prediction       prediction
 }
 
@@ -309,6 +311,7 @@ func (l *upstreamLoad) add(dial string, w work, now int64) *reservation {
 		p.unsettled = l.prefillingLocked(now - p.claimAge)
 	}
 	l.inflight = append(l.inflight, r)
+	l.firstTokens.sent(now, w.ttft)
 	l.kv += int64(r.kv)
 	l.allocTotal += int64(w.uncached + selection.OutputKV(r.outputs(), l.tokenScaleLocked()))
 	l.allocAt[l.allocNext], l.allocCum[l.allocNext] = now, l.allocTotal
@@ -503,6 +506,11 @@ type upstreamView struct {
 	// already run (see upstreamLoad.overdueLocked); 0 when none overran, or when a scrape shows others'
 	// requests there (see viewInto).
 	overdue float64
+	// late is how many times their predicted time its first tokens have taken lately, by the backend's own
+	// count (firstTokenCheck), and latePredicted the mean of those predictions in seconds; 0 while
+	// unknown, where a scrape shows others' requests there (as overdue), and where its fresh scrape shows
+	// no request waiting.
+	late, latePredicted float64
 	// full is the running count at which the upstream is full now: its fresh scrape shows requests
 	// waiting, not for cache space, at its likely slot count (selection.Service.LikelySlots: every such
 	// scrape the service model has taken was at the most it has been seen running, two at least; a
@@ -591,6 +599,11 @@ func (t *loadTable) viewInto(dial string, now int64, snap *scraper.Snapshot, hol
 	}
 	if foreign < 1 {
 		v.overdue = l.overdueLocked(now, v.service)
+		if snap != nil && snap.Waiting >= 1 {
+			// A queue there now: late first tokens waited in it. Without one, none waits, and an
+			// upstream avoided for its lateness would compare no new first tokens to be on time again.
+			v.late, v.latePredicted = l.firstTokens.late()
+		}
 	}
 	if len(l.inflight) <= selection.MaxHolding {
 		for _, r := range l.inflight {
@@ -922,6 +935,7 @@ func (l *upstreamLoad) scrapedLocked(snap *scraper.Snapshot) {
 	l.updateTrustLocked(snap)
 	n, prompt, ok := l.completedAsOfLocked(at)
 	l.scale.fromScrape(snap, n, prompt, ok, l.observed.prompt.Load())
+	l.firstTokens.fromScrape(snap, l.foreign >= 1)
 	l.backendUncached = backendMeanUncached(snap) / l.tokenScaleLocked()
 	// A scrape taken before the engine finished another step shows the batch of the last one again: a
 	// second look at one state, not a second observation of where the backend queues. One long prefill
@@ -1257,6 +1271,7 @@ func (t *loadTable) snapshot(now int64) []upstreamInflight {
 		l.mu.Lock()
 		out[i].Overrun = l.overdueLocked(now, out[i].Service)
 		out[i].TokenScale = l.tokenScaleLocked()
+		out[i].Late, _ = l.firstTokens.late()
 		out[i].Priced = l.priced
 		for _, r := range l.inflight {
 			if r.prefillingLocked(l, now) {
@@ -1289,6 +1304,7 @@ type upstreamInflight struct {
 	IdleSeconds          float64 // since a request last began or ended there (or the entry was made); 0 while any is in flight
 	Overrun              float64 // see overdueLocked
 	TokenScale           float64 // the backend's tokens per token of this proxy's count (tokenScale)
+	Late                 float64 // how late its first tokens come by its own count (firstTokenCheck); 0: unknown
 	Service              selection.Service
 	Priced               pricedService // as the last decision that weighed it priced it
 	Cache                cacheFigures

@@ -116,10 +116,16 @@ type serviceModel struct {
 	// SGLang's sglang:prompt_tokens_total; 1 until learned): its KV-cache size, usage and
 	// busy-interval prefill are divided by it, to compare with the prompts this proxy counts.
 	TokenScale float64 `json:"token_scale"`
+	// FirstTokensLate is how many times their predicted time the upstream's first tokens have lately
+	// taken, by its own count (vLLM's vllm:time_to_first_token_seconds, SGLang's), against what the
+	// decision predicted for the requests sent there: absent until eight are compared, or without that
+	// histogram. While its scrape shows requests waiting, the decision adds to its queue the time they
+	// came later than the other upstreams' lateness would have made them.
+	FirstTokensLate float64 `json:"first_tokens_late,omitempty"`
 }
 
-func reportService(s selection.Service, overrun, tokenScale float64) *serviceModel {
-	m := &serviceModel{OverheadMS: 1000 * s.Overhead, TokenMS: 1000 * s.TokenSeconds, SequenceMS: 1000 * s.SequenceSeconds, Slots: s.Slots, MeanDurationSeconds: s.MeanDuration, FirstTokens: s.FirstTokens, SkippedFirstTokens: s.SkippedFirstTokens, UnqueuedConcurrency: s.Free, BusyIntervals: s.BusyIntervals, Overrun: overrun, TokenScale: tokenScale}
+func reportService(s selection.Service, overrun, tokenScale, late float64) *serviceModel {
+	m := &serviceModel{OverheadMS: 1000 * s.Overhead, TokenMS: 1000 * s.TokenSeconds, SequenceMS: 1000 * s.SequenceSeconds, Slots: s.Slots, MeanDurationSeconds: s.MeanDuration, FirstTokens: s.FirstTokens, SkippedFirstTokens: s.SkippedFirstTokens, UnqueuedConcurrency: s.Free, BusyIntervals: s.BusyIntervals, Overrun: overrun, TokenScale: tokenScale, FirstTokensLate: late}
 	if s.PrefillSecondsPerToken > 0 {
 		m.PrefillTokensPerSecond = 1 / s.PrefillSecondsPerToken
 	}
@@ -214,7 +220,7 @@ func upstreamReport(withRoutes bool) []upstreamStatus {
 		out = append(out, upstreamStatus{
 			Upstream: l.Dial, InflightTokens: l.Tokens, InflightRequests: l.Requests,
 			Saturated: loads.saturated(l.Dial, now), Prefilling: l.Prefilling, Decoding: l.Decoding,
-			PrefillTokens: l.PrefillTokens, QueuedSeconds: l.QueuedSeconds, IdleSeconds: &l.IdleSeconds, Model: reportService(l.Service, l.Overrun, l.TokenScale),
+			PrefillTokens: l.PrefillTokens, QueuedSeconds: l.QueuedSeconds, IdleSeconds: &l.IdleSeconds, Model: reportService(l.Service, l.Overrun, l.TokenScale, l.Late),
 			Priced: reportPriced(l.Priced, now),
 			Cache:  reportCache(l.Cache), cache: &l.Cache,
 		})

@@ -1,0 +1,173 @@
+package caddyllm
+
+import (
+	"io"
+	"math"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/tokenrouter/caddy-llm/bench/vllmsim"
+	"github.com/tokenrouter/caddy-llm/scraper"
+)
+
+// lateRun sends a request every 10 ms for 2 s, each predicted to have its first token in 0.1 s, to a
+// backend whose first tokens take factor times that, scraped every 200 ms, and returns the check after
+// it. foreign marks every scrape as showing others' requests; restartAt (seconds; 0: never) is when the
+// backend's counters start again from zero.
+func lateRun(factor float64, foreign bool, restartAt float64) *firstTokenCheck {
+	var c firstTokenCheck
+	t0 := time.Unix(1_700_000_000, 0)
+	at := func(s float64) int64 { return t0.Add(time.Duration(s * float64(time.Second))).UnixNano() }
+	var sends []float64
+	next := 0.0
+	for scrape := 0.2; scrape <= 2.0+1e-9; scrape += 0.2 {
+		for ; next < scrape-1e-9; next += 0.01 {
+			c.sent(at(next), 0.1)
+			sends = append(sends, next)
+		}
+		count, sum := 0.0, 0.0
+		for _, s := range sends {
+			if first := s + 0.1*factor; first <= scrape && (restartAt == 0 || scrape < restartAt || s >= restartAt) {
+				count++
+				sum += 0.1 * factor
+			}
+		}
+		c.fromScrape(&scraper.Snapshot{At: time.Unix(0, at(scrape)), FirstTokens: count, FirstTokenSeconds: sum}, foreign)
+	}
+	return &c
+}
+
+// TestFirstTokenCheck: a backend's own first-token counts against the predictions of the requests sent
+// about their time to first token before give how late its first tokens come; others' requests in the
+// scrapes, or too few first tokens, give nothing, and a restart's counters going back teach nothing.
+func TestFirstTokenCheck(t *testing.T) {
+	for _, tt := range []struct {
+		name      string
+		factor    float64
+		foreign   bool
+		restartAt float64
+		want      float64 // 0: nothing known
+	}{
+		{"on time", 1, false, 0, 1},
+		{"four times late", 4, false, 0, 4},
+		{"twice as fast", 0.5, false, 0, 0.5},
+		{"others' requests there", 4, true, 0, 0},
+		{"restarted", 4, false, 1.3, 4},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			c := lateRun(tt.factor, tt.foreign, tt.restartAt)
+			got, predicted := c.late()
+			if tt.want == 0 {
+				if got != 0 {
+					t.Errorf("late = %.2f, want none known", got)
+				}
+				return
+			}
+			if math.Abs(got/tt.want-1) > 0.1 || math.Abs(predicted-0.1) > 1e-9 {
+				t.Errorf("late = %.2f of predictions of %.3f s, want %.2f of 0.100", got, predicted, tt.want)
+			}
+		})
+	}
+	var few firstTokenCheck
+	t0 := time.Unix(1_700_000_000, 0)
+	for i := range 3 {
+		few.sent(t0.Add(time.Duration(i)*time.Millisecond).UnixNano(), 0.1)
+	}
+	few.fromScrape(&scraper.Snapshot{At: t0.Add(time.Millisecond)}, false)
+	few.fromScrape(&scraper.Snapshot{At: t0.Add(time.Second), FirstTokens: 3, FirstTokenSeconds: 1.2}, false)
+	if got, _ := few.late(); got != 0 {
+		t.Errorf("late after 3 first tokens = %.2f, want none known (fewer than %d)", got, minLateTokens)
+	}
+}
+
+// TestLateWait: the wait added for late first tokens is what came later than the fleet's lateness would
+// have made them, in seconds; nothing for an upstream no later than the fleet, or where nothing is known;
+// and the prediction a request is measured against is the one without it, nor the overrun's stretch.
+func TestLateWait(t *testing.T) {
+	for _, tt := range []struct{ late, ref, predicted, want float64 }{
+		{4, 1, 0.1, 0.3},
+		{4, 2, 0.1, 0.2},
+		{1, 1, 0.1, 0},
+		{0.5, 1, 0.1, 0},
+		{0, 1, 0.1, 0},
+		{4, 0, 0.1, 0},
+	} {
+		if got := lateWait(tt.late, tt.ref, tt.predicted); math.Abs(got-tt.want) > 1e-12 {
+			t.Errorf("lateWait(%v, %v, %v) = %v, want %v", tt.late, tt.ref, tt.predicted, got, tt.want)
+		}
+	}
+	q := &query{stretch: []float64{1, 2}, lateWait: []float64{0.3, 0}}
+	if got := q.unstretched(0, 0.5); math.Abs(got-0.2) > 1e-12 {
+		t.Errorf("unstretched(late by 0.3 s) = %v, want 0.2", got)
+	}
+	if got := q.unstretched(1, 0.5); got != 0.25 {
+		t.Errorf("unstretched(stretched 2x) = %v, want 0.25", got)
+	}
+	if got := q.unstretched(5, 0.5); got != 0.5 {
+		t.Errorf("unstretched(no such candidate) = %v, want 0.5", got)
+	}
+}
+
+// TestLateOnlyWhileQueued: an upstream's lateness reaches the decision while its fresh scrape shows
+// requests waiting there (a queue its late first tokens waited in), not once it shows none: an upstream
+// avoided for its lateness would otherwise compare no new first tokens to be on time again.
+func TestLateOnlyWhileQueued(t *testing.T) {
+	const dial = "10.0.0.1:8000"
+	lt := newTestLoads()
+	t0 := time.Unix(1_700_000_000, 0)
+	at := func(s float64) int64 { return t0.Add(time.Duration(s * float64(time.Second))).UnixNano() }
+	count, sum := 0.0, 0.0
+	var snap *scraper.Snapshot
+	for i := range 40 {
+		sent := float64(i) * 0.01
+		lt.reserve(dial, work{uncached: 100, output: 16, ttft: 0.05}, at(sent))
+		if i%10 == 9 {
+			count, sum = float64(i+1), float64(i+1)*0.2 // every first token 4x its prediction
+			snap = &scraper.Snapshot{Running: 16, Waiting: 4, FirstTokens: count, FirstTokenSeconds: sum, At: time.Unix(0, at(sent+0.2))}
+			lt.view(dial, at(sent+0.2), snap)
+		}
+	}
+	v := lt.view(dial, at(0.7), snap)
+	if math.Abs(v.late-4) > 0.2 || math.Abs(v.latePredicted-0.05) > 1e-9 {
+		t.Fatalf("late = %.2f of %.3f s, want 4 of 0.050 while requests wait", v.late, v.latePredicted)
+	}
+	drained := &scraper.Snapshot{Running: 8, FirstTokens: count, FirstTokenSeconds: sum, At: time.Unix(0, at(0.8))}
+	if v := lt.view(dial, at(0.8), drained); v.late != 0 {
+		t.Errorf("late = %.2f with nothing waiting, want 0", v.late)
+	}
+}
+
+// TestLateFirstTokensReported: through Caddy, a backend that runs one request at a time answers the
+// first tokens of a burst later and later, while the policy, which does not know its slot count yet,
+// predicts each about at once; the backend's own time-to-first-token histogram, scraped, shows it, and
+// /llm/upstreams reports its first tokens late by far more than twice their predictions.
+func TestLateFirstTokensReported(t *testing.T) {
+	_, b := simBackend(t, vllmsim.Config{TimeScale: 1, MaxNumSeqs: 1, DecodeStep: 20 * time.Millisecond, Seed: 2, Metrics: vllmsim.MetricsVLLM})
+	tester := scrapedPair(t, b, "", "interval 200ms", "stale_after 30s")
+	var wg sync.WaitGroup
+	for i := range 12 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			body := strings.Replace(chatBody("sim-model", 10+i, false), `"max_tokens":16`, `"max_tokens":4`, 1)
+			res, err := tester.Client.Post(proxyURL+"/v1/chat/completions", "application/json", strings.NewReader(body))
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			io.Copy(io.Discard, res.Body)
+			res.Body.Close()
+			if res.StatusCode != http.StatusOK {
+				t.Errorf("status %d", res.StatusCode)
+			}
+		}()
+	}
+	wg.Wait()
+	waitFor(t, "the backend's first tokens compared with their predictions", func() bool {
+		m := adminUpstreams(t)[b].Model
+		return m != nil && m.FirstTokensLate > 2
+	})
+}
