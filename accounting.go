@@ -203,7 +203,7 @@ type work struct {
 	prompt, matched  int     // its prompt tokens and those predicted cached there
 	head             uint64  // the hash of its first message's boundary (query.head); 0: none
 	waited           float64 // predicted seconds before its prefill can start (from the decision)
-	ttft             float64 // its predicted time to first token, unstretched by lateness (firstTokenCheck)
+	ttft             float64 // its predicted time to first token, without the overrun's stretch (firstTokenCheck)
 	prediction       prediction
 }
 
@@ -506,11 +506,6 @@ type upstreamView struct {
 	// already run (see upstreamLoad.overdueLocked); 0 when none overran, or when a scrape shows others'
 	// requests there (see viewInto).
 	overdue float64
-	// late is how many times their predicted time its first tokens have taken lately, by the backend's own
-	// count (firstTokenCheck), and latePredicted the mean of those predictions in seconds; 0 while
-	// unknown, where a scrape shows others' requests there (as overdue), and where its fresh scrape shows
-	// no request waiting.
-	late, latePredicted float64
 	// full is the running count at which the upstream is full now: its fresh scrape shows requests
 	// waiting, not for cache space, at its likely slot count (selection.Service.LikelySlots: every such
 	// scrape the service model has taken was at the most it has been seen running, two at least; a
@@ -599,11 +594,6 @@ func (t *loadTable) viewInto(dial string, now int64, snap *scraper.Snapshot, hol
 	}
 	if foreign < 1 {
 		v.overdue = l.overdueLocked(now, v.service)
-		if snap != nil && snap.Waiting >= 1 {
-			// A queue there now: late first tokens waited in it. Without one, none waits, and an
-			// upstream avoided for its lateness would compare no new first tokens to be on time again.
-			v.late, v.latePredicted = l.firstTokens.late()
-		}
 	}
 	if len(l.inflight) <= selection.MaxHolding {
 		for _, r := range l.inflight {
@@ -1271,7 +1261,7 @@ func (t *loadTable) snapshot(now int64) []upstreamInflight {
 		l.mu.Lock()
 		out[i].Overrun = l.overdueLocked(now, out[i].Service)
 		out[i].TokenScale = l.tokenScaleLocked()
-		out[i].Late, _ = l.firstTokens.late()
+		out[i].Late = l.firstTokens.late()
 		out[i].Priced = l.priced
 		for _, r := range l.inflight {
 			if r.prefillingLocked(l, now) {

@@ -60,13 +60,9 @@ type query struct {
 	heldSeen []int64
 	// holds is scratch for each candidate's requests in flight (selection.Candidate.Holding).
 	holds []selection.Hold
-	// overdue is each candidate's overrun of its predicted durations (upstreamView.overdue); late and
-	// latePredicted how late its first tokens come by its own count and the mean predicted time they
-	// were compared with (upstreamView.late).
-	overdue, late, latePredicted []float64
-	// stretch is how many times its estimate each candidate's times were priced at, at least 1, and
-	// lateWait the wait added for its late first tokens, in seconds (loadSignal.fill).
-	stretch, lateWait []float64
+	// overdue is each candidate's overrun of its predicted durations (upstreamView.overdue), and stretch
+	// how many times its estimate its times were priced at for it, at least 1 (loadSignal.fill).
+	overdue, stretch []float64
 	// full is each candidate's running count at which its scrape shows it full (upstreamView.full).
 	full []float64
 	// open is whether each candidate's scrape leaves its ceiling open (upstreamView.open).
@@ -105,7 +101,7 @@ type query struct {
 func (q *query) reset(req *tokenize.Request, now int64) {
 	clear(q.entries) // no entry kept alive by a pooled query
 	*q = query{req: req, now: now, cached: q.cached[:0], seen: q.seen[:0], cut: q.cut[:0], avail: q.avail[:0],
-		overdue: q.overdue[:0], late: q.late[:0], latePredicted: q.latePredicted[:0], stretch: q.stretch[:0], lateWait: q.lateWait[:0], full: q.full[:0], settled: q.settled[:0], open: q.open[:0], heldIdx: q.heldIdx[:0], heldKeys: q.heldKeys[:0], held: q.held[:0],
+		overdue: q.overdue[:0], stretch: q.stretch[:0], full: q.full[:0], settled: q.settled[:0], open: q.open[:0], heldIdx: q.heldIdx[:0], heldKeys: q.heldKeys[:0], held: q.held[:0],
 		heldSeen: q.heldSeen[:0], holds: q.holds[:0], own: q.own[:0], entries: q.entries[:0]}
 }
 
@@ -225,12 +221,12 @@ func (d *decider) noteUnlike(q *query) bool {
 // not yet known to lack them.
 const unlikeAfterSamples = 16
 
-// unstretched is the time to first token ttft, predicted for candidate i, without the wait added for its
-// late first tokens and the overrun's stretch (loadSignal.fill): what the lateness is measured against,
-// so that it does not measure its own correction.
+// unstretched is the time to first token ttft, predicted for candidate i, without the overrun's stretch
+// (loadSignal.fill): what its model predicts, which the first tokens' lateness is measured against
+// (firstTokenCheck).
 func (q *query) unstretched(i int, ttft float64) float64 {
 	if i < len(q.stretch) && q.stretch[i] > 0 {
-		return max(ttft-q.lateWait[i], 0) / q.stretch[i]
+		return ttft / q.stretch[i]
 	}
 	return ttft
 }
@@ -300,7 +296,7 @@ type loadSignal struct {
 func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 	var fleet selection.Fleet
 	q.overdue, q.full, q.settled, q.open, q.entries = q.overdue[:0], q.full[:0], q.settled[:0], q.open[:0], q.entries[:0]
-	q.late, q.latePredicted, q.stretch, q.lateWait = q.late[:0], q.latePredicted[:0], q.stretch[:0], q.lateWait[:0]
+	q.stretch = q.stretch[:0]
 	for i, key := range keys {
 		var snap *scraper.Snapshot
 		awaited := false // its first scrape is still to come
@@ -327,7 +323,6 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 		// bounded, so that where metrics work the decision is the one the matrix measured.
 		cands[i].Blind = snap == nil && !awaited
 		q.overdue, q.full, q.settled = append(q.overdue, v.overdue), append(q.full, v.full), append(q.settled, v.settled)
-		q.late, q.latePredicted = append(q.late, v.late), append(q.latePredicted, v.latePredicted)
 		q.open, q.entries = append(q.open, v.open), append(q.entries, v.load)
 		fleet.Add(v.service, selection.Geometry(&cands[i]))
 		q.observed = q.observed || v.service.FirstTokens+v.service.SkippedFirstTokens > 0
@@ -339,14 +334,7 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 	// did is that much slower than its estimate now (a backend slower than the fleet it borrowed from, or
 	// one that slowed down): its times are stretched by the overrun over the fleet's median one, so an
 	// overrun they all share (outputs longer than expected everywhere) changes nothing.
-	//
-	// An upstream whose first tokens, by its own count, come later than predicted by more than the
-	// others' do (firstTokenCheck) has a wait the decision does not see: slots it has not been seen to
-	// fill, a prefill slower than priced. That shows within a scrape of its first tokens, where an overrun
-	// shows only after a whole predicted duration. Its first tokens came that much later, in seconds,
-	// than the others' lateness would have made them: that time is added to its queue.
-	ref := lowerMedian(q.overdue, true)
-	refLate := lowerMedian(q.late, false)
+	ref := medianOverdue(q.overdue)
 	if cap(q.own) < len(cands) {
 		q.own = make([]float64, len(cands))
 	}
@@ -369,10 +357,9 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 			cands[i].Service = cands[i].Service.Slower(f)
 			scale *= f
 		}
-		wait := lateWait(q.late[i], refLate, q.latePredicted[i])
-		q.stretch, q.lateWait = append(q.stretch, f), append(q.lateWait, wait)
-		cands[i].Queued = cands[i].Queued*scale + wait
-		q.settled[i] = q.settled[i]*scale + wait
+		q.stretch = append(q.stretch, f)
+		cands[i].Queued *= scale
+		q.settled[i] *= scale
 		if e := q.entries[i]; e != nil {
 			e.notePriced(cands[i].Service, q.now) // what /llm/upstreams reports as priced
 		}
@@ -419,27 +406,18 @@ func fullNow(s selection.Service, full float64, hot bool) selection.Service {
 	return s
 }
 
-// lowerMedian is the lower median of the candidates' overruns (upstreamView.overdue: each at least 1,
-// none counting as on time; 1 when there are no candidates) or, with onTime false, of their known
-// lateness (upstreamView.late: the positive values; 0 when none is known).
-func lowerMedian(o []float64, onTime bool) float64 {
+// medianOverdue is the lower median of the candidates' overruns, each at least 1.
+func medianOverdue(o []float64) float64 {
+	if len(o) == 0 {
+		return 1
+	}
 	var buf [16]float64
 	s := buf[:0]
 	if len(o) > len(buf) {
 		s = make([]float64, 0, len(o))
 	}
 	for _, v := range o {
-		if onTime {
-			s = append(s, max(v, 1))
-		} else if v > 0 {
-			s = append(s, v)
-		}
-	}
-	if len(s) == 0 {
-		if onTime {
-			return 1
-		}
-		return 0
+		s = append(s, max(v, 1))
 	}
 	slices.Sort(s)
 	return s[(len(s)-1)/2]
