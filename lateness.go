@@ -42,9 +42,10 @@ type firstTokenCheck struct {
 }
 
 const (
-	// sentRing is how many recent requests the check remembers per upstream: more than a scrape
-	// interval sends at a few hundred requests a second.
-	sentRing = 256
+	// sentRing is how many recent requests the check remembers per upstream: it must reach back a time to
+	// first token and a scrape interval (a second of first tokens 0.4 s late at 1,000 requests a second:
+	// TestFirstTokenCheck); sends older than it leave an interval with nothing to compare.
+	sentRing = 1024
 	// lateMemory is how many first tokens the lateness is a running mean over: a backend that catches up
 	// is on time again within a few scrapes.
 	lateMemory = 32
@@ -88,9 +89,12 @@ func (c *firstTokenCheck) fromScrape(snap *scraper.Snapshot, foreign bool) {
 	}
 	pred /= float64(n)
 	x := clamp(math.Log(mean/pred), -math.Log(maxLate), math.Log(maxLate))
+	// The interval weighs its first tokens against those the mean rests on, and at most all of it: more
+	// first tokens in one interval than the memory holds replace the mean, not overshoot it (a step past
+	// the new value diverged, to +Inf within a test run, and /llm/upstreams failed to encode it).
 	w := min(dCount, float64(n))
 	c.tokens = min(c.tokens+w, lateMemory)
-	c.logLate += w / c.tokens * (x - c.logLate)
+	c.logLate += min(w/c.tokens, 1) * (x - c.logLate)
 }
 
 // late is how many times their predicted time the upstream's first tokens have taken lately; 0 while

@@ -2,7 +2,6 @@ package caddyllm
 
 import (
 	"io"
-	"math"
 	"net/http"
 	"strings"
 	"sync"
@@ -13,26 +12,26 @@ import (
 	"github.com/tokenrouter/caddy-llm/scraper"
 )
 
-// lateRun sends a request every 10 ms for 2 s, each predicted to have its first token in 0.1 s, to a
-// backend whose first tokens take factor times that, scraped every 200 ms, and returns the check after
-// it. foreign marks every scrape as showing others' requests; restartAt (seconds; 0: never) is when the
+// lateRun sends a request every gap seconds for 2 s, each predicted to have its first token in 0.1 s, to
+// a backend whose first tokens take factor(sent) times that, scraped every 200 ms, and returns the check
+// after it. foreign marks every scrape as showing others' requests; restartAt (seconds; 0: never) is when the
 // backend's counters start again from zero.
-func lateRun(factor float64, foreign bool, restartAt float64) *firstTokenCheck {
+func lateRun(gap float64, factor func(sent float64) float64, foreign bool, restartAt float64) *firstTokenCheck {
 	var c firstTokenCheck
 	t0 := time.Unix(1_700_000_000, 0)
 	at := func(s float64) int64 { return t0.Add(time.Duration(s * float64(time.Second))).UnixNano() }
 	var sends []float64
 	next := 0.0
 	for scrape := 0.2; scrape <= 2.0+1e-9; scrape += 0.2 {
-		for ; next < scrape-1e-9; next += 0.01 {
+		for ; next < scrape-1e-9; next += gap {
 			c.sent(at(next), 0.1)
 			sends = append(sends, next)
 		}
 		count, sum := 0.0, 0.0
 		for _, s := range sends {
-			if first := s + 0.1*factor; first <= scrape && (restartAt == 0 || scrape < restartAt || s >= restartAt) {
+			if first := s + 0.1*factor(s); first <= scrape && (restartAt == 0 || scrape < restartAt || s >= restartAt) {
 				count++
-				sum += 0.1 * factor
+				sum += 0.1 * factor(s)
 			}
 		}
 		c.fromScrape(&scraper.Snapshot{At: time.Unix(0, at(scrape)), FirstTokens: count, FirstTokenSeconds: sum}, foreign)
@@ -44,30 +43,31 @@ func lateRun(factor float64, foreign bool, restartAt float64) *firstTokenCheck {
 // about their time to first token before give how late its first tokens come; others' requests in the
 // scrapes, or too few first tokens, give nothing, and a restart's counters going back teach nothing.
 func TestFirstTokenCheck(t *testing.T) {
+	steady := func(f float64) func(float64) float64 { return func(float64) float64 { return f } }
+	// 2 or 6 times late by turns, a 200 ms window of sends each.
+	varying := func(s float64) float64 { return 2 + 4*float64(int(s/0.2)%2) }
 	for _, tt := range []struct {
 		name      string
-		factor    float64
+		gap       float64 // between sends, seconds
+		factor    func(float64) float64
 		foreign   bool
 		restartAt float64
-		want      float64 // 0: nothing known
+		lo, hi    float64 // 0, 0: nothing known
 	}{
-		{"on time", 1, false, 0, 1},
-		{"four times late", 4, false, 0, 4},
-		{"twice as fast", 0.5, false, 0, 0.5},
-		{"others' requests there", 4, true, 0, 0},
-		{"restarted", 4, false, 1.3, 4},
+		{"on time", 0.01, steady(1), false, 0, 0.9, 1.1},
+		{"four times late", 0.01, steady(4), false, 0, 3.6, 4.4},
+		{"twice as fast", 0.01, steady(0.5), false, 0, 0.45, 0.55},
+		{"four times late, 200 first tokens an interval", 0.001, steady(4), false, 0, 3.6, 4.4},
+		// More first tokens an interval than the running mean's memory, their lateness changing: the
+		// mean moves to each interval's, never past it.
+		{"2 and 6 times late by turns, 200 first tokens an interval", 0.001, varying, false, 0, 2, 6},
+		{"others' requests there", 0.01, steady(4), true, 0, 0, 0},
+		{"restarted", 0.01, steady(4), false, 1.3, 3.6, 4.4},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			c := lateRun(tt.factor, tt.foreign, tt.restartAt)
-			got := c.late()
-			if tt.want == 0 {
-				if got != 0 {
-					t.Errorf("late = %.2f, want none known", got)
-				}
-				return
-			}
-			if math.Abs(got/tt.want-1) > 0.1 {
-				t.Errorf("late = %.2f, want %.2f", got, tt.want)
+			got := lateRun(tt.gap, tt.factor, tt.foreign, tt.restartAt).late()
+			if got < tt.lo || got > tt.hi || (tt.hi == 0 && got != 0) {
+				t.Errorf("late = %.2f, want %.2f-%.2f (0: none known)", got, tt.lo, tt.hi)
 			}
 		})
 	}

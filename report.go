@@ -118,9 +118,8 @@ type serviceModel struct {
 	TokenScale float64 `json:"token_scale"`
 	// FirstTokensLate is how many times their predicted time the upstream's first tokens have lately
 	// taken, by its own count (vLLM's vllm:time_to_first_token_seconds, SGLang's), against what the
-	// decision predicted for the requests sent there: absent until eight are compared, or without that
-	// histogram. While its scrape shows requests waiting, the decision adds to its queue the time they
-	// came later than the other upstreams' lateness would have made them.
+	// decision's model predicted for the requests sent there: absent until eight are compared, or
+	// without that histogram. Reported, not used by the decision (firstTokenCheck).
 	FirstTokensLate float64 `json:"first_tokens_late,omitempty"`
 }
 
