@@ -469,10 +469,11 @@ func (s *Server) planStepLocked(batch []stepItem, decodes, prefills bool) ([]ste
 	}
 	for i := 0; i < len(s.running) && (unlimited || budget > 0); i++ {
 		r := s.running[i]
-		if decoding := r.computed >= r.target; decoding && !decodes || !decoding && !prefills {
+		decoding := r.computed >= r.target
+		if decoding && !decodes || !decoding && !prefills {
 			continue
 		}
-		if r.computed >= r.target {
+		if decoding {
 			// A decode: the block for the token it computes must exist.
 			for s.blocksFor(r.computed+1) > len(r.blocks) && r.state == stateRunning {
 				if s.kv.free > 0 {
