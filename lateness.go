@@ -88,7 +88,7 @@ func (c *firstTokenCheck) fromScrape(snap *scraper.Snapshot, foreign bool) {
 		return
 	}
 	pred /= float64(n)
-	x := clamp(math.Log(mean/pred), -math.Log(maxLate), math.Log(maxLate))
+	x := min(max(math.Log(mean/pred), -math.Log(maxLate)), math.Log(maxLate))
 	// The interval weighs its first tokens against those the mean rests on, and at most all of it: more
 	// first tokens in one interval than the memory holds replace the mean, not overshoot it (a step past
 	// the new value diverged, to +Inf within a test run, and /llm/upstreams failed to encode it).
@@ -105,5 +105,3 @@ func (c *firstTokenCheck) late() float64 {
 	}
 	return math.Exp(c.logLate)
 }
-
-func clamp(v, lo, hi float64) float64 { return min(max(v, lo), hi) }
