@@ -58,6 +58,7 @@ type upstreamLoad struct {
 	completed, completedPrompt int64
 	scale                      tokenScale      // the backend's tokens per token of this proxy's count
 	firstTokens                firstTokenCheck // how late its first tokens come, by its own count
+	prefill                    enginePrefill   // its prefill speed, by its own count
 	// foreign is the requests its last scrape showed beyond this proxy's own, computed once per scrape.
 	foreignAt    int64
 	foreign      float64
@@ -926,6 +927,7 @@ func (l *upstreamLoad) scrapedLocked(snap *scraper.Snapshot) {
 	n, prompt, ok := l.completedAsOfLocked(at)
 	l.scale.fromScrape(snap, n, prompt, ok, l.observed.prompt.Load())
 	l.firstTokens.fromScrape(snap, l.foreign >= 1)
+	l.prefill.fromScrape(snap)
 	l.backendUncached = backendMeanUncached(snap) / l.tokenScaleLocked()
 	// A scrape taken before the engine finished another step shows the batch of the last one again: a
 	// second look at one state, not a second observation of where the backend queues. One long prefill
@@ -1262,6 +1264,7 @@ func (t *loadTable) snapshot(now int64) []upstreamInflight {
 		out[i].Overrun = l.overdueLocked(now, out[i].Service)
 		out[i].TokenScale = l.tokenScaleLocked()
 		out[i].Late = l.firstTokens.late()
+		out[i].EnginePrefill = l.prefill.tokensPerSecond(out[i].TokenScale)
 		out[i].Priced = l.priced
 		for _, r := range l.inflight {
 			if r.prefillingLocked(l, now) {
@@ -1295,6 +1298,7 @@ type upstreamInflight struct {
 	Overrun              float64 // see overdueLocked
 	TokenScale           float64 // the backend's tokens per token of this proxy's count (tokenScale)
 	Late                 float64 // how late its first tokens come by its own count (firstTokenCheck); 0: unknown
+	EnginePrefill        float64 // its prefill tokens per second by its own count (enginePrefill); 0: unknown
 	Service              selection.Service
 	Priced               pricedService // as the last decision that weighed it priced it
 	Cache                cacheFigures

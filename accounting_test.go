@@ -717,7 +717,7 @@ func TestBusyIntervalsTeachTimePerSequence(t *testing.T) {
 		t.Errorf("after %d busy intervals: %.3f ms a sequence, %.0f tokens/s, want about %.3f and %.0f",
 			s.BusyIntervals, 1000*s.SequenceSeconds, 1/s.PrefillSecondsPerToken, 1000*perSeq, 1/busyPerToken)
 	}
-	if got := reportService(s, 0, 1, 0).SequenceMS; got != 1000*s.SequenceSeconds {
+	if got := reportService(&upstreamInflight{Service: s, TokenScale: 1}).SequenceMS; got != 1000*s.SequenceSeconds {
 		t.Errorf("reported %v ms a sequence, want the model's %v", got, 1000*s.SequenceSeconds)
 	}
 }

@@ -152,6 +152,7 @@ var (
 	descSlots            = prometheus.NewDesc("caddy_llm_upstream_slots", "Learned number of sequences the upstream runs before it queues (absent while unknown).", []string{"upstream"}, nil)
 	descOverrun          = prometheus.NewDesc("caddy_llm_upstream_overrun", "How many times longer than predicted the requests in flight to the upstream have already run (the second longest; 0 below 1). The decision applies it only while no scrape shows other clients' requests there.", []string{"upstream"}, nil)
 	descLate             = prometheus.NewDesc("caddy_llm_upstream_first_token_lateness", "How many times their predicted time the upstream's first tokens have lately taken, by its own time-to-first-token histogram (absent until known).", []string{"upstream"}, nil)
+	descEnginePrefill    = prometheus.NewDesc("caddy_llm_upstream_engine_prefill_tokens_per_second", "Prefill rate of the upstream as its engine measures it, from its prefill-time and computed-tokens histograms (reported, not used by the decision; absent until known).", []string{"upstream"}, nil)
 	descObservedPrompt   = prometheus.NewDesc("caddy_llm_observed_prompt_tokens_total", "Prompt tokens of the responses whose cached tokens the upstream reported, by its count.", []string{"upstream"}, nil)
 	descPredictedCached  = prometheus.NewDesc("caddy_llm_predicted_cached_tokens_total", "Of those, the tokens predicted cached (scaled to the upstream's count).", []string{"upstream"}, nil)
 	descObservedCached   = prometheus.NewDesc("caddy_llm_observed_cached_tokens_total", "Of those, the tokens the upstream reported cached (usage.prompt_tokens_details.cached_tokens).", []string{"upstream"}, nil)
@@ -166,7 +167,7 @@ var (
 func (stateCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descInflightTokens, descInflightRequests, descSaturated, descQueue, descRunning, descKV,
 		descScrapeAge, descScrapeErrors, descScrapesForward, descRoutes, descRouteEvictions, descRoutesExpired, descPins,
-		descPhase, descQueuedPrefill, descPrefillRate, descTokenSeconds, descSequenceSeconds, descOverhead, descPricedPrefill, descPricedToken, descPricedOverhead, descSlots, descOverrun, descLate, descAvailability,
+		descPhase, descQueuedPrefill, descPrefillRate, descTokenSeconds, descSequenceSeconds, descOverhead, descPricedPrefill, descPricedToken, descPricedOverhead, descSlots, descOverrun, descLate, descEnginePrefill, descAvailability,
 		descObservedPrompt, descPredictedCached, descObservedCached, descConfirmedCached, descCorrections, descEvictedClaims, descRestarts, descTokenScale} {
 		ch <- d
 	}
@@ -205,6 +206,9 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 			ch <- prometheus.MustNewConstMetric(descOverrun, prometheus.GaugeValue, m.Overrun, u.Upstream)
 			if m.FirstTokensLate > 0 {
 				ch <- prometheus.MustNewConstMetric(descLate, prometheus.GaugeValue, m.FirstTokensLate, u.Upstream)
+			}
+			if m.EnginePrefillTokensPerSecond > 0 {
+				ch <- prometheus.MustNewConstMetric(descEnginePrefill, prometheus.GaugeValue, m.EnginePrefillTokensPerSecond, u.Upstream)
 			}
 			ch <- prometheus.MustNewConstMetric(descTokenScale, prometheus.GaugeValue, m.TokenScale, u.Upstream)
 		}

@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/tokenrouter/caddy-llm/scraper"
-	"github.com/tokenrouter/caddy-llm/selection"
 )
 
 // upstreamStatus is what the admin endpoint and the metrics report about one upstream.
@@ -121,10 +120,19 @@ type serviceModel struct {
 	// decision's model predicted for the requests sent there: absent until eight are compared, or
 	// without that histogram. Reported, not used by the decision (firstTokenCheck).
 	FirstTokensLate float64 `json:"first_tokens_late,omitempty"`
+	// EnginePrefillTokensPerSecond is the upstream's prefill speed as its engine measures it, in this
+	// proxy's tokens: the prompt tokens its recently finished requests computed over their times from
+	// first scheduled to first token (vLLM's vllm:request_prefill_kv_computed_tokens and
+	// vllm:request_prefill_time_seconds): absent until eight have finished, or without those histograms.
+	// Reported, not used by the decision (enginePrefill).
+	EnginePrefillTokensPerSecond float64 `json:"engine_prefill_tokens_per_sec,omitempty"`
 }
 
-func reportService(s selection.Service, overrun, tokenScale, late float64) *serviceModel {
-	m := &serviceModel{OverheadMS: 1000 * s.Overhead, TokenMS: 1000 * s.TokenSeconds, SequenceMS: 1000 * s.SequenceSeconds, Slots: s.Slots, MeanDurationSeconds: s.MeanDuration, FirstTokens: s.FirstTokens, SkippedFirstTokens: s.SkippedFirstTokens, UnqueuedConcurrency: s.Free, BusyIntervals: s.BusyIntervals, Overrun: overrun, TokenScale: tokenScale, FirstTokensLate: late}
+// reportService is u's learned service and the figures learned beside it, as reported.
+func reportService(u *upstreamInflight) *serviceModel {
+	s := &u.Service
+	m := &serviceModel{OverheadMS: 1000 * s.Overhead, TokenMS: 1000 * s.TokenSeconds, SequenceMS: 1000 * s.SequenceSeconds, Slots: s.Slots, MeanDurationSeconds: s.MeanDuration, FirstTokens: s.FirstTokens, SkippedFirstTokens: s.SkippedFirstTokens, UnqueuedConcurrency: s.Free, BusyIntervals: s.BusyIntervals,
+		Overrun: u.Overrun, TokenScale: u.TokenScale, FirstTokensLate: u.Late, EnginePrefillTokensPerSecond: u.EnginePrefill}
 	if s.PrefillSecondsPerToken > 0 {
 		m.PrefillTokensPerSecond = 1 / s.PrefillSecondsPerToken
 	}
@@ -219,7 +227,7 @@ func upstreamReport(withRoutes bool) []upstreamStatus {
 		out = append(out, upstreamStatus{
 			Upstream: l.Dial, InflightTokens: l.Tokens, InflightRequests: l.Requests,
 			Saturated: loads.saturated(l.Dial, now), Prefilling: l.Prefilling, Decoding: l.Decoding,
-			PrefillTokens: l.PrefillTokens, QueuedSeconds: l.QueuedSeconds, IdleSeconds: &l.IdleSeconds, Model: reportService(l.Service, l.Overrun, l.TokenScale, l.Late),
+			PrefillTokens: l.PrefillTokens, QueuedSeconds: l.QueuedSeconds, IdleSeconds: &l.IdleSeconds, Model: reportService(&l),
 			Priced: reportPriced(l.Priced, now),
 			Cache:  reportCache(l.Cache), cache: &l.Cache,
 		})

@@ -361,7 +361,7 @@ func TestAdminEndpointAndMetrics(t *testing.T) {
 	if res, got := doRequest(t, http.MethodDelete, adminURL+"/llm/upstreams?upstream=127.0.0.1:1"); res.StatusCode != http.StatusNotFound || !strings.Contains(got, "127.0.0.1:1") {
 		t.Errorf("DELETE /llm/upstreams?upstream=127.0.0.1:1 (never used) = %d %s, want 404 naming it", res.StatusCode, got)
 	}
-	prior := reportService(selection.Prior, 1, 0, 0).MeanDurationSeconds
+	prior := reportService(&upstreamInflight{Service: selection.Prior, Overrun: 1}).MeanDurationSeconds
 	if got := adminUpstreams(t)[dial].Model; got == nil || learned.MeanDurationSeconds == prior || got.MeanDurationSeconds != prior {
 		t.Errorf("mean request seconds %v learned, %+v after DELETE /llm/upstreams; want the prior's %v again", learned.MeanDurationSeconds, got, prior)
 	}

@@ -8,7 +8,7 @@ var readFamilies = func() map[string]bool {
 	set := make(map[string]bool)
 	for _, names := range [][]string{
 		vllmRunning, vllmWaiting, vllmKV, vllmPrefixHits, vllmPrefixQueries, vllmGenerated, vllmSteps, vllmPrefilled,
-		{vllmRequestPrompt, vllmLoRAInfo, vllmCacheConfig, vllmFirstToken},
+		{vllmRequestPrompt, vllmLoRAInfo, vllmCacheConfig, vllmFirstToken, vllmPrefillTime, vllmPrefillKV},
 		sglangRunning, sglangWaiting, sglangKV, sglangGenerated, sglangFinished, sglangPrompt,
 		{sglangCacheConfig, sglangPageSize, sglangFirstToken}, sglangNumPages, sglangPoolTokens,
 		llamacppRunning, llamacppWaiting, llamacppKV, llamacppGenerated, llamacppPrefilled, llamacppSteps,

@@ -105,6 +105,14 @@ type Snapshot struct {
 	// engines; zeros when absent. Between two snapshots they give the mean time to first token of the
 	// requests that got one, as the backend measured it.
 	FirstTokens, FirstTokenSeconds float64
+	// PrefillRequests, PrefillSeconds and PrefillComputed are how many requests the target has finished
+	// and, summed, their times from first being scheduled to their first token and the prompt tokens
+	// their prefill computed (prefix-cache hits not counted): the counts and sums of vLLM's
+	// vllm:request_prefill_time_seconds and vllm:request_prefill_kv_computed_tokens histograms, both
+	// observed as each request finishes, summed over engines. Their growth between two snapshots is the
+	// engine's own prefill speed, whatever else it was doing; a request prefilled in the steps of others
+	// counts their time too, so it errs slow. Zeros when either is absent or their counts differ.
+	PrefillRequests, PrefillSeconds, PrefillComputed float64
 	// At is when the scrape that produced this snapshot started (Parse leaves it zero).
 	At time.Time
 }
@@ -126,6 +134,8 @@ var (
 	vllmPrefilled     = []string{"vllm:prompt_tokens_total", "vllm:prompt_tokens"}
 	vllmCacheConfig   = "vllm:cache_config_info"
 	vllmFirstToken    = "vllm:time_to_first_token_seconds"
+	vllmPrefillTime   = "vllm:request_prefill_time_seconds"
+	vllmPrefillKV     = "vllm:request_prefill_kv_computed_tokens"
 	sglangFirstToken  = "sglang:time_to_first_token_seconds"
 	sglangGenerated   = []string{"sglang:generation_tokens_total", "sglang:generation_tokens"}
 	sglangFinished    = []string{"sglang:num_requests_total", "sglang:num_requests"}
@@ -265,6 +275,11 @@ func extractVLLM(families map[string]*dto.MetricFamily, model string, s *Snapsho
 	s.Steps, _ = sum(families, vllmSteps, model)
 	s.FinishedRequests, s.FinishedPrompt = histogramTotals(families[vllmRequestPrompt], model)
 	s.FirstTokens, s.FirstTokenSeconds = histogramTotals(families[vllmFirstToken], model)
+	if n, secs := histogramTotals(families[vllmPrefillTime], model); n > 0 {
+		if m, tokens := histogramTotals(families[vllmPrefillKV], model); m == n {
+			s.PrefillRequests, s.PrefillSeconds, s.PrefillComputed = n, secs, tokens
+		}
+	}
 	s.PrefilledPrompt, _ = sum(families, vllmPrefilled, model)
 	s.BlockSize, s.NumBlocks = geometryFromLabels(families[vllmCacheConfig], model, "block_size", "num_gpu_blocks")
 	s.Model = modelName(families, vllmRunning[0], model)

@@ -203,6 +203,48 @@ func TestParseFirstTokens(t *testing.T) {
 	}
 }
 
+// TestParsePrefillTimes: vLLM's prefill-time and computed-tokens histograms give the finished requests,
+// their prefill times and the prompt tokens they computed (counts and sums), summed over engines, for
+// the model asked for only; a text without them (an older vLLM, SGLang), or whose two counts differ,
+// gives none.
+func TestParsePrefillTimes(t *testing.T) {
+	const text = `# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 1
+# TYPE vllm:request_prefill_time_seconds histogram
+vllm:request_prefill_time_seconds_bucket{engine="0",model_name="m",le="+Inf"} 300
+vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 300
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 12.5
+vllm:request_prefill_time_seconds_count{engine="1",model_name="m"} 301
+vllm:request_prefill_time_seconds_sum{engine="1",model_name="m"} 14.25
+vllm:request_prefill_time_seconds_count{engine="0",model_name="other"} 7
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="other"} 99
+# TYPE vllm:request_prefill_kv_computed_tokens histogram
+vllm:request_prefill_kv_computed_tokens_bucket{engine="0",model_name="m",le="+Inf"} 300
+vllm:request_prefill_kv_computed_tokens_count{engine="0",model_name="m"} 300
+vllm:request_prefill_kv_computed_tokens_sum{engine="0",model_name="m"} 512000
+vllm:request_prefill_kv_computed_tokens_count{engine="1",model_name="m"} 301
+vllm:request_prefill_kv_computed_tokens_sum{engine="1",model_name="m"} 498000
+vllm:request_prefill_kv_computed_tokens_count{engine="0",model_name="other"} 7
+vllm:request_prefill_kv_computed_tokens_sum{engine="0",model_name="other"} 70000
+`
+	got, err := Parse(strings.NewReader(text), "m")
+	if err != nil || got.PrefillRequests != 601 || math.Abs(got.PrefillSeconds-26.75) > 1e-9 || got.PrefillComputed != 1010000 {
+		t.Errorf("model m: %v requests, %v s, %v tokens, %v; want 601, 26.75 s, 1010000", got.PrefillRequests, got.PrefillSeconds, got.PrefillComputed, err)
+	}
+	mismatched := strings.Replace(text, `_count{engine="1",model_name="m"} 301
+vllm:request_prefill_kv`, `_count{engine="1",model_name="m"} 302
+vllm:request_prefill_kv`, 1)
+	if got, err := Parse(strings.NewReader(mismatched), "m"); err != nil || got.PrefillRequests != 0 || got.PrefillComputed != 0 {
+		t.Errorf("counts 602 and 601: %v requests, %v tokens, %v; want none", got.PrefillRequests, got.PrefillComputed, err)
+	}
+	for _, file := range []string{"vllm_v1_two_engines.txt", "vllm_legacy.txt", "sglang.txt"} {
+		got, err := Parse(strings.NewReader(string(readTestdata(t, file))), "")
+		if err != nil || got.PrefillRequests != 0 || got.PrefillSeconds != 0 || got.PrefillComputed != 0 {
+			t.Errorf("%s: %v requests, %v s, %v tokens, %v; want none", file, got.PrefillRequests, got.PrefillSeconds, got.PrefillComputed, err)
+		}
+	}
+}
+
 // TestParseFinishedPrompts: vllm:request_prompt_tokens gives the finished requests and their prompt
 // tokens (its count and sum), summed over engines, for the model asked for only; a sum that is not a
 // finite count gives neither. vllm:prompt_tokens_total gives the prompt tokens prefilled (counted at a

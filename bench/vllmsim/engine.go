@@ -54,6 +54,10 @@ type request struct {
 	loraHeld   bool      // holds a reference on its adapter's slot (while running)
 	arrival    int64     // order of enqueueing: Schedule "lpm" breaks ties by it
 	enqueued   time.Time // wall time of enqueueing: its time to first token counts from it
+	// scheduled is the wall time of its first admission, and prefillSeconds the time from then to its
+	// first token (vllm:request_prefill_time_seconds, observed when it finishes).
+	scheduled      time.Time
+	prefillSeconds float64
 }
 
 // stepItem is one request's share of a planned engine step.
@@ -109,13 +113,19 @@ type Server struct {
 	// wall seconds (vllm:time_to_first_token_seconds' count and sum: a real server's clock).
 	firstTokens       int64
 	firstTokenSeconds float64
-	prefilled         int64 // tokens computed by finished prefills (llamacpp:prompt_tokens_total)
-	steps             int64
-	busy              time.Duration // simulated time spent in steps
-	lastStep          time.Duration
-	loras             []loraSlot // resident LoRA adapters, at most MaxLoRAs
-	loraLoads         int64      // adapters loaded into a slot
-	started           time.Time  // the simulated process's start (process_start_time_seconds); Restart moves it
+	// finishedPrefillSeconds and finishedComputed are the finished requests' times from their first
+	// admission to their first token and the prompt tokens they computed, not found cached
+	// (vllm:request_prefill_time_seconds' and vllm:request_prefill_kv_computed_tokens' sums: a real
+	// server's clock, observed as each request finishes).
+	finishedPrefillSeconds float64
+	finishedComputed       int64
+	prefilled              int64 // tokens computed by finished prefills (llamacpp:prompt_tokens_total)
+	steps                  int64
+	busy                   time.Duration // simulated time spent in steps
+	lastStep               time.Duration
+	loras                  []loraSlot // resident LoRA adapters, at most MaxLoRAs
+	loraLoads              int64      // adapters loaded into a slot
+	started                time.Time  // the simulated process's start (process_start_time_seconds); Restart moves it
 
 	stored responseStore // the Responses API's stored responses
 }
@@ -393,6 +403,9 @@ func (s *Server) admitLocked(r *request) bool {
 	if r.generated.Load() == 0 {
 		r.cached.Store(int64(cached))
 	}
+	if r.scheduled.IsZero() {
+		r.scheduled = time.Now()
+	}
 	s.prefixQueries += int64(r.promptTokens)
 	s.prefixHits += int64(cached)
 	r.state = stateRunning
@@ -627,6 +640,7 @@ func (s *Server) applyLocked(batch []stepItem, d time.Duration) {
 			// Like vLLM v1: each request's time to first token is observed when the token is sampled.
 			s.firstTokens++
 			s.firstTokenSeconds += now.Sub(r.enqueued).Seconds()
+			r.prefillSeconds = max(now.Sub(r.scheduled).Seconds(), 0)
 		}
 		s.setPendingLocked(r)
 		if int(n) == r.maxTokens {
@@ -635,6 +649,8 @@ func (s *Server) applyLocked(batch []stepItem, d time.Duration) {
 			s.finished++
 			s.finishedPrompt += int64(r.promptTokens)
 			s.finishedOutput += n
+			s.finishedPrefillSeconds += r.prefillSeconds
+			s.finishedComputed += int64(r.promptTokens) - r.cached.Load()
 			finished = true
 			close(r.done)
 			notify(r) // a request's other sequences share the channel: their wait hears this one end
@@ -751,6 +767,7 @@ func (s *Server) Restart() {
 	s.preemptions, s.prefixQueries, s.prefixHits, s.promptTotal, s.outputTotal, s.finished = 0, 0, 0, 0, 0, 0
 	s.finishedPrompt, s.finishedOutput, s.prefilled = 0, 0, 0
 	s.firstTokens, s.firstTokenSeconds = 0, 0
+	s.finishedPrefillSeconds, s.finishedComputed = 0, 0
 	s.steps, s.busy, s.lastStep = 0, 0, 0
 	// A new start time, even if the clock has not moved on since the last one.
 	if now := time.Now(); now.After(s.started) {

@@ -62,6 +62,7 @@ func (s *Server) metricsText() []byte {
 	promptTotal, outputTotal, finished, finishedPrompt, finishedOutput := s.promptTotal, s.outputTotal, s.finished, s.finishedPrompt, s.finishedOutput
 	prefilled := s.prefilled
 	firstTokens, firstTokenSeconds := s.firstTokens, s.firstTokenSeconds
+	prefillSeconds, computed := s.finishedPrefillSeconds, s.finishedComputed
 	s.mu.Unlock()
 	if s.cfg.Metrics != MetricsLlamaCpp && s.cfg.Metrics != MetricsTGI {
 		// Like prometheus_client's process collector, which vLLM, SGLang and NIM export (llama.cpp's C++
@@ -139,6 +140,10 @@ func (s *Server) metricsText() []byte {
 		histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", labels, finished, float64(finishedPrompt))
 		// Like vLLM: each request's time to first token, observed at the token (count and sum only).
 		histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", labels, firstTokens, firstTokenSeconds)
+		// Like vLLM: each finished request's time from its first scheduling to its first token, and the
+		// prompt tokens it computed, its prefix-cache hits not counted (count and sum only).
+		histogram("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", labels, finished, prefillSeconds)
+		histogram("vllm:request_prefill_kv_computed_tokens", "Histogram of new KV tokens computed during prefill (excluding cached tokens).", labels, finished, float64(computed))
 		metric("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig.",
 			fmt.Sprintf("block_size=\"%d\",engine=\"0\",model_name=%s,num_gpu_blocks=\"%d\"", s.cfg.BlockSize, model, st.NumBlocks), 1)
 		if len(s.cfg.LoRAAdapters) > 0 {
