@@ -2,6 +2,8 @@ package vllmsim
 
 import (
 	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
@@ -512,5 +514,27 @@ func TestScheduleValidated(t *testing.T) {
 	}
 	if _, err := New(Config{AttentionTokens: -1}); err == nil || !strings.Contains(err.Error(), "attention_tokens") {
 		t.Errorf("New(attention_tokens -1) error = %v, want one naming attention_tokens", err)
+	}
+}
+
+// TestPrefillHistograms: like vLLM, each finished request's prefill time and the prompt tokens it
+// computed are observed as it finishes; a request whose prefix was cached computed only the rest.
+func TestPrefillHistograms(t *testing.T) {
+	s := manualServer(t, Config{})
+	prompt := blocksText("h", 8)
+	r1 := submit(t, s, prompt, 2)
+	drain(t, s, 100)
+	submit(t, s, prompt, 2)
+	drain(t, s, 100)
+	rec := httptest.NewRecorder()
+	s.serveMetrics(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
+	fams := parseMetrics(t, rec.Body.Bytes())
+	computed := fams["vllm:request_prefill_kv_computed_tokens"].GetMetric()[0].GetHistogram()
+	if want := float64(2*r1.promptTokens - 8*16); computed.GetSampleCount() != 2 || computed.GetSampleSum() != want {
+		t.Errorf("computed tokens: %d requests, %v tokens; want 2, %v (the second's 128 cached not counted)", computed.GetSampleCount(), computed.GetSampleSum(), want)
+	}
+	prefill := fams["vllm:request_prefill_time_seconds"].GetMetric()[0].GetHistogram()
+	if prefill.GetSampleCount() != 2 || prefill.GetSampleSum() < 0 {
+		t.Errorf("prefill time: %d requests, %v s; want 2, not negative", prefill.GetSampleCount(), prefill.GetSampleSum())
 	}
 }
