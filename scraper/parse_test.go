@@ -3,6 +3,7 @@ package scraper
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"math"
 	"os"
 	"path/filepath"
@@ -208,34 +209,32 @@ func TestParseFirstTokens(t *testing.T) {
 // the model asked for only; a text without them (an older vLLM, SGLang), or whose two counts differ,
 // gives none.
 func TestParsePrefillTimes(t *testing.T) {
-	const text = `# TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{engine="0",model_name="m"} 1
-# TYPE vllm:request_prefill_time_seconds histogram
-vllm:request_prefill_time_seconds_bucket{engine="0",model_name="m",le="+Inf"} 300
-vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 300
-vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 12.5
-vllm:request_prefill_time_seconds_count{engine="1",model_name="m"} 301
-vllm:request_prefill_time_seconds_sum{engine="1",model_name="m"} 14.25
-vllm:request_prefill_time_seconds_count{engine="0",model_name="other"} 7
-vllm:request_prefill_time_seconds_sum{engine="0",model_name="other"} 99
-# TYPE vllm:request_prefill_kv_computed_tokens histogram
-vllm:request_prefill_kv_computed_tokens_bucket{engine="0",model_name="m",le="+Inf"} 300
-vllm:request_prefill_kv_computed_tokens_count{engine="0",model_name="m"} 300
-vllm:request_prefill_kv_computed_tokens_sum{engine="0",model_name="m"} 512000
-vllm:request_prefill_kv_computed_tokens_count{engine="1",model_name="m"} 301
-vllm:request_prefill_kv_computed_tokens_sum{engine="1",model_name="m"} 498000
-vllm:request_prefill_kv_computed_tokens_count{engine="0",model_name="other"} 7
-vllm:request_prefill_kv_computed_tokens_sum{engine="0",model_name="other"} 70000
-`
+	// Two engines of model m and one of another model, each histogram's count and sum per engine.
+	text := "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine=\"0\",model_name=\"m\"} 1\n"
+	for _, h := range []struct {
+		name         string
+		sums, counts [3]float64
+	}{
+		{"vllm:request_prefill_time_seconds", [3]float64{12.5, 14.25, 99}, [3]float64{300, 301, 7}},
+		{"vllm:request_prefill_kv_computed_tokens", [3]float64{512000, 498000, 70000}, [3]float64{300, 301, 7}},
+	} {
+		text += "# TYPE " + h.name + " histogram\n"
+		for i, labels := range []string{`engine="0",model_name="m"`, `engine="1",model_name="m"`, `engine="0",model_name="other"`} {
+			text += fmt.Sprintf("%s_bucket{%s,le=\"+Inf\"} %v\n%s_count{%s} %v\n%s_sum{%s} %v\n",
+				h.name, labels, h.counts[i], h.name, labels, h.counts[i], h.name, labels, h.sums[i])
+		}
+	}
 	got, err := Parse(strings.NewReader(text), "m")
 	if err != nil || got.PrefillRequests != 601 || math.Abs(got.PrefillSeconds-26.75) > 1e-9 || got.PrefillComputed != 1010000 {
 		t.Errorf("model m: %v requests, %v s, %v tokens, %v; want 601, 26.75 s, 1010000", got.PrefillRequests, got.PrefillSeconds, got.PrefillComputed, err)
 	}
-	mismatched := strings.Replace(text, `_count{engine="1",model_name="m"} 301
-vllm:request_prefill_kv`, `_count{engine="1",model_name="m"} 302
-vllm:request_prefill_kv`, 1)
+	mismatched := strings.Replace(text, `vllm:request_prefill_kv_computed_tokens_count{engine="1",model_name="m"} 301`,
+		`vllm:request_prefill_kv_computed_tokens_count{engine="1",model_name="m"} 309`, 1)
+	if mismatched == text {
+		t.Fatal("the count to change is not in the text")
+	}
 	if got, err := Parse(strings.NewReader(mismatched), "m"); err != nil || got.PrefillRequests != 0 || got.PrefillComputed != 0 {
-		t.Errorf("counts 602 and 601: %v requests, %v tokens, %v; want none", got.PrefillRequests, got.PrefillComputed, err)
+		t.Errorf("counts that differ: %v requests, %v tokens, %v; want none", got.PrefillRequests, got.PrefillComputed, err)
 	}
 	for _, file := range []string{"vllm_v1_two_engines.txt", "vllm_legacy.txt", "sglang.txt"} {
 		got, err := Parse(strings.NewReader(string(readTestdata(t, file))), "")
