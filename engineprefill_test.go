@@ -53,7 +53,7 @@ func TestEnginePrefill(t *testing.T) {
 // TestEnginePrefillReported: through Caddy, a vLLM backend's own prefill histograms, scraped, give
 // /llm/upstreams its prefill speed: distinct prompts sent one after another (no two prefilling in one
 // step, none cached) on a simulator prefilling 4,000 tokens a second report at most that, and not far
-// below it (each prefill also takes a step's fixed time).
+// below it (each prefill also takes a step's fixed time); the same figure is a gauge in /metrics.
 func TestEnginePrefillReported(t *testing.T) {
 	_, b := simBackend(t, vllmsim.Config{TimeScale: 1, PrefillTokensPerSec: 4000, Seed: 3, Metrics: vllmsim.MetricsVLLM})
 	tester := scrapedPair(t, b, "", "interval 100ms", "stale_after 30s")
@@ -77,5 +77,8 @@ func TestEnginePrefillReported(t *testing.T) {
 	if got := m.EnginePrefillTokensPerSecond * m.TokenScale; got > 4000*1.01 || got < 4000*0.6 {
 		t.Errorf("engine prefill %v of the backend's tokens a second (%v of the proxy's at scale %v), want 2,400-4,000",
 			got, m.EnginePrefillTokensPerSecond, m.TokenScale)
+	}
+	if _, metrics := doRequest(t, http.MethodGet, adminURL+"/metrics"); !strings.Contains(metrics, fmt.Sprintf(`caddy_llm_upstream_engine_prefill_tokens_per_second{upstream=%q} `, b)) {
+		t.Errorf("/metrics lacks caddy_llm_upstream_engine_prefill_tokens_per_second for %s", b)
 	}
 }
