@@ -56,9 +56,14 @@ type upstreamLoad struct {
 	// completedPrompt count every completed request there and their prompt tokens (tokenScale).
 	endedPrompt                [endRing]int64
 	completed, completedPrompt int64
-	scale                      tokenScale      // the backend's tokens per token of this proxy's count
-	firstTokens                firstTokenCheck // how late its first tokens come, by its own count
-	prefill                    enginePrefill   // its prefill speed, by its own count
+	scale                      tokenScale // the backend's tokens per token of this proxy's count
+	// scales is the table's scales learned per model (nil: none shared), and scalePrior the scale
+	// learned there for the model this upstream serves by another upstream, which this one uses until
+	// it has learned its own (tokenScaleLocked).
+	scales      *modelScales
+	scalePrior  float64
+	firstTokens firstTokenCheck // how late its first tokens come, by its own count
+	prefill     enginePrefill   // its prefill speed, by its own count
 	// foreign is the requests its last scrape showed beyond this proxy's own, computed once per scrape.
 	foreignAt    int64
 	foreign      float64
@@ -153,8 +158,9 @@ const endRing = 64
 // Reserving holds the read lock while it adds, and sweeping holds the write lock while it checks and
 // deletes, so an entry is never deleted between being looked up and being reserved.
 type loadTable struct {
-	mu sync.RWMutex
-	m  map[string]*upstreamLoad
+	mu     sync.RWMutex
+	m      map[string]*upstreamLoad
+	scales modelScales // the token scale last learned for each model served (tokenScale)
 }
 
 const (
@@ -223,6 +229,7 @@ func (t *loadTable) entry(dial string, now int64) *upstreamLoad {
 			t.sweepLocked(now)
 		}
 		l = newUpstreamLoad(selection.Prior, now)
+		l.scales = &t.scales
 		t.m[dial] = l
 	}
 	return l
@@ -239,7 +246,8 @@ func newUpstreamLoad(prior selection.Service, now int64) *upstreamLoad {
 // forget replaces the load of every upstream with nothing in flight (only (dial), when dial is not
 // empty) by one that has learned nothing (DELETE /llm/upstreams): its service model back at its prior (a
 // configured capacity's is kept), slot count, token scale, cache trust and horizon, and scrape baselines
-// all start again; a saturation still running is kept. An upstream with requests in flight keeps
+// all start again, and, forgetting every upstream, the scales learned per model; a saturation still
+// running is kept. An upstream with requests in flight keeps
 // everything, so each of them is released exactly once where it was counted. It returns how many
 // upstreams it forgot and kept.
 func (t *loadTable) forget(dial string, now int64) (forgotten, kept int) {
@@ -251,6 +259,7 @@ func (t *loadTable) forget(dial string, now int64) (forgotten, kept int) {
 			return
 		}
 		fresh := newUpstreamLoad(l.model.Prior(), now)
+		fresh.scales = &t.scales
 		fresh.saturatedUntil.Store(l.saturatedUntil.Load())
 		t.m[d] = fresh
 		forgotten++
@@ -264,6 +273,7 @@ func (t *loadTable) forget(dial string, now int64) (forgotten, kept int) {
 	for d, l := range t.m {
 		one(d, l)
 	}
+	t.scales.clear() // the scales of the upstreams kept are theirs, and shared again at their next scrape
 	return forgotten, kept
 }
 
@@ -926,6 +936,7 @@ func (l *upstreamLoad) scrapedLocked(snap *scraper.Snapshot) {
 	l.updateTrustLocked(snap)
 	n, prompt, ok := l.completedAsOfLocked(at)
 	l.scale.fromScrape(snap, n, prompt, ok, l.observed.prompt.Load())
+	l.shareScaleLocked(snap.Model)
 	l.firstTokens.fromScrape(snap, l.foreign >= 1)
 	l.prefill.fromScrape(snap)
 	l.backendUncached = backendMeanUncached(snap) / l.tokenScaleLocked()

@@ -2,6 +2,7 @@ package caddyllm
 
 import (
 	"math"
+	"sync"
 
 	"github.com/tokenrouter/caddy-llm/scraper"
 )
@@ -62,9 +63,12 @@ func (s *tokenScale) add(backend, policy float64) {
 	s.policy = s.policy*w + policy
 }
 
+// known reports whether minScaleTokens of samples have been seen: value is learned, not the 1 it starts at.
+func (s *tokenScale) known() bool { return s.policy >= minScaleTokens }
+
 // value is the backend's tokens per token of this proxy's count: 1 until minScaleTokens are seen.
 func (s *tokenScale) value() float64 {
-	if s.policy < minScaleTokens {
+	if !s.known() {
 		return 1
 	}
 	return s.backend / s.policy
@@ -106,4 +110,64 @@ func (l *upstreamLoad) completedAsOfLocked(at int64) (n, prompt int64, ok bool) 
 
 // tokenScaleLocked returns the upstream's backend tokens per token of this proxy's count. The caller
 // holds l.mu.
-func (l *upstreamLoad) tokenScaleLocked() float64 { return l.scale.value() }
+// Until it has learned its own, that is the scale another upstream serving the same model learned
+// (shareScaleLocked), or 1 where none has: one model has one tokenizer, and it is the scale that makes
+// the backend's counters this proxy's tokens. At 1 while the backend counts 1.35 of them, a young
+// upstream's counters told a prefilling 4k-token prompt decoding (markDecodingLocked) and its prefill
+// stopped counting, for the third of a mixed-pool run its small engines took to learn their own scale
+// (docs/bench/decoding-before-scale).
+func (l *upstreamLoad) tokenScaleLocked() float64 {
+	if !l.scale.known() && l.scalePrior > 0 {
+		return l.scalePrior
+	}
+	return l.scale.value()
+}
+
+// shareScaleLocked notes the model the upstream serves (a scrape's model_name; "" when it has none):
+// a scale it has learned is the model's for others to use, and until it has one it takes the model's.
+// The caller holds l.mu.
+func (l *upstreamLoad) shareScaleLocked(model string) {
+	if l.scales == nil || model == "" {
+		l.scalePrior = 0
+		return
+	}
+	if l.scale.known() {
+		l.scales.set(model, l.scale.value())
+		return
+	}
+	l.scalePrior = l.scales.get(model)
+}
+
+// modelScales holds the token scale last learned for each model, by its name in the backends'
+// metrics, for maxModelScales models at most.
+type modelScales struct {
+	mu sync.Mutex
+	m  map[string]float64
+}
+
+// maxModelScales bounds the models whose scale is kept: a name beyond it is not kept.
+const maxModelScales = 256
+
+func (m *modelScales) get(model string) float64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.m[model]
+}
+
+func (m *modelScales) clear() {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	clear(m.m)
+}
+
+func (m *modelScales) set(model string, v float64) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if _, ok := m.m[model]; !ok && len(m.m) >= maxModelScales {
+		return
+	}
+	if m.m == nil {
+		m.m = make(map[string]float64)
+	}
+	m.m[model] = v
+}

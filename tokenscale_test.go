@@ -143,6 +143,56 @@ func TestTokenScaleFromFirstEnds(t *testing.T) {
 	}
 }
 
+// TestTokenScaleSharedByModel: an upstream that has not learned its own scale takes the one another
+// upstream serving the same model learned (the model_name of its metrics), in its KV capacity among the
+// rest; one serving another model or none keeps 1, its own scale once learned wins, and forgetting every
+// upstream forgets the models' scales too.
+func TestTokenScaleSharedByModel(t *testing.T) {
+	lt := newTestLoads()
+	now := time.Now().UnixNano()
+	view := func(dial, model string, finished, prompt float64) upstreamView {
+		now += int64(time.Millisecond)
+		return lt.view(dial, now, &scraper.Snapshot{At: time.Unix(0, now), FinishedRequests: finished, FinishedPrompt: prompt,
+			BlockSize: 16, NumBlocks: 1000, Running: 1, Model: model})
+	}
+	complete := func(dial string, n int) {
+		for range n {
+			now += int64(time.Millisecond)
+			r := lt.reserve(dial, work{uncached: 1000, prompt: 1000, prediction: prediction{prompt: 1000}}, now)
+			now += int64(time.Millisecond)
+			r.release(now, true)
+		}
+	}
+	const a, b, c, d = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"
+	if v := view(b, "m", 0, 0); v.tokenScale != 1 {
+		t.Fatalf("scale with nothing learned anywhere = %v, want 1", v.tokenScale)
+	}
+	view(a, "m", 0, 0)
+	complete(a, 5)
+	if v := view(a, "m", 5, 6700); math.Abs(v.tokenScale-1.34) > 1e-9 {
+		t.Fatalf("a's own scale = %v, want 1.34", v.tokenScale)
+	}
+	v := view(b, "m", 0, 0)
+	if math.Abs(v.tokenScale-1.34) > 1e-9 || math.Abs(v.kvCapacity-16000/1.34) > 1e-6 {
+		t.Errorf("b, serving a's model, learned nothing: scale %v, KV capacity %v; want a's 1.34 and %v", v.tokenScale, v.kvCapacity, 16000/1.34)
+	}
+	for _, other := range []struct{ dial, model string }{{c, "other"}, {d, ""}} {
+		if v := view(other.dial, other.model, 0, 0); v.tokenScale != 1 {
+			t.Errorf("upstream serving model %q: scale %v, want 1 (nothing learned for it)", other.model, v.tokenScale)
+		}
+	}
+	complete(b, 5)
+	if v := view(b, "m", 5, 5000); math.Abs(v.tokenScale-1) > 1e-9 {
+		t.Errorf("b's scale once it learned its own 1.0 = %v, want its own", v.tokenScale)
+	}
+	if forgot, _ := lt.forget("", now); forgot != 4 {
+		t.Fatalf("forgot %d upstreams, want 4", forgot)
+	}
+	if v := view(c, "m", 0, 0); v.tokenScale != 1 {
+		t.Errorf("after forgetting every upstream: scale %v, want 1 (the model's forgotten)", v.tokenScale)
+	}
+}
+
 // TestTokenScaleFromUsage: a response's usage.prompt_tokens teaches the scale, and a report without it
 // teaches nothing; while reports come, scrapes do not count the same requests again.
 func TestTokenScaleFromUsage(t *testing.T) {
