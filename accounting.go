@@ -56,14 +56,10 @@ type upstreamLoad struct {
 	// completedPrompt count every completed request there and their prompt tokens (tokenScale).
 	endedPrompt                [endRing]int64
 	completed, completedPrompt int64
-	scale                      tokenScale // the backend's tokens per token of this proxy's count
-	// scales is the table's scales learned per model (nil: none shared), and scalePrior the scale
-	// learned there for the model this upstream serves by another upstream, which this one uses until
-	// it has learned its own (tokenScaleLocked).
-	scales      *modelScales
-	scalePrior  float64
-	firstTokens firstTokenCheck // how late its first tokens come, by its own count
-	prefill     enginePrefill   // its prefill speed, by its own count
+	scale                      tokenScale      // the backend's tokens per token of this proxy's count
+	scales                     *modelScales    // the table's scales learned per model (nil: none shared)
+	firstTokens                firstTokenCheck // how late its first tokens come, by its own count
+	prefill                    enginePrefill   // its prefill speed, by its own count
 	// foreign is the requests its last scrape showed beyond this proxy's own, computed once per scrape.
 	foreignAt    int64
 	foreign      float64
@@ -228,8 +224,7 @@ func (t *loadTable) entry(dial string, now int64) *upstreamLoad {
 		if len(t.m) >= sweepAbove {
 			t.sweepLocked(now)
 		}
-		l = newUpstreamLoad(selection.Prior, now)
-		l.scales = &t.scales
+		l = t.newLoad(selection.Prior, now)
 		t.m[dial] = l
 	}
 	return l
@@ -240,6 +235,13 @@ func (t *loadTable) entry(dial string, now int64) *upstreamLoad {
 func newUpstreamLoad(prior selection.Service, now int64) *upstreamLoad {
 	l := &upstreamLoad{model: selection.NewServiceModel(prior), trust: 1, idleSince: now}
 	l.lastUsed.Store(now)
+	return l
+}
+
+// newLoad is newUpstreamLoad's load, sharing the table's scales learned per model (shareScaleLocked).
+func (t *loadTable) newLoad(prior selection.Service, now int64) *upstreamLoad {
+	l := newUpstreamLoad(prior, now)
+	l.scales = &t.scales
 	return l
 }
 
@@ -258,8 +260,7 @@ func (t *loadTable) forget(dial string, now int64) (forgotten, kept int) {
 			kept++
 			return
 		}
-		fresh := newUpstreamLoad(l.model.Prior(), now)
-		fresh.scales = &t.scales
+		fresh := t.newLoad(l.model.Prior(), now)
 		fresh.saturatedUntil.Store(l.saturatedUntil.Load())
 		t.m[d] = fresh
 		forgotten++

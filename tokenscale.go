@@ -37,6 +37,9 @@ type tokenScale struct {
 	fromEnded, fromEndedPrompt       int64
 	fromValid                        bool
 	fromObserved                     int64 // observed.prompt then: usage reports, when they come, teach it instead
+	// prior is the scale another upstream serving the same model learned (shareScaleLocked), value's
+	// until this one's samples make it known; 0: none.
+	prior float64
 }
 
 const (
@@ -66,9 +69,13 @@ func (s *tokenScale) add(backend, policy float64) {
 // known reports whether minScaleTokens of samples have been seen: value is learned, not the 1 it starts at.
 func (s *tokenScale) known() bool { return s.policy >= minScaleTokens }
 
-// value is the backend's tokens per token of this proxy's count: 1 until minScaleTokens are seen.
+// value is the backend's tokens per token of this proxy's count: until minScaleTokens are seen, the
+// prior, or 1 without one.
 func (s *tokenScale) value() float64 {
 	if !s.known() {
+		if s.prior > 0 {
+			return s.prior
+		}
 		return 1
 	}
 	return s.backend / s.policy
@@ -110,32 +117,25 @@ func (l *upstreamLoad) completedAsOfLocked(at int64) (n, prompt int64, ok bool) 
 
 // tokenScaleLocked returns the upstream's backend tokens per token of this proxy's count. The caller
 // holds l.mu.
-// Until it has learned its own, that is the scale another upstream serving the same model learned
-// (shareScaleLocked), or 1 where none has: one model has one tokenizer, and it is the scale that makes
-// the backend's counters this proxy's tokens. At 1 while the backend counts 1.35 of them, a young
-// upstream's counters told a prefilling 4k-token prompt decoding (markDecodingLocked) and its prefill
-// stopped counting, for the third of a mixed-pool run its small engines took to learn their own scale
-// (docs/bench/decoding-before-scale).
-func (l *upstreamLoad) tokenScaleLocked() float64 {
-	if !l.scale.known() && l.scalePrior > 0 {
-		return l.scalePrior
-	}
-	return l.scale.value()
-}
+func (l *upstreamLoad) tokenScaleLocked() float64 { return l.scale.value() }
 
 // shareScaleLocked notes the model the upstream serves (a scrape's model_name; "" when it has none):
-// a scale it has learned is the model's for others to use, and until it has one it takes the model's.
-// The caller holds l.mu.
+// a scale it has learned is the model's for others to use, and until it has one it takes the model's
+// as its prior. One model has one tokenizer, and it is the scale that makes the backend's counters
+// this proxy's tokens: at 1 while the backend counts 1.35 of them, a young upstream's counters told a
+// prefilling 4k-token prompt decoding (markDecodingLocked) and its prefill stopped counting, for the
+// third of a mixed-pool run its small engines took to learn their own scale
+// (docs/bench/decoding-before-scale). The caller holds l.mu.
 func (l *upstreamLoad) shareScaleLocked(model string) {
 	if l.scales == nil || model == "" {
-		l.scalePrior = 0
+		l.scale.prior = 0
 		return
 	}
 	if l.scale.known() {
 		l.scales.set(model, l.scale.value())
 		return
 	}
-	l.scalePrior = l.scales.get(model)
+	l.scale.prior = l.scales.get(model)
 }
 
 // modelScales holds the token scale last learned for each model, by its name in the backends'
