@@ -70,8 +70,12 @@ func simServer(t *testing.T, cfg vllmsim.Config, withTLS bool, front func(*vllms
 // the kernel may give it the port of an earlier test's server, whose requests, learned service model
 // and scrape baselines would be taken for this one's (a likely cause of a wait for exactly n observed
 // usages that timed out in CI). Every test server constructor calls it before any config routes there.
+// The token scales learned per model go too: every simulator serves "sim-model", and a new upstream
+// takes the scale an earlier test's upstream learned for it (TestTokenScaleLearnedThroughCaddy read
+// 1.58 before its first request, when another test had run before it).
 func freshUpstream(dial string) {
 	loads.forget(dial, time.Now().UnixNano())
+	loads.scales.clear()
 }
 
 // adminUpstreams reads GET /llm/upstreams of the in-process Caddy.
