@@ -172,8 +172,15 @@ func nextPiece(s []byte) (n int, exact bool) {
 	prev, size := utf8.DecodeRune(s)
 	for i := size; i < len(s); i += size {
 		var r rune
-		r, size = utf8.DecodeRune(s[i:])
-		if isCut(prev, r) {
+		var cut bool
+		if c := s[i]; c < utf8.RuneSelf && prev < utf8.RuneSelf {
+			r, size = rune(c), 1
+			cut = asciiCuts[prev][c/64]&(1<<(c%64)) != 0 // isCut(prev, r), read off its table
+		} else {
+			r, size = utf8.DecodeRune(s[i:])
+			cut = isCut(prev, r)
+		}
+		if cut {
 			return i, true
 		}
 		if i >= maxRun {
@@ -183,6 +190,19 @@ func nextPiece(s []byte) (n int, exact bool) {
 	}
 	return len(s), true
 }
+
+// asciiCuts is isCut over ASCII: bit r of asciiCuts[prev] is isCut(prev, r). Most text is ASCII, and a
+// table lookup takes the rune decoding and the unicode class checks off each of its bytes.
+var asciiCuts = func() (cuts [utf8.RuneSelf][2]uint64) {
+	for prev := range rune(utf8.RuneSelf) {
+		for r := range rune(utf8.RuneSelf) {
+			if isCut(prev, r) {
+				cuts[prev][r/64] |= 1 << (r % 64)
+			}
+		}
+	}
+	return cuts
+}()
 
 // isCut reports whether tokenizing the text before and after the point between runes prev and r
 // separately gives exactly the tokens of tokenizing it whole, for the cl100k_base and o200k_base

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"unicode/utf8"
 
 	"github.com/pkoukk/tiktoken-go"
 )
@@ -195,6 +196,54 @@ func cutExactly(text string) bool {
 		s = s[k:]
 	}
 	return true
+}
+
+// TestNextPieceMatchesRunes checks nextPiece, which reads ASCII off a table, against the same cut
+// decided rune by rune with isCut, on random mixes of every ASCII byte, multi-byte runes, marks and
+// invalid UTF-8.
+func TestNextPieceMatchesRunes(t *testing.T) {
+	byRunes := func(s []byte) (int, bool) {
+		prev, size := utf8.DecodeRune(s)
+		for i := size; i < len(s); i += size {
+			var r rune
+			r, size = utf8.DecodeRune(s[i:])
+			if isCut(prev, r) {
+				return i, true
+			}
+			if i >= maxRun {
+				return i, false
+			}
+			prev = r
+		}
+		return len(s), true
+	}
+	alphabet := []string{"é", "日本", "\u0301", "\xff", "\xe2\x82", "Ω", "\u00a0", "\u0085", "١٢"}
+	for c := range utf8.RuneSelf {
+		alphabet = append(alphabet, string(rune(c)))
+	}
+	rng := rand.New(rand.NewSource(3))
+	cuts := 0
+	for i := 0; i < 3000; i++ {
+		var b []byte
+		for n := rng.Intn(200); len(b) < n; {
+			if rng.Intn(3) == 0 { // runs of one class, so that long pieces and forced cuts occur too
+				b = append(b, strings.Repeat(alphabet[rng.Intn(len(alphabet))], 1+rng.Intn(80))...)
+			} else {
+				b = append(b, alphabet[rng.Intn(len(alphabet))]...)
+			}
+		}
+		for s := b; len(s) > 0; {
+			k, exact := nextPiece(s)
+			if wk, wexact := byRunes(s); k != wk || exact != wexact {
+				t.Fatalf("nextPiece(%q) = %d, %v; rune by rune %d, %v", s, k, exact, wk, wexact)
+			}
+			s = s[k:]
+			cuts++
+		}
+	}
+	if cuts < 10000 {
+		t.Errorf("only %d pieces compared", cuts)
+	}
 }
 
 func TestNextPieceBounds(t *testing.T) {
