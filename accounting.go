@@ -57,7 +57,7 @@ type upstreamLoad struct {
 	endedPrompt                [endRing]int64
 	completed, completedPrompt int64
 	scale                      tokenScale      // the backend's tokens per token of this proxy's count
-	scales                     *modelScales    // the table's scales learned per model (nil: none shared)
+	scales                     *modelScales    // the table's scales learned per model
 	firstTokens                firstTokenCheck // how late its first tokens come, by its own count
 	prefill                    enginePrefill   // its prefill speed, by its own count
 	// foreign is the requests its last scrape showed beyond this proxy's own, computed once per scrape.
@@ -230,18 +230,11 @@ func (t *loadTable) entry(dial string, now int64) *upstreamLoad {
 	return l
 }
 
-// newUpstreamLoad returns an upstream's load with nothing in flight and nothing learned, its service
-// model starting from prior.
-func newUpstreamLoad(prior selection.Service, now int64) *upstreamLoad {
-	l := &upstreamLoad{model: selection.NewServiceModel(prior), trust: 1, idleSince: now}
-	l.lastUsed.Store(now)
-	return l
-}
-
-// newLoad is newUpstreamLoad's load, sharing the table's scales learned per model (shareScaleLocked).
+// newLoad returns an upstream's load with nothing in flight and nothing learned, its service model
+// starting from prior, sharing the table's scales learned per model (shareScaleLocked).
 func (t *loadTable) newLoad(prior selection.Service, now int64) *upstreamLoad {
-	l := newUpstreamLoad(prior, now)
-	l.scales = &t.scales
+	l := &upstreamLoad{model: selection.NewServiceModel(prior), trust: 1, idleSince: now, scales: &t.scales}
+	l.lastUsed.Store(now)
 	return l
 }
 

@@ -127,7 +127,7 @@ func (l *upstreamLoad) tokenScaleLocked() float64 { return l.scale.value() }
 // third of a mixed-pool run its small engines took to learn their own scale
 // (docs/bench/decoding-before-scale). The caller holds l.mu.
 func (l *upstreamLoad) shareScaleLocked(model string) {
-	if l.scales == nil || model == "" {
+	if model == "" {
 		l.scale.prior = 0
 		return
 	}
