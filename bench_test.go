@@ -10,6 +10,7 @@ import (
 	"os"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -276,5 +277,92 @@ func selectWarm(b *testing.B, s *LLMSelection, pool reverseproxy.UpstreamPool, b
 			b.Fatal("no upstream")
 		}
 		cancel()
+	}
+}
+
+// BenchmarkSelectTurns is the bench's multi-turn-think traffic through Select in front of four
+// scraped vLLM upstreams: 64 conversations in turn, each request its conversation's next turn (a
+// 64-token reply and a 150-token question after a cached history behind a 500-token system prompt),
+// a conversation restarting after 6 turns with new text, with the 48 requests before it still in
+// flight (their reservations held, as on a busy proxy). busy runs the requests back to back; apart
+// sleeps 5 ms before each (outside the timer), as a proxy whose requests arrive a few milliseconds
+// apart does between them: its caches go cold, and the same work takes longer (README: Benchmarks).
+// Run apart with a count (-benchtime 2000x: 10 s of sleeping).
+func BenchmarkSelectTurns(b *testing.B) {
+	for _, c := range []struct {
+		name  string
+		apart time.Duration
+	}{{"busy", 0}, {"apart", 5 * time.Millisecond}} {
+		b.Run(c.name, func(b *testing.B) { selectTurns(b, c.apart) })
+	}
+}
+
+func selectTurns(b *testing.B, apart time.Duration) {
+	page, err := os.ReadFile("scraper/testdata/vllm_v1_two_engines.txt")
+	if err != nil {
+		b.Fatal(err)
+	}
+	s, pool := provisionedPolicyWith(b, &LLMSelection{}, 4, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/plain; version=0.0.4")
+		_, _ = w.Write(page)
+	}))
+	awaitScrapes(b, s, pool)
+	convs := make([]*agenticBody, 64)
+	started := 0
+	restart := func(i int) {
+		started++
+		c := &agenticBody{rng: rand.New(rand.NewPCG(uint64(started), 11))}
+		c.add("system", 500)
+		c.add("user", 150)
+		convs[i] = c
+	}
+	for i := range convs {
+		restart(i)
+	}
+	next := 0
+	selectInFlight(b, s, pool, 48, apart, func() []byte {
+		i := next % len(convs)
+		next++
+		c := convs[i]
+		if len(c.messages) >= 12 {
+			restart(i)
+			c = convs[i]
+		} else {
+			c.add("assistant", 64)
+			c.add("user", 150)
+		}
+		return c.body()
+	})
+}
+
+// selectInFlight is selectEach with the last inFlight requests still in flight when Select runs (their
+// reservations held, as a busy proxy's are), each ended inFlight iterations later, and a sleep of apart
+// before each request.
+func selectInFlight(b *testing.B, s *LLMSelection, pool reverseproxy.UpstreamPool, inFlight int, apart time.Duration, next func() []byte) {
+	cancels := make([]context.CancelFunc, inFlight)
+	b.Cleanup(func() {
+		for _, cancel := range cancels {
+			if cancel != nil {
+				cancel()
+			}
+		}
+	})
+	b.ReportAllocs()
+	i := 0
+	for b.Loop() {
+		b.StopTimer()
+		r, cancel := newProxyRequest(next())
+		if old := cancels[i%inFlight]; old != nil {
+			old()
+		}
+		cancels[i%inFlight] = cancel
+		i++
+		if apart > 0 {
+			time.Sleep(apart)
+		}
+		b.StartTimer()
+		if s.Select(pool, r, nil) == nil {
+			b.Fatal("no upstream")
+		}
 	}
 }
