@@ -114,14 +114,7 @@ func BenchmarkSelect(b *testing.B) {
 		selectWarm(b, s, pool, [][]byte{chatRequest20(0)})
 	})
 	b.Run("combined/scraped16", func(b *testing.B) {
-		page, err := os.ReadFile("scraper/testdata/vllm_v1_two_engines.txt")
-		if err != nil {
-			b.Fatal(err)
-		}
-		s, pool := provisionedPolicyWith(b, &LLMSelection{Mode: "combined"}, 16, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			w.Header().Set("Content-Type", "text/plain; version=0.0.4")
-			_, _ = w.Write(page)
-		}))
+		s, pool := provisionedPolicyWith(b, &LLMSelection{Mode: "combined"}, 16, vllmMetrics(b))
 		awaitScrapes(b, s, pool)
 		selectWarm(b, s, pool, [][]byte{chatRequest20(0)})
 	})
@@ -286,7 +279,8 @@ func selectWarm(b *testing.B, s *LLMSelection, pool reverseproxy.UpstreamPool, b
 // a conversation restarting after 6 turns with new text, with the 48 requests before it still in
 // flight (their reservations held, as on a busy proxy). busy runs the requests back to back; apart
 // sleeps 5 ms before each (outside the timer), as a proxy whose requests arrive a few milliseconds
-// apart does between them: its caches go cold, and the same work takes longer (README: Benchmarks).
+// apart does between them: its caches go cold, and the same work takes longer (README: Fleets beyond
+// the matrix).
 // Run apart with a count (-benchtime 2000x: 10 s of sleeping).
 func BenchmarkSelectTurns(b *testing.B) {
 	for _, c := range []struct {
@@ -298,14 +292,7 @@ func BenchmarkSelectTurns(b *testing.B) {
 }
 
 func selectTurns(b *testing.B, apart time.Duration) {
-	page, err := os.ReadFile("scraper/testdata/vllm_v1_two_engines.txt")
-	if err != nil {
-		b.Fatal(err)
-	}
-	s, pool := provisionedPolicyWith(b, &LLMSelection{}, 4, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set("Content-Type", "text/plain; version=0.0.4")
-		_, _ = w.Write(page)
-	}))
+	s, pool := provisionedPolicyWith(b, &LLMSelection{}, 4, vllmMetrics(b))
 	awaitScrapes(b, s, pool)
 	convs := make([]*agenticBody, 64)
 	started := 0
@@ -332,6 +319,19 @@ func selectTurns(b *testing.B, apart time.Duration) {
 			c.add("user", 150)
 		}
 		return c.body()
+	})
+}
+
+// vllmMetrics answers every request with a vLLM metrics page, as an upstream's /metrics in front of vLLM.
+func vllmMetrics(tb testing.TB) http.Handler {
+	tb.Helper()
+	page, err := os.ReadFile("scraper/testdata/vllm_v1_two_engines.txt")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/plain; version=0.0.4")
+		_, _ = w.Write(page)
 	})
 }
 
