@@ -2,7 +2,6 @@ package caddyllm
 
 import (
 	"fmt"
-	"io"
 	"math"
 	"net/http"
 	"strings"
@@ -59,12 +58,7 @@ func TestEnginePrefillReported(t *testing.T) {
 	tester := scrapedPair(t, b, "", "interval 100ms", "stale_after 30s")
 	for i := range 10 {
 		body := fmt.Sprintf(`{"model":"sim-model","max_tokens":2,"messages":[{"role":"user","content":"%d %s"}]}`, i, strings.Repeat("hello ", 400))
-		res, err := tester.Client.Post(proxyURL+"/v1/chat/completions", "application/json", strings.NewReader(body))
-		if err != nil {
-			t.Fatal(err)
-		}
-		io.Copy(io.Discard, res.Body)
-		res.Body.Close()
+		res, _ := post(t, tester.Client, "/v1/chat/completions", body) // resent if the previous config's server reset it
 		if res.StatusCode != http.StatusOK {
 			t.Fatalf("status %d", res.StatusCode)
 		}
