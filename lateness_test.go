@@ -113,8 +113,8 @@ func TestLateFirstTokensReported(t *testing.T) {
 			body := strings.Replace(chatBody("sim-model", 10+i, false), `"max_tokens":16`, `"max_tokens":4`, 1)
 			req, _ := http.NewRequest(http.MethodPost, proxyURL+"/v1/chat/completions", strings.NewReader(body))
 			req.Header.Set("Content-Type", "application/json")
-			// Resent if the previous test's server, shutting down, took its connection: twelve dialled at
-			// once right after the load, one was (a reset, beside a busy-loop CPU hog).
+			// Resent if the previous test's server, shutting down, took its connection: of twelve dialled
+			// at once right after the load, seven were reset so in one run beside a busy-loop CPU hog.
 			res, err := doReloadSafe(tester.Client, req)
 			if err != nil {
 				t.Error(err)
