@@ -147,7 +147,7 @@ func BenchmarkCount(b *testing.B) {
 		warm, text []byte
 	}{
 		{"prose", read("../docs/bench/HISTORY.md"), read("../bench/README.md")},
-		{"code", read("../decide.go", "../accounting.go", "../module.go"), read("../selection/selection.go")},
+		{"code", read("../decide.go", "../accounting.go", "../scraped.go", "../module.go"), read("../selection/selection.go")},
 		{"json", read("../docs/bench/instances.json"), read("../docs/bench/faults.json")},
 	}
 	e, err := encoderFor("cl100k_base")
