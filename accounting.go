@@ -129,6 +129,10 @@ type upstreamLoad struct {
 	// next scrape-to-scrape interval (ObserveSteps).
 	stepFrom scraper.Snapshot
 	stepIdle int64
+	// spanFrom and spanIdle are the same for the span in progress (ObserveSpan), which runs on through the
+	// snapshots at which no engine step had ended.
+	spanFrom scraper.Snapshot
+	spanIdle int64
 	// idleTotal is how long (nanoseconds) this proxy has had nothing in flight on the upstream, up to
 	// idleSince, when it last had nothing in flight again (0 while something is): see idleAtLocked.
 	idleTotal, idleSince int64

@@ -1211,6 +1211,41 @@ func TestScrapePairsTimeSteps(t *testing.T) {
 	}
 }
 
+// TestScrapePairsSpanALongStep: a scrape that finds the backend still running the step it ran at the last
+// one (a prompt prefilled whole, without chunked prefill, for longer than a scrape interval) ends no
+// span (ObserveSpan): the span runs on to the scrape after that step ends, so its time and the prompt
+// tokens counted when it was scheduled stay together. Split there, the step's tokens fell in a pair that
+// was skipped (no step ended) and its time in the next, one step without tokens, and a pooled fit of a
+// kind's prefill speed was 9x too fast (the bench's mixed-pool agentic).
+func TestScrapePairsSpanALongStep(t *testing.T) {
+	p := busyProxy{lt: newTestLoads()}
+	at := time.Unix(1_700_000_000, 0)
+	p.hold(at)
+	snap := scraper.Snapshot{Running: busyRunning, Steps: 100}
+	p.scrape(snap, at)
+	snap.PrefixQueries += 1600 // a prompt scheduled, its prefill one step of 0.8 s at 2k tokens/s
+	at = at.Add(200 * time.Millisecond)
+	p.scrape(snap, at) // the step is still running: no step ended
+	at = at.Add(200 * time.Millisecond)
+	p.scrape(snap, at)
+	at = at.Add(500 * time.Millisecond)
+	snap.Steps++
+	p.scrape(snap, at) // it ended
+	m := p.lt.lookup(busyDial).model
+	if _, n := m.Service().StepsVsPrior(); n != 1 {
+		t.Errorf("%d scrape pairs counted, want 1 (the pair in which the step ended)", n)
+	}
+	// The span: 0.9 s for one step and 1,600 tokens. Fitted with spans of decode only (10 steps of
+	// 5 ms in 50 ms), the step time is 5 ms and the prefill (0.9 - 0.005) / 1,600 s a token.
+	for range 4 {
+		m.ObserveSpan(0.05, 0, 10)
+	}
+	got, ok := selection.FitSpans(m.Service())
+	if want := (0.9 - 0.005) / 1600; !ok || got < want/1.05 || got > want*1.05 {
+		t.Errorf("prefill fitted %.0f tokens/s (ok %v), want %.0f (the step's time with its tokens)", 1/got, ok, 1/want)
+	}
+}
+
 // TestForgetStartsAgain: DELETE /llm/upstreams (loadTable.forget) gives every upstream with nothing in
 // flight a load that has learned nothing, from its own prior (a configured capacity's too), keeps a
 // saturation that is still running, and leaves an upstream with a request in flight as it is, so that

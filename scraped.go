@@ -351,15 +351,33 @@ func prefilledBetween(from, snap *scraper.Snapshot) float64 {
 // snap's time: nothing running between is not excluded otherwise), the backend counts its steps (vLLM's
 // per-step histogram) and no counter went back (a restart): the time between the two, the steps run and
 // the prompt tokens prefilled (prefix-cache queries not hit, or the prompt tokens it says it computed;
-// ObserveSteps refuses a negative count). The caller holds l.mu.
+// ObserveSteps refuses a negative count). The same work goes to ObserveSpan, where a snapshot at which no
+// step had ended since the span's start does not end it. The caller holds l.mu.
 func (l *upstreamLoad) observeStepsLocked(snap *scraper.Snapshot, idle int64) {
-	from, fromIdle := l.stepFrom, l.stepIdle
-	l.stepFrom, l.stepIdle = *snap, idle
-	if from.At.IsZero() || !snap.At.After(from.At) || from.Running < 1 || snap.Running < 1 ||
-		idle != fromIdle || !(snap.Steps > from.Steps) || countersWentBack(&from, snap) {
-		return
+	if seconds, uncached, steps, ok := l.workSinceLocked(&l.stepFrom, &l.stepIdle, snap, idle, false); ok {
+		l.model.ObserveSteps(seconds, uncached, steps)
 	}
-	l.model.ObserveSteps(snap.At.Sub(from.At).Seconds(), prefilledBetween(&from, snap)/l.tokenScaleLocked(), snap.Steps-from.Steps)
+	if seconds, uncached, steps, ok := l.workSinceLocked(&l.spanFrom, &l.spanIdle, snap, idle, true); ok {
+		l.model.ObserveSpan(seconds, uncached, steps)
+	}
+}
+
+// workSinceLocked returns the backend's work from *from (idleAtLocked *fromIdle at its time) to snap, and
+// makes snap the next start; ok is false where the two do not say it (see observeStepsLocked). With
+// span, a snap that finds the backend running the step it ran at *from (none ended) is no end: *from
+// stays. The caller holds l.mu.
+func (l *upstreamLoad) workSinceLocked(from *scraper.Snapshot, fromIdle *int64, snap *scraper.Snapshot, idle int64, span bool) (seconds, uncached, steps float64, ok bool) {
+	f := *from
+	ok = !f.At.IsZero() && snap.At.After(f.At) && f.Running >= 1 && snap.Running >= 1 && idle == *fromIdle &&
+		!countersWentBack(&f, snap)
+	if span && ok && snap.Steps == f.Steps {
+		return 0, 0, 0, false
+	}
+	*from, *fromIdle = *snap, idle
+	if !ok || !(snap.Steps > f.Steps) {
+		return 0, 0, 0, false
+	}
+	return snap.At.Sub(f.At).Seconds(), prefilledBetween(&f, snap) / l.tokenScaleLocked(), snap.Steps - f.Steps, true
 }
 
 // idleAtLocked is how long this proxy has had nothing in flight on the upstream up to at (unix

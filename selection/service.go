@@ -56,6 +56,8 @@ type Service struct {
 	// steps is how long the backend's work between recent pairs of scrapes took against the prior
 	// (ObserveSteps).
 	steps stepWork
+	// span is the same work for a fit of its step time and prefill speed (ObserveSpan, fitKind).
+	span spanWork
 }
 
 // stepWork is what a backend did between pairs of consecutive scrapes, over the recent pairs: the time,
@@ -67,6 +69,15 @@ type stepWork struct {
 	seconds, steps, uncached float64
 	mean, meanSq             float64
 	n                        int
+}
+
+// spanWork is what a backend did between scrapes, each span from one scrape to the first later one at
+// which an engine step had ended (ObserveSpan): the spans' sums of squares and products, each weighing
+// 1-scaleRate less at the next, for a least-squares fit of seconds = steps x step time + uncached x
+// prefill seconds per token (fitKind), and how many spans (n, up to maxStateCount).
+type spanWork struct {
+	ss, su, uu, sy, uy, yy float64
+	n                      int
 }
 
 // at is the log of how many times t seconds a step and p a prefilled token w's summed work took.
@@ -162,6 +173,7 @@ type ServiceModel struct {
 	logScale  float64 // log of observed/predicted durations (EWMA)
 	durN      int
 	steps     stepWork // how long its work between recent scrapes took against the prior (ObserveSteps)
+	span      spanWork // its work between scrapes, step by step (ObserveSpan)
 	meanDur   float64
 	slots     float64 // the most it runs, once seen pinned at that ceiling with others waiting; 0: unknown
 	ceiling   float64 // the most it was seen running
@@ -208,7 +220,7 @@ func (m *ServiceModel) resetLocked(prior Service) {
 	m.ttft, m.ttftN, m.skippedN = newRLS2(prior.Overhead, prior.PrefillSecondsPerToken*1000, priorNoise(prior)), 0, 0
 	m.busy, m.busyN, m.busyGenN = newBusyFit(prior), 0, 0
 	m.logScale, m.durN = 0, 0
-	m.steps = stepWork{}
+	m.steps, m.span = stepWork{}, spanWork{}
 	m.forgetSlotsLocked()
 }
 
@@ -350,6 +362,28 @@ func (m *ServiceModel) ObserveSteps(seconds, uncached, steps float64) {
 	w.meanSq += rate * (x*x - w.meanSq)
 }
 
+// ObserveSpan records what the backend did from one metrics snapshot to the first later one at which an
+// engine step had ended, seconds apart, while it was running requests at both: steps engine steps and
+// uncached prompt tokens prefilled, counted when their requests were scheduled. It is kept for fitKind,
+// which prices each kind of engine in a pool of several. A span runs on through the snapshots that find
+// the same step still running (a prompt prefilled whole, without chunked prefill, for longer than a scrape
+// interval), so that a step's time stays with the tokens it prefilled: split at every scrape as
+// ObserveSteps's pairs are, such a step's tokens fell in a pair without a step (skipped) and its time in
+// the next, one step without tokens, and a fit of the bench's mixed-pool agentic priced its small
+// engines' prefill at 9x their speed.
+func (m *ServiceModel) ObserveSpan(seconds, uncached, steps float64) {
+	if !(seconds > 0) || !(steps >= 1) || !(uncached >= 0) || math.IsInf(seconds+uncached+steps, 0) {
+		return
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	w := &m.span
+	keep := 1 - scaleRate
+	w.ss, w.su, w.uu = keep*w.ss+steps*steps, keep*w.su+steps*uncached, keep*w.uu+uncached*uncached
+	w.sy, w.uy, w.yy = keep*w.sy+steps*seconds, keep*w.uy+uncached*seconds, keep*w.yy+seconds*seconds
+	w.n = counted(w.n)
+}
+
 // minBusy is how many busy intervals the model needs before it prefers them over the scaled prior for
 // the prefill. One: an interval spans at least minBusySteps engine steps, and what one interval says is
 // weighed as one of trustedBusy in the upstream's own estimate, the rest pooled over the fleet (Blend).
@@ -467,6 +501,7 @@ func (m *ServiceModel) serviceLocked() Service {
 		SkippedFirstTokens:     m.skippedN,
 		Free:                   m.free,
 		steps:                  m.steps,
+		span:                   m.span,
 	}
 	if m.atCeil >= 2 && m.belowCeil == 0 {
 		s.LikelySlots = m.ceiling
@@ -982,6 +1017,20 @@ func (f *Fleet) Align(cands []Candidate) {
 			continue // alone of its kind
 		}
 		prefill, token, overhead, rel = math.Exp(prefill/n), math.Exp(token/n), math.Exp(overhead/n), math.Exp(rel/n)
+		if f.nKinds >= 2 {
+			// Several kinds of engine: each kind's prefill is what its own work between scrapes says,
+			// where that tells it from the step time (fitKind).
+			var wbuf [16]spanWork
+			works := wbuf[:0]
+			for j := i; j < len(cands); j++ {
+				if kind(j) {
+					works = append(works, cands[j].Service.span)
+				}
+			}
+			if p, ok := fitKind(works); ok {
+				prefill = p
+			}
+		}
 		for j := i; j < len(cands); j++ {
 			if !kind(j) {
 				continue
@@ -995,6 +1044,35 @@ func (f *Fleet) Align(cands []Candidate) {
 			factors[j] = 0
 		}
 	}
+}
+
+// fitKind fits the work between scrapes of one kind's upstreams, pooled, by least squares: seconds =
+// steps x step time + uncached x prefill seconds per token. It returns the prefill's, and ok when the
+// pairs tell it from the step time: at least two pairs more than the fit's two slopes, both slopes
+// positive, and the prefill's standard error under half of it. Unlike engines differ in prefill and
+// step time in opposite directions (16 slots without chunked prefill prefill 2.4x slower and step 0.6x
+// the time of 256 chunked ones), which one factor cannot carry, and their own estimators learn the
+// prefill late: a short run ends with one busy interval per upstream, where the step pairs number 4-8.
+func fitKind(works []spanWork) (prefill float64, ok bool) {
+	var w spanWork
+	n := 0.0
+	for _, x := range works {
+		w.ss, w.su, w.uu = w.ss+x.ss, w.su+x.su, w.uu+x.uu
+		w.sy, w.uy, w.yy = w.sy+x.sy, w.uy+x.uy, w.yy+x.yy
+		n += min(float64(x.n), 1/scaleRate) // the sums' memory
+	}
+	det := w.ss*w.uu - w.su*w.su
+	if n < 4 || !(det > 0) {
+		return 0, false
+	}
+	t := (w.uu*w.sy - w.su*w.uy) / det
+	p := (w.ss*w.uy - w.su*w.sy) / det
+	if !(t > 0) || !(p > 0) {
+		return 0, false
+	}
+	rss := max(w.yy-2*(t*w.sy+p*w.uy)+t*t*w.ss+2*t*p*w.su+p*p*w.uu, 0)
+	se := math.Sqrt(rss / (n - 2) * w.ss / det)
+	return p, se < p/2
 }
 
 // alignable reports whether Align compares c with the others: its work between scrapes is measured, it
@@ -1107,3 +1185,7 @@ func (f *Fleet) Blend(s Service, geometry float64) Service {
 	s.MeanDuration = own*s.MeanDuration + fleet*fm
 	return s
 }
+
+// FitSpans is fitKind over one upstream's spans (ObserveSpan): its prefill seconds per token, and whether
+// the spans tell it from the step time. For tests and reports.
+func FitSpans(s Service) (prefill float64, ok bool) { return fitKind([]spanWork{s.span}) }

@@ -1053,3 +1053,90 @@ func TestFleetAlignKinds(t *testing.T) {
 		}
 	}
 }
+
+// TestFitKind: the pooled work between scrapes of one kind's upstreams tells their prefill from their step
+// time when the pairs' mixes of steps and prompt tokens vary, and says nothing when they do not (a
+// prefill in proportion to the steps), when too few pairs are pooled, or when the noise swamps it.
+func TestFitKind(t *testing.T) {
+	const step, perToken = 0.018, 1.0 / 3300 // 16 slots without chunked prefill
+	pairs := func(seed uint64, n int, noise float64, vary bool) spanWork {
+		rng := rand.New(rand.NewPCG(seed, 7))
+		m := NewServiceModel(Prior)
+		for range n {
+			steps := 10 + 40*rng.Float64()
+			uncached := 2000 * rng.Float64()
+			if !vary {
+				uncached = 30 * steps
+			}
+			m.ObserveSpan((steps*step+uncached*perToken)*(1+noise*(2*rng.Float64()-1)), uncached, steps)
+		}
+		return m.Service().span
+	}
+	p, ok := fitKind([]spanWork{pairs(1, 4, 0.1, true), pairs(2, 5, 0.1, true)})
+	if !ok || p < perToken/1.2 || p > perToken*1.2 {
+		t.Errorf("varied mixes, 10%% noise: prefill %.0f tokens/s (ok %v), want 3,300 within 20%%", 1/p, ok)
+	}
+	if p, ok := fitKind([]spanWork{pairs(3, 6, 0.05, false), pairs(4, 6, 0.05, false)}); ok {
+		t.Errorf("prefill in proportion to the steps: fitted %.0f tokens/s, want no fit", 1/p)
+	}
+	if p, ok := fitKind([]spanWork{pairs(5, 3, 0, true)}); ok {
+		t.Errorf("three pairs: fitted %.0f tokens/s, want no fit (two slopes need more)", 1/p)
+	}
+	if p, ok := fitKind([]spanWork{pairs(6, 4, 1.5, true), pairs(7, 4, 1.5, true)}); ok && (p < perToken/2 || p > perToken*2) {
+		t.Errorf("noise 1.5x the work: fitted %.0f tokens/s, want no fit or one within 2x", 1/p)
+	}
+}
+
+// TestFleetAlignKindsFit: two kinds of engine known only by their work between scrapes (no busy interval,
+// no response ended: a short run's first seconds) are priced at the prefill speeds that work says, each
+// kind its own, where their own estimates are still the prior's.
+func TestFleetAlignKindsFit(t *testing.T) {
+	const small, large = 16 * 2048, 16 * 16384 // KV cache tokens
+	rng := rand.New(rand.NewPCG(9, 9))
+	var fl Fleet
+	models := make([]*ServiceModel, 4)
+	truth := [4]float64{1.0 / 3300, 1.0 / 8000, 1.0 / 3300, 1.0 / 8000}
+	geometry := [4]float64{small, large, small, large}
+	for i := range models {
+		step := 0.030
+		if i%2 == 0 {
+			step = 0.018
+		}
+		models[i] = NewServiceModel(Prior)
+		for range 6 {
+			steps, uncached := 10+40*rng.Float64(), 3000*rng.Float64()
+			seconds := (steps*step + uncached*truth[i]) * (0.95 + 0.1*rng.Float64())
+			models[i].ObserveSteps(seconds, uncached, steps)
+			models[i].ObserveSpan(seconds, uncached, steps)
+		}
+		fl.Add(models[i].Service(), geometry[i])
+	}
+	cands := make([]Candidate, 4)
+	for i, m := range models {
+		cands[i] = Candidate{Service: fl.Blend(m.Service(), geometry[i]), KVCapacity: geometry[i]}
+		if got := cands[i].Service.PrefillSecondsPerToken; got != Prior.PrefillSecondsPerToken {
+			t.Fatalf("candidate %d's own prefill before Align %.0f tokens/s, want the prior's", i, 1/got)
+		}
+	}
+	fl.Align(cands)
+	for i := range cands {
+		if r := cands[i].Service.PrefillSecondsPerToken / truth[i]; r < 1/1.3 || r > 1.3 {
+			t.Errorf("candidate %d priced to prefill %.0f tokens/s, want %.0f within 30%%", i, 1/cands[i].Service.PrefillSecondsPerToken, 1/truth[i])
+		}
+	}
+	// One kind (every regime of the matrix): the fit is not used, the prior stays.
+	var one Fleet
+	for i := range models {
+		one.Add(models[i].Service(), large)
+	}
+	same := make([]Candidate, 4)
+	for i, m := range models {
+		same[i] = Candidate{Service: one.Blend(m.Service(), large), KVCapacity: large}
+	}
+	one.Align(same)
+	for i := range same {
+		if r := same[i].Service.PrefillSecondsPerToken / Prior.PrefillSecondsPerToken; r < 0.5 || r > 2 {
+			t.Errorf("one kind: candidate %d priced %.2fx the prior's prefill time, want the step factor's scaling only", i, r)
+		}
+	}
+}
