@@ -368,7 +368,7 @@ func (l *upstreamLoad) observeStepsLocked(snap *scraper.Snapshot, idle int64) {
 // stays. The caller holds l.mu.
 func (l *upstreamLoad) workSinceLocked(from *scraper.Snapshot, fromIdle *int64, snap *scraper.Snapshot, idle int64, span bool) (seconds, uncached, steps float64, ok bool) {
 	f := *from
-	ok = !f.At.IsZero() && snap.At.After(f.At) && f.Running >= 1 && snap.Running >= 1 && idle == *fromIdle &&
+	ok = !f.At.IsZero() && snap.At.After(f.At) && !(f.Running < 1) && !(snap.Running < 1) && idle == *fromIdle &&
 		!countersWentBack(&f, snap)
 	if span && ok && snap.Steps == f.Steps {
 		return 0, 0, 0, false
