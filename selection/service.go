@@ -972,7 +972,11 @@ func (f *Fleet) Add(s Service, geometry float64) {
 // ones' faster steps priced their prefill faster than the large ones' (the bench's mixed-pool, beyond
 // the matrix: own estimates 23-39k against 69-110k tokens/s, priced 45-58k against 34-44k;
 // multi-turn-think p99 1.6x header's). Each kind is aligned within itself: the kinds the fleet holds
-// (Add), which Blend borrows by too.
+// (Add), which Blend borrows by too. Where the fleet holds several kinds, a kind's prefill is what its
+// own spans between scrapes say (fitKind), where they tell it from the step time: both kinds start at
+// the prior's, and their busy intervals come once or twice per upstream in a short run (mixed-pool: the
+// small engines priced at 2.4x their prefill speed; with the fit TTFT p99 0.77x over twelve seeds,
+// docs/bench/kind-fit).
 //
 // Candidates without that measure (not scraped yet, metrics off, a backend without vLLM's counters), with
 // no fresh cache geometry, of a geometry the fleet holds no kind for, or alone of their kind keep their
@@ -1046,13 +1050,13 @@ func (f *Fleet) Align(cands []Candidate) {
 	}
 }
 
-// fitKind fits the work between scrapes of one kind's upstreams, pooled, by least squares: seconds =
-// steps x step time + uncached x prefill seconds per token. It returns the prefill's, and ok when the
-// pairs tell it from the step time: at least two pairs more than the fit's two slopes, both slopes
-// positive, and the prefill's standard error under half of it. Unlike engines differ in prefill and
-// step time in opposite directions (16 slots without chunked prefill prefill 2.4x slower and step 0.6x
-// the time of 256 chunked ones), which one factor cannot carry, and their own estimators learn the
-// prefill late: a short run ends with one busy interval per upstream, where the step pairs number 4-8.
+// fitKind fits the spans between scrapes of one kind's upstreams (ObserveSpan), pooled, by least squares:
+// seconds = steps x step time + uncached x prefill seconds per token. It returns the prefill's, and ok
+// when the spans tell it from the step time: at least two spans more than the fit's two slopes, both
+// slopes positive, and the prefill's standard error under half of it. Unlike engines differ in prefill
+// and step time in opposite directions (16 slots without chunked prefill prefill 2.4x slower and step
+// 0.6x the time of 256 chunked ones), which one factor cannot carry, and their own estimators learn the
+// prefill late: a short run ends with one busy interval per upstream, where the spans number 4-8.
 func fitKind(works []spanWork) (prefill float64, ok bool) {
 	var w spanWork
 	n := 0.0
