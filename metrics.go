@@ -135,7 +135,7 @@ var (
 	descKV               = prometheus.NewDesc("caddy_llm_upstream_kv_cache_usage", "KV-cache usage (0-1), as scraped from the upstream.", []string{"upstream"}, nil)
 	descScrapeAge        = prometheus.NewDesc("caddy_llm_upstream_scrape_age_seconds", "Age of the last good scrape of the upstream's metrics.", []string{"upstream"}, nil)
 	descScrapeErrors     = prometheus.NewDesc("caddy_llm_upstream_scrape_errors_total", "Failed scrapes of the upstream's metrics.", []string{"upstream"}, nil)
-	descScrapesForward   = prometheus.NewDesc("caddy_llm_upstream_scrapes_brought_forward_total", "Scrapes of the upstream brought before the interval: a hot prefix's decision found requests waiting at a batch size seen once.", []string{"upstream"}, nil)
+	descScrapesForward   = prometheus.NewDesc("caddy_llm_upstream_scrapes_brought_forward_total", "Scrapes of the upstream brought before the interval: a hot prefix's decision found requests waiting at a batch size seen once, or, in a pool of several kinds of engine, its kind's prefill wanted more spans.", []string{"upstream"}, nil)
 	descRoutes           = prometheus.NewDesc("caddy_llm_routes", "Learned prefix routes.", nil, nil)
 	descRouteEvictions   = prometheus.NewDesc("caddy_llm_route_evictions_total", "Learned routes and conversation pins evicted by capacity.", nil, nil)
 	descRoutesExpired    = prometheus.NewDesc("caddy_llm_routes_expired_total", "Learned routes and conversation pins dropped by TTL.", nil, nil)

@@ -175,7 +175,8 @@ type scrapedMetrics struct {
 	Fresh      bool     `json:"fresh"`
 	Errors     uint64   `json:"errors"`
 	// BroughtForward counts the scrapes brought before the interval because a hot prefix's decision
-	// found requests waiting at a ceiling seen once (How it decides, 2).
+	// found requests waiting at a ceiling seen once, or because, in a pool of several kinds of engine,
+	// the upstream's kind wanted more spans for its prefill's fit (How it decides, 2).
 	BroughtForward uint64 `json:"brought_forward"`
 	LastError      string `json:"last_error,omitempty"`
 	// LastErrorAgeSeconds is the time since LastError; beside AgeSeconds it tells a failure that is over

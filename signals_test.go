@@ -1141,3 +1141,57 @@ func TestUnlikeEnginesNoted(t *testing.T) {
 		})
 	}
 }
+
+// TestUnlikeEnginesBringScrapesForward: in a pool of two kinds of engine (KV caches 8x apart), an
+// upstream this proxy has requests on and few spans between scrapes has its next scrape brought forward
+// (a fifth of the interval), so that its kind's prefill fit (selection.Fleet.Align) has spans within a
+// short burst; in a pool of one kind, nothing is brought forward.
+func TestUnlikeEnginesBringScrapesForward(t *testing.T) {
+	for _, c := range []struct {
+		name   string
+		blocks [2]int
+		kicked bool
+	}{
+		{"two kinds", [2]int{2048, 16384}, true},
+		{"one kind", [2]int{16384, 16000}, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			pool := make(reverseproxy.UpstreamPool, 2)
+			for i, blocks := range c.blocks {
+				_, dial := simBackend(t, vllmsim.Config{TimeScale: 1, Seed: int64(i + 1), NumGPUBlocks: blocks})
+				pool[i] = &reverseproxy.Upstream{Host: new(reverseproxy.Host), Dial: dial}
+			}
+			s := &LLMSelection{Metrics: &MetricsConfig{Interval: caddy.Duration(5 * time.Second), StaleAfter: caddy.Duration(time.Minute)}}
+			ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+			t.Cleanup(cancel)
+			if err := s.Provision(ctx); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = s.Cleanup() })
+			awaitScrapes(t, s, pool)
+			for i := range 3 { // requests held in flight, as a burst's are
+				r, cancel := newProxyRequest(chatRequest20(700 + i))
+				t.Cleanup(cancel)
+				if s.Select(pool, r, nil) == nil {
+					t.Fatal("Select returned no upstream")
+				}
+			}
+			forward := func() (n uint64) {
+				for _, up := range pool {
+					if st, ok := s.scrapes.status(up.Dial); ok {
+						n += st.BroughtForward
+					}
+				}
+				return n
+			}
+			if c.kicked {
+				waitFor(t, "a scrape brought forward", func() bool { return forward() > 0 })
+				return
+			}
+			time.Sleep(2500 * time.Millisecond) // past a fifth of the interval, short of the interval
+			if n := forward(); n != 0 {
+				t.Errorf("one kind of engine: %d scrapes brought forward, want 0", n)
+			}
+		})
+	}
+}

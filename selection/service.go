@@ -1193,3 +1193,10 @@ func (f *Fleet) Blend(s Service, geometry float64) Service {
 // FitSpans is fitKind over one upstream's spans (ObserveSpan): its prefill seconds per token, and whether
 // the spans tell it from the step time. For tests and reports.
 func FitSpans(s Service) (prefill float64, ok bool) { return fitKind([]spanWork{s.span}) }
+
+// minKindSpans is how many spans an upstream in a pool of several kinds is scraped for sooner than the
+// interval: about the spans' memory (1/scaleRate).
+const minKindSpans = 10
+
+// FewSpans reports whether s has fewer than minKindSpans spans (ObserveSpan) for its kind's fit.
+func FewSpans(s Service) bool { return s.span.n < minKindSpans }
