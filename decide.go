@@ -65,8 +65,9 @@ type query struct {
 	overdue, stretch []float64
 	// full is each candidate's running count at which its scrape shows it full (upstreamView.full).
 	full []float64
-	// open is whether each candidate's scrape leaves its ceiling open (upstreamView.open).
-	open []bool
+	// open is whether each candidate's scrape leaves its ceiling open (upstreamView.open), and counting
+	// whether its fresh scrape counts engine steps (what a span between scrapes needs).
+	open, counting []bool
 	// settled is each candidate's queue as predicted (upstreamView.settled), in the same speed as its
 	// Queued.
 	settled []float64
@@ -186,10 +187,11 @@ func (d *decider) decide(q *query, keys []string, cands []selection.Candidate, s
 		if q.hot && q.open[i] && d.kick != nil {
 			d.kick(keys[i]) // what fullNow needs: a second scrape at the ceiling
 		}
-		if q.kinds > 1 && cands[i].Requests > 0 && d.kick != nil && selection.FewSpans(cands[i].Service) {
+		if q.kinds > 1 && q.counting[i] && cands[i].Requests > 0 && d.kick != nil && selection.FewSpans(cands[i].Service) {
 			// Several kinds of engine: each kind's prefill is fitted from its upstreams' spans between
 			// scrapes (selection.Fleet.Align), of which a short burst gives few at the interval. Brought
-			// forward while this proxy has requests there (a span needs them) and the upstream has few:
+			// forward while the backend counts its steps and this proxy has requests there (what a span
+			// needs) and the upstream has few (a backend without a step counter never has any):
 			// the bench's mixed-pool hot-prefix (under 4 simulated seconds) went from TTFT p99 1,880 to
 			// 764 ms over twelve seeds (docs/bench/kind-fit).
 			d.kick(keys[i])
@@ -304,6 +306,7 @@ type loadSignal struct {
 func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 	var fleet selection.Fleet
 	q.overdue, q.full, q.settled, q.open, q.entries = q.overdue[:0], q.full[:0], q.settled[:0], q.open[:0], q.entries[:0]
+	q.counting = q.counting[:0]
 	q.stretch = q.stretch[:0]
 	for i, key := range keys {
 		var snap *scraper.Snapshot
@@ -332,6 +335,7 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 		cands[i].Blind = snap == nil && !awaited
 		q.overdue, q.full, q.settled = append(q.overdue, v.overdue), append(q.full, v.full), append(q.settled, v.settled)
 		q.open, q.entries = append(q.open, v.open), append(q.entries, v.load)
+		q.counting = append(q.counting, snap != nil && snap.Steps > 0)
 		fleet.Add(v.service, selection.Geometry(&cands[i]))
 		q.observed = q.observed || v.service.FirstTokens+v.service.SkippedFirstTokens > 0
 		q.measured = q.measured || v.service.Samples >= unlikeAfterSamples

@@ -1143,9 +1143,10 @@ func TestUnlikeEnginesNoted(t *testing.T) {
 }
 
 // TestUnlikeEnginesBringScrapesForward: in a pool of two kinds of engine (KV caches 8x apart), an
-// upstream this proxy has requests on and few spans between scrapes has its next scrape brought forward
-// (a fifth of the interval), so that its kind's prefill fit (selection.Fleet.Align) has spans within a
-// short burst; in a pool of one kind, nothing is brought forward.
+// upstream whose backend counts its steps, that this proxy has requests on and that has few spans between
+// scrapes has its next scrape brought forward (a fifth of the interval), so that its kind's prefill fit
+// (selection.Fleet.Align) has spans within a short burst; in a pool of one kind, nothing is brought
+// forward.
 func TestUnlikeEnginesBringScrapesForward(t *testing.T) {
 	for _, c := range []struct {
 		name   string
@@ -1158,8 +1159,17 @@ func TestUnlikeEnginesBringScrapesForward(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			pool := make(reverseproxy.UpstreamPool, 2)
 			for i, blocks := range c.blocks {
-				_, dial := simBackend(t, vllmsim.Config{TimeScale: 1, Seed: int64(i + 1), NumGPUBlocks: blocks})
+				_, dial := simBackend(t, vllmsim.Config{TimeScale: 1000, Seed: int64(i + 1), NumGPUBlocks: blocks})
 				pool[i] = &reverseproxy.Upstream{Host: new(reverseproxy.Host), Dial: dial}
+				// It has run engine steps: its metrics count them, as a span needs (vLLM's per-step
+				// histogram counts from its first step).
+				res, err := http.Post("http://"+dial+"/v1/chat/completions", "application/json",
+					strings.NewReader(`{"model":"sim-model","max_tokens":4,"messages":[{"role":"user","content":"hi"}]}`))
+				if err != nil {
+					t.Fatal(err)
+				}
+				_, _ = io.Copy(io.Discard, res.Body)
+				res.Body.Close()
 			}
 			s := &LLMSelection{Metrics: &MetricsConfig{Interval: caddy.Duration(5 * time.Second), StaleAfter: caddy.Duration(time.Minute)}}
 			ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
