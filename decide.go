@@ -66,7 +66,8 @@ type query struct {
 	// full is each candidate's running count at which its scrape shows it full (upstreamView.full).
 	full []float64
 	// open is whether each candidate's scrape leaves its ceiling open (upstreamView.open), and counting
-	// whether its fresh scrape counts engine steps (what a span between scrapes needs).
+	// whether its fresh scrape may count engine steps (what a span between scrapes needs): it has
+	// counted some, or runs nothing yet.
 	open, counting []bool
 	// settled is each candidate's queue as predicted (upstreamView.settled), in the same speed as its
 	// Queued.
@@ -193,7 +194,7 @@ func (d *decider) decide(q *query, keys []string, cands []selection.Candidate, s
 			// forward while the backend counts its steps and this proxy has requests there (what a span
 			// needs) and the upstream has few (a backend without a step counter never has any):
 			// the bench's mixed-pool hot-prefix (under 4 simulated seconds) went from TTFT p99 1,880 to
-			// 764 ms over twelve seeds (docs/bench/kind-fit).
+			// 1,216 ms over twelve seeds, agentic's from 5,018 to 5,667 (docs/bench/kind-fit).
 			d.kick(keys[i])
 		}
 	}
@@ -335,7 +336,9 @@ func (s loadSignal) fill(q *query, keys []string, cands []selection.Candidate) {
 		cands[i].Blind = snap == nil && !awaited
 		q.overdue, q.full, q.settled = append(q.overdue, v.overdue), append(q.full, v.full), append(q.settled, v.settled)
 		q.open, q.entries = append(q.open, v.open), append(q.entries, v.load)
-		q.counting = append(q.counting, snap != nil && snap.Steps > 0)
+		// A backend running requests with no step counted has no step counter (vLLM counts from its first
+		// step); an idle one may not have stepped yet.
+		q.counting = append(q.counting, snap != nil && (snap.Steps > 0 || snap.Running == 0))
 		fleet.Add(v.service, selection.Geometry(&cands[i]))
 		q.observed = q.observed || v.service.FirstTokens+v.service.SkippedFirstTokens > 0
 		q.measured = q.measured || v.service.Samples >= unlikeAfterSamples
