@@ -80,6 +80,21 @@ type spanWork struct {
 	n                      int
 }
 
+// plus is w's sums, each times keep, plus o's (n is the caller's).
+func (w spanWork) plus(keep float64, o spanWork) spanWork {
+	return spanWork{
+		ss: keep*w.ss + o.ss, su: keep*w.su + o.su, uu: keep*w.uu + o.uu,
+		sy: keep*w.sy + o.sy, uy: keep*w.uy + o.uy, yy: keep*w.yy + o.yy,
+		n: w.n,
+	}
+}
+
+// validWork reports whether a backend's work between two snapshots can be observed: time passed, a step
+// ended, no negative or infinite count.
+func validWork(seconds, uncached, steps float64) bool {
+	return seconds > 0 && steps >= 1 && uncached >= 0 && !math.IsInf(seconds+uncached+steps, 0)
+}
+
 // at is the log of how many times t seconds a step and p a prefilled token w's summed work took.
 func (w stepWork) at(t, p float64) float64 {
 	return math.Log(w.seconds / (w.steps*t + w.uncached*p))
@@ -319,7 +334,7 @@ func (m *ServiceModel) ObserveEnd(uncached, output int, waited, duration float64
 // 0.25 ms a sequence were fitted at 6k (the matrix's fast-prefill, docs/bench/busy-batch; 8.7k in
 // TestServiceModelBusyBatch).
 func (m *ServiceModel) ObserveBusy(seconds, uncached, steps, generated float64) {
-	if !(seconds > 0) || !(steps >= 1) || !(uncached >= 0) || !(generated >= 0) || math.IsInf(seconds+uncached+steps+generated, 0) {
+	if !validWork(seconds, uncached, steps) || !(generated >= 0) || math.IsInf(seconds+uncached+steps+generated, 0) {
 		return
 	}
 	m.mu.Lock()
@@ -347,7 +362,7 @@ func (m *ServiceModel) ObserveBusy(seconds, uncached, steps, generated float64) 
 // slowest first tokens of every run were on it, 14 of 18 sent before its first response ended, cold
 // prefills and hits queued behind them predicted at a fifth to a third of their time).
 func (m *ServiceModel) ObserveSteps(seconds, uncached, steps float64) {
-	if !(seconds > 0) || !(steps >= 1) || !(uncached >= 0) || math.IsInf(seconds+uncached+steps, 0) {
+	if !validWork(seconds, uncached, steps) {
 		return
 	}
 	x := stepWork{seconds: seconds, steps: steps, uncached: uncached}.at(Prior.TokenSeconds, Prior.PrefillSecondsPerToken)
@@ -372,16 +387,16 @@ func (m *ServiceModel) ObserveSteps(seconds, uncached, steps float64) {
 // the next, one step without tokens, and a fit of the bench's mixed-pool agentic priced its small
 // engines' prefill at 9x their speed.
 func (m *ServiceModel) ObserveSpan(seconds, uncached, steps float64) {
-	if !(seconds > 0) || !(steps >= 1) || !(uncached >= 0) || math.IsInf(seconds+uncached+steps, 0) {
+	if !validWork(seconds, uncached, steps) {
 		return
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	w := &m.span
-	keep := 1 - scaleRate
-	w.ss, w.su, w.uu = keep*w.ss+steps*steps, keep*w.su+steps*uncached, keep*w.uu+uncached*uncached
-	w.sy, w.uy, w.yy = keep*w.sy+steps*seconds, keep*w.uy+uncached*seconds, keep*w.yy+seconds*seconds
-	w.n = counted(w.n)
+	m.span = m.span.plus(1-scaleRate, spanWork{
+		ss: steps * steps, su: steps * uncached, uu: uncached * uncached,
+		sy: steps * seconds, uy: uncached * seconds, yy: seconds * seconds,
+	})
+	m.span.n = counted(m.span.n)
 }
 
 // minBusy is how many busy intervals the model needs before it prefers them over the scaled prior for
@@ -1061,8 +1076,7 @@ func fitKind(works []spanWork) (prefill float64, ok bool) {
 	var w spanWork
 	n := 0.0
 	for _, x := range works {
-		w.ss, w.su, w.uu = w.ss+x.ss, w.su+x.su, w.uu+x.uu
-		w.sy, w.uy, w.yy = w.sy+x.sy, w.uy+x.uy, w.yy+x.yy
+		w = w.plus(1, x)
 		n += min(float64(x.n), 1/scaleRate) // the sums' memory
 	}
 	det := w.ss*w.uu - w.su*w.su
@@ -1191,7 +1205,7 @@ func (f *Fleet) Blend(s Service, geometry float64) Service {
 }
 
 // FitSpans is fitKind over one upstream's spans (ObserveSpan): its prefill seconds per token, and whether
-// the spans tell it from the step time. For tests and reports.
+// the spans tell it from the step time. For tests.
 func FitSpans(s Service) (prefill float64, ok bool) { return fitKind([]spanWork{s.span}) }
 
 // minKindSpans is how many spans an upstream in a pool of several kinds is scraped for sooner than the
